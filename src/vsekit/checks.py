@@ -1,0 +1,19 @@
+"""The error types that mean "bad input" (printed as one line by the CLI) rather than a bug."""
+
+from __future__ import annotations
+
+from vsekit.config import ConfigError
+from vsekit.data.precomp import DataFormatError
+from vsekit.metrics import MetricsInputError
+from vsekit.training.checkpoint import CheckpointError
+
+EXPECTED_ERRORS: tuple[type[BaseException], ...] = (
+    ConfigError,
+    DataFormatError,
+    MetricsInputError,
+    CheckpointError,
+    FileNotFoundError,
+    PermissionError,
+    RuntimeError,
+    ValueError,
+)

@@ -1,0 +1,67 @@
+"""`vse data openclipart | show | check | synthetic`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def run_openclipart(args: argparse.Namespace) -> int:
+    from vsekit.data.openclipart import build_openclipart
+
+    manifest = build_openclipart(args.out, svg_root=args.svg_root, seed=args.seed, limit=args.limit, workers=args.workers)
+    sizes = manifest.get("splits", manifest.get("split_sizes", {}))
+    print(f"openclipart set ready in {args.out}: {sizes}")
+    return 0
+
+
+def run_show(args: argparse.Namespace) -> int:
+    from vsekit.data.show import show_dataset
+
+    show_dataset(args.data, args.out, split=args.split, n=args.n, seed=args.seed)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def run_check(args: argparse.Namespace) -> int:
+    from vsekit.data.validate import check_dataset
+
+    report = check_dataset(args.data, captions_per_image=args.captions_per_image)
+    print(report.format())
+    return 0 if report.ok else 1
+
+
+def run_synthetic(args: argparse.Namespace) -> int:
+    from vsekit.data.synthetic import make_synthetic_precomp
+
+    make_synthetic_precomp(args.out, n_train=args.n_train, seed=args.seed, variable_captions=args.variable_captions)
+    print(f"wrote a synthetic precomp dataset to {args.out}")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("data", help="build, inspect and check datasets")
+    dsub = p.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    o = dsub.add_parser("openclipart", help="build the openclipart retrieval set from Debian's openclipart-svg")
+    o.add_argument("--out", required=True)
+    o.add_argument("--svg-root", default="/usr/share/openclipart/svg")
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--limit", type=int, help="only the first N drawings (smoke tests)")
+    o.add_argument("--workers", type=int, default=2)
+    o.set_defaults(func=run_openclipart)
+    s = dsub.add_parser("show", help="a PNG montage of images with their captions")
+    s.add_argument("data")
+    s.add_argument("--out", default="montage.png")
+    s.add_argument("--split", default="test")
+    s.add_argument("--n", type=int, default=16)
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(func=run_show)
+    c = dsub.add_parser("check", help="validate a dataset directory and report every problem")
+    c.add_argument("data")
+    c.add_argument("--captions-per-image", type=int, default=5)
+    c.set_defaults(func=run_check)
+    y = dsub.add_parser("synthetic", help="write a small synthetic precomp dataset (tests, smoke runs)")
+    y.add_argument("--out", required=True)
+    y.add_argument("--n-train", type=int, default=400)
+    y.add_argument("--seed", type=int, default=0)
+    y.add_argument("--variable-captions", action="store_true")
+    y.set_defaults(func=run_synthetic)

@@ -1,0 +1,134 @@
+"""`vse eval` (trained runs, ensembles) and `vse eval-sims` (any similarity matrix)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from vsekit.metrics import MetricsInputError, cap2img_for_k, evaluate_sims, format_table
+
+
+def load_sims(paths: list[str]) -> np.ndarray:
+    """Average of one or more [images, captions] .npy matrices (an ensemble = mean similarity)."""
+    total = None
+    for p in paths:
+        path = Path(p)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: similarity file does not exist")
+        try:
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        except ValueError as e:
+            raise MetricsInputError(f"{path}: not a plain numeric .npy array ({e})") from e
+        if arr.ndim != 2:
+            raise MetricsInputError(f"{path}: expected a 2-D (images x captions) matrix, got shape {arr.shape}")
+        if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+            raise MetricsInputError(f"{path}: expected numbers, got dtype {arr.dtype}")
+        if total is None:
+            total = np.array(arr, dtype=np.float32)
+        elif arr.shape != total.shape:
+            raise MetricsInputError(f"{path}: shape {arr.shape} differs from {paths[0]}'s {total.shape}")
+        else:
+            total += arr
+    assert total is not None
+    if len(paths) > 1:
+        total /= len(paths)
+    return total
+
+
+def read_cap2img(path: str, n_cap: int) -> np.ndarray:
+    from vsekit.data.precomp import read_int_lines
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{p}: caption->image file does not exist")
+    c2i = read_int_lines(p)
+    if len(c2i) != n_cap:
+        raise MetricsInputError(f"{p}: {len(c2i)} lines but the similarity matrix has {n_cap} caption columns")
+    return c2i
+
+
+def write_report(metrics: dict, json_out: str | None) -> None:
+    print(format_table(metrics))
+    if "folds" in metrics:
+        for i, f in enumerate(metrics["folds"]):
+            print(f"  fold {i + 1}: {format_table(f)}")
+    if json_out:
+        from vsekit.utils.io import atomic_write_json
+
+        atomic_write_json(json_out, metrics)
+        print(f"wrote {json_out}")
+
+
+def run_eval_sims(args: argparse.Namespace) -> int:
+    sims = load_sims(args.sims)
+    n_img, n_cap = sims.shape
+    if args.cap2img:
+        cap2img = read_cap2img(args.cap2img, n_cap)
+    else:
+        cap2img = cap2img_for_k(n_img, n_cap, args.captions_per_image)
+    metrics = evaluate_sims(sims, cap2img, fold5=args.fold5)
+    if args.relevance:
+        from vsekit.metrics.coherence import coherence_metrics
+
+        metrics.update(coherence_metrics(sims, cap2img, np.load(args.relevance, allow_pickle=False), args.cs_k))
+    write_report(metrics, args.json)
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from vsekit.evaluation import evaluate_model
+    from vsekit.training.checkpoint import load_run
+    from vsekit.utils.runtime import resolve_device
+
+    device = resolve_device(args.device)
+    sims_sum, cap2img, per_run = None, None, []
+    for run in args.runs:
+        model, cfg = load_run(run, args.checkpoint, device)
+        data = args.data or cfg.get("data_dir")
+        if not data:
+            raise ValueError(f"{run}: no --data given and the run does not record its dataset")
+        metrics, sims, cap2img = evaluate_model(model, data, args.split, fold5=args.fold5, device=device,
+                                                batch_size=args.batch_size)  # fmt: skip
+        per_run.append(metrics)
+        if len(args.runs) > 1:
+            print(f"{run}: {format_table(metrics)}")
+        sims_sum = sims if sims_sum is None else sims_sum + sims
+        if args.save_sims and len(args.runs) == 1:
+            np.save(args.save_sims, sims)
+    if len(args.runs) > 1:
+        sims_sum /= len(args.runs)
+        metrics = evaluate_sims(sims_sum, cap2img, fold5=args.fold5)
+        metrics["ensemble_of"] = list(args.runs)
+        if args.save_sims:
+            np.save(args.save_sims, sims_sum)
+        print("ensemble (mean similarity):")
+    else:
+        metrics = per_run[0]
+    write_report(metrics, args.json)
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("eval", help="evaluate trained run(s) on a split; several runs = ensemble")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("--data", help="dataset directory (default: the one the run was trained on)")
+    p.add_argument("--split", default="test")
+    p.add_argument("--fold5", action="store_true", help="COCO 1K: mean over five 1K-image folds")
+    p.add_argument("--checkpoint", default="best", choices=("best", "last"))
+    p.add_argument("--json", help="write the metrics to this JSON file")
+    p.add_argument("--save-sims", help="save the (ensemble) similarity matrix as .npy")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.set_defaults(func=run_eval)
+    s = sub.add_parser("eval-sims", help="evaluate similarity matrices (rows = images, columns = captions)")
+    s.add_argument("sims", nargs="+", metavar="SIMS.npy", help="several files are averaged (an ensemble)")
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--cap2img", help="text file: one 0-based image row per caption")
+    g.add_argument("--captions-per-image", type=int, default=5)
+    s.add_argument("--fold5", action="store_true")
+    s.add_argument("--relevance", help="caption x caption relevance matrix (.npy) for CS@K and mAP")
+    s.add_argument("--cs-k", type=int, nargs="+", default=[100, 500])
+    s.add_argument("--json")
+    s.set_defaults(func=run_eval_sims)

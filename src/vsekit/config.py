@@ -1,0 +1,357 @@
+"""Typed recipes: YAML files over dataclasses, with `key=value` overrides and strict key checking.
+
+A recipe names every part of a model (encoders, pooling, similarity, loss) and the training schedule.
+Unknown keys are errors, because a typo in a config silently running the default is the most
+expensive bug in a multi-day training run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A recipe or override that does not fit the schema."""
+
+
+@dataclass
+class PoolingConfig:
+    """How a set of vectors becomes one: avg | max | kmax | gpo | adpool | cls."""
+
+    name: str = "gpo"
+    k: int = 1  # kmax: number of largest values averaged per dimension
+    d_pe: int = 32  # gpo: positional-encoding size
+    d_hidden: int = 32  # gpo: BiGRU size
+    temperature: float = 0.1  # gpo: softmax temperature
+    token_level: bool = True  # adpool: use the token-level branch
+    embedding_level: bool = True  # adpool: use the embedding-level branch
+
+
+@dataclass
+class ImageEncoderConfig:
+    # precomp: precomputed features from {split}_ims.npy; backbone: a CNN on raw pixels.
+    kind: str = "precomp"
+    # region: linear + 2-layer residual MLP (BUTD regions); grid: one linear layer (VSE∞ supp.)
+    feature_type: str = "region"
+    mlp_hidden: int = 512
+    backbone: str = "efficientnet_lite0"
+    backbone_weights: str = ""  # local weights file; empty = the packaged EfficientNet-Lite0 weights
+    image_size: int = 224
+    # staged unfreezing: backbone frozen for this many epochs, then trainable from the top down
+    backbone_frozen_epochs: int = 1
+    backbone_trainable_blocks: int = -1  # -1 = all blocks once unfrozen; N = only the last N blocks
+    backbone_lr_mult: float = 0.1
+    # multi-view (AVSE): number of views; 1 = ordinary single embedding
+    views: int = 1
+    view_keep_train: float = 0.75
+    view_keep_test: float = 0.9
+    pooling: PoolingConfig = field(default_factory=PoolingConfig)
+
+
+@dataclass
+class TextEncoderConfig:
+    kind: str = "bigru"  # bigru | transformer
+    word_dim: int = 300
+    num_layers: int = 1
+    vocab_min_count: int = 1
+    vocab_path: str = ""  # a vocab JSON; empty = built from the train split's captions
+    model_path: str = ""  # transformer: a local HF directory; empty = packaged all-MiniLM-L6-v2
+    lr_mult: float = 0.1  # transformer body learning-rate multiplier
+    freeze: bool = False  # transformer body frozen (projection and pooling still train)
+    max_tokens: int = 64
+    pooling: PoolingConfig = field(default_factory=PoolingConfig)
+
+
+@dataclass
+class SimilarityConfig:
+    name: str = "cosine"  # cosine | aeom
+    block_dim: int = 512  # aeom: d2
+    sinkhorn_iters: int = 20  # aeom: c
+    use_sinkhorn: bool = True  # aeom: False = the released code's block max-sum
+    dustbin_init: float = 1.0
+
+
+@dataclass
+class ModelConfig:
+    embed_dim: int = 1024
+    normalize: bool = True
+    image: ImageEncoderConfig = field(default_factory=ImageEncoderConfig)
+    text: TextEncoderConfig = field(default_factory=TextEncoderConfig)
+    similarity: SimilarityConfig = field(default_factory=SimilarityConfig)
+
+
+@dataclass
+class LossConfig:
+    name: str = "triplet"  # triplet | adopt | ladder | ladder_auto | infonce
+    margin: float = 0.2
+    max_violation: bool = True  # hardest negative (VSE++) after the warm-up
+    warmup_epochs: int = 1  # epochs that use the sum over all negatives (VSE0) first
+    mask_same_image: bool = True  # captions of the same image are never negatives
+    temperature: float = 0.05  # adopt / infonce
+    adopt_variant: str = "paper"  # paper | reference
+    adopt_scale: float = 1.25
+    view_reg_weight: float = 0.0  # avse: lambda for the dimension-wise view regulariser
+    view_reg_offdiag: float = 0.0051  # avse: lambda_1
+    ladder_thresholds: list[float] = field(default_factory=lambda: [0.63])
+    ladder_margins: list[float] = field(default_factory=lambda: [0.2, 0.01])
+    ladder_weights: list[float] = field(default_factory=lambda: [1.0, 0.25])
+    ladder_cumulative: bool = False
+    ladder_levels_min: int = 2
+    ladder_levels_max: int = 4
+
+
+@dataclass
+class DataConfig:
+    train_split: str = "train"
+    val_split: str = "dev"
+    val_max_images: int = 1000  # dev truncated to its first 1,000 images, as every reference does
+    captions_per_image: int = 5  # SCAN layout without a cap2img file
+    size_augment: bool = True
+    region_keep_prob: float = 0.8
+    grid_drop_max: float = 0.2
+    text_augment_prob: float = 0.2
+    num_workers: int = 0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 5e-4
+    weight_decay: float = 1e-4
+    lr_decay_epochs: list[int] = field(default_factory=lambda: [15])
+    lr_decay: float = 0.1
+    grad_clip: float = 2.0
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 25
+    batch_size: int = 128
+    eval_batch_size: int = 256
+    seed: int = 0
+    device: str = "auto"
+    log_every: int = 50
+    checkpoint_every: int = 0  # also checkpoint every N steps (0 = once per epoch)
+    amp: str = "none"  # none | bf16 (CUDA autocast)
+    length_bucketing: bool = False
+
+
+@dataclass
+class Recipe:
+    name: str = "custom"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# dict <-> dataclass with strict checking
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
+        return from_dict(tp, value, where)
+    if origin in (list, typing.List):  # noqa: UP006
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where}: {value!r} does not fit {tp}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported type {_type_name(tp)}")
+
+
+def from_dict(cls: type, data: dict, where: str = "") -> Any:
+    """Build dataclass `cls` from `data`, refusing unknown keys and wrong types."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ConfigError(
+            f"unknown key(s) {', '.join(prefix + k for k in unknown)}; "
+            f"valid keys here: {', '.join(sorted(names))}"
+        )
+    kwargs = {}
+    for k, v in data.items():
+        kwargs[k] = _coerce(v, hints[k], f"{where}.{k}" if where else k)
+    return cls(**kwargs)
+
+
+def to_dict(obj: Any) -> dict:
+    return dataclasses.asdict(obj)
+
+
+def _merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for k, v in update.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def builtin_recipes() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files("vsekit.recipes").iterdir() if p.name.endswith(".yaml"))
+
+
+def _read_yaml(path: Path | Any, label: str) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{label}: not valid YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{label}: the top level must be a mapping")
+    return data
+
+
+def _recipe_dict(name_or_path: str, seen: tuple[str, ...] = ()) -> dict:
+    """Raw dict of a recipe, following `base:` (a recipe may start from another one)."""
+    path = Path(name_or_path)
+    if name_or_path.endswith((".yaml", ".yml")) or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"recipe file {path} does not exist")
+        data, label = _read_yaml(path, str(path)), str(path)
+    else:
+        res = resources.files("vsekit.recipes") / f"{name_or_path}.yaml"
+        if not res.is_file():
+            raise ConfigError(f"unknown recipe {name_or_path!r}; built-in recipes: {', '.join(builtin_recipes())}")
+        data, label = _read_yaml(res, f"recipe {name_or_path}"), name_or_path
+    if label in seen:
+        raise ConfigError(f"recipe {label}: circular base: {' -> '.join(seen + (label,))}")
+    base = data.pop("base", None)
+    if base is not None:
+        data = _merge(_recipe_dict(str(base), seen + (label,)), data)
+    return data
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`model.image.pooling.name=gpo` -> (['model','image','pooling','name'], 'gpo'); values are YAML."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key.path=value")
+    key, raw = item.split("=", 1)
+    keys = [k for k in key.strip().split(".") if k]
+    if not keys:
+        raise ConfigError(f"override {item!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from e
+    return keys, value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    data = dict(data)
+    for item in overrides:
+        keys, value = parse_override(item)
+        node = data
+        for k in keys[:-1]:
+            child = node.get(k)
+            child = dict(child) if isinstance(child, dict) else {}
+            node[k] = child
+            node = child
+        node[keys[-1]] = value
+    return data
+
+
+def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> Recipe:
+    """Load a built-in recipe by name (`vsepp`, `vse_infty`, …) or a YAML file, then apply overrides."""
+    data = _recipe_dict(name_or_path)
+    data = apply_overrides(data, overrides or [])
+    data.setdefault("name", Path(name_or_path).stem)
+    recipe = from_dict(Recipe, data)
+    validate_recipe(recipe)
+    return recipe
+
+
+def recipe_from_dict(data: dict) -> Recipe:
+    recipe = from_dict(Recipe, data)
+    validate_recipe(recipe)
+    return recipe
+
+
+_CHOICES = {
+    "model.image.kind": ("precomp", "backbone"),
+    "model.image.feature_type": ("region", "grid"),
+    "model.text.kind": ("bigru", "transformer"),
+    "model.similarity.name": ("cosine", "aeom"),
+    "loss.name": ("triplet", "adopt", "infonce", "ladder", "ladder_auto"),
+    "loss.adopt_variant": ("paper", "reference"),
+    "train.amp": ("none", "bf16"),
+}
+_POOLINGS = ("avg", "max", "kmax", "gpo", "adpool", "cls")
+
+
+def validate_recipe(r: Recipe) -> None:
+    flat = {
+        "model.image.kind": r.model.image.kind,
+        "model.image.feature_type": r.model.image.feature_type,
+        "model.text.kind": r.model.text.kind,
+        "model.similarity.name": r.model.similarity.name,
+        "loss.name": r.loss.name,
+        "loss.adopt_variant": r.loss.adopt_variant,
+        "train.amp": r.train.amp,
+    }
+    for key, value in flat.items():
+        if value not in _CHOICES[key]:
+            raise ConfigError(f"{key}={value!r}; choose one of {', '.join(_CHOICES[key])}")
+    for key, pool in (("model.image.pooling", r.model.image.pooling), ("model.text.pooling", r.model.text.pooling)):
+        if pool.name not in _POOLINGS:
+            raise ConfigError(f"{key}.name={pool.name!r}; choose one of {', '.join(_POOLINGS)}")
+        if pool.k < 1:
+            raise ConfigError(f"{key}.k must be >= 1")
+    if r.model.embed_dim < 1:
+        raise ConfigError("model.embed_dim must be positive")
+    if r.train.batch_size < 2:
+        raise ConfigError("train.batch_size must be at least 2 (in-batch negatives)")
+    if r.train.epochs < 0:
+        raise ConfigError("train.epochs must be >= 0")
+    if r.model.image.views < 1:
+        raise ConfigError("model.image.views must be >= 1")
+    if r.model.similarity.name == "aeom" and r.model.embed_dim % r.model.similarity.block_dim:
+        raise ConfigError("model.embed_dim must be a multiple of model.similarity.block_dim")

@@ -1,0 +1,215 @@
+"""Reader for the SCAN "precomp" layout and vsekit's variable-captions extension.
+
+Files of one split in a dataset directory:
+- `{split}_ims.npy`   (N, R, D) float16/float32 features, opened memory-mapped (COCO train is 33 GB);
+- `{split}_caps.txt`  one caption per line;
+- `{split}_ids.txt`   optional image ids: one line per image, or one per caption (repeated ids);
+- `{split}_cap2img.txt` optional (vsekit extension): one 0-based image row per caption; without it,
+  captions `k*i .. k*i+k-1` belong to image `i` (k = captions_per_image, 5 for COCO / Flickr30K);
+- `{split}_images.txt` optional: one image path per image row (relative to the directory), which lets a
+  model trained on features index the raw pictures.
+
+Some published files store one image row per caption (the Kaggle F30K dev file has 5,070 rows): when the
+row count equals the caption count, image i is row k*i, exactly as the reference loaders' `im_div` does.
+COCO: `testall` is the 5K test (use fold-5 for the 1K numbers), `test` its first 1K fold, `dev` is
+truncated to 1,000 images for validation by the trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+class DataFormatError(ValueError):
+    """A dataset file that does not fit the layout; the message names the file and the problem."""
+
+
+def read_lines(path: Path) -> list[str]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataFormatError(f"{path}: not UTF-8 text ({e})") from e
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line.rstrip("\r") for line in lines]
+
+
+def read_int_lines(path: Path) -> np.ndarray:
+    values = []
+    for lineno, line in enumerate(read_lines(path), 1):
+        try:
+            values.append(int(line.strip()))
+        except ValueError:
+            raise DataFormatError(f"{path}:{lineno}: expected one integer per line, got {line[:60]!r}") from None
+    return np.asarray(values, dtype=np.int64)
+
+
+@dataclass
+class PrecompSplit:
+    """One split: memory-mapped features plus the caption -> image map."""
+
+    root: Path
+    split: str
+    features: np.ndarray  # (rows, R, D), memory-mapped
+    captions: list[str]
+    cap2img: np.ndarray  # caption -> image index (0..n_images-1)
+    image_rows: np.ndarray  # image index -> row of `features`
+    image_ids: list[str]
+    image_paths: list[str] | None
+
+    @property
+    def n_images(self) -> int:
+        return len(self.image_rows)
+
+    @property
+    def n_captions(self) -> int:
+        return len(self.captions)
+
+    @property
+    def feature_shape(self) -> tuple[int, int]:
+        return int(self.features.shape[1]), int(self.features.shape[2])
+
+    def image_features(self, index: int) -> np.ndarray:
+        return np.asarray(self.features[self.image_rows[index]], dtype=np.float32)
+
+    def truncate(self, max_images: int) -> PrecompSplit:
+        """The first `max_images` images and their captions (e.g. the 1,000-image dev set)."""
+        if max_images <= 0 or max_images >= self.n_images:
+            return self
+        keep = np.nonzero(self.cap2img < max_images)[0]
+        return PrecompSplit(
+            self.root, self.split, self.features, [self.captions[i] for i in keep], self.cap2img[keep],
+            self.image_rows[:max_images], self.image_ids[:max_images],
+            self.image_paths[:max_images] if self.image_paths is not None else None,
+        )  # fmt: skip
+
+    def abs_image_path(self, index: int) -> Path:
+        if self.image_paths is None:
+            raise DataFormatError(f"{self.root}: split {self.split!r} has no {self.split}_images.txt")
+        return self.root / self.image_paths[index]
+
+
+def _load_features(path: Path) -> np.ndarray:
+    if not path.is_file():
+        raise DataFormatError(f"{path}: missing (expected the (N, R, D) feature array of this split)")
+    try:
+        feats = np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as e:
+        raise DataFormatError(f"{path}: not a plain .npy array ({e})") from e
+    except OSError as e:
+        raise DataFormatError(f"{path}: cannot be read as .npy ({e})") from e
+    if feats.ndim != 3:
+        raise DataFormatError(f"{path}: expected shape (images, regions, dim), got {feats.shape}")
+    if feats.dtype not in (np.float16, np.float32):
+        raise DataFormatError(f"{path}: expected float16 or float32 features, got {feats.dtype}")
+    if feats.shape[0] == 0 or feats.shape[1] == 0 or feats.shape[2] == 0:
+        raise DataFormatError(f"{path}: empty feature array {feats.shape}")
+    return feats
+
+
+def caption_layout(
+    n_rows: int, n_caps: int, cap2img_file: Path, captions_per_image: int, caps_file: Path
+) -> tuple[np.ndarray, np.ndarray]:
+    """(cap2img, image_rows) for a split, from the explicit map or the SCAN conventions."""
+    if cap2img_file.is_file():
+        cap2img = read_int_lines(cap2img_file)
+        if len(cap2img) != n_caps:
+            raise DataFormatError(f"{cap2img_file}: {len(cap2img)} lines but {caps_file.name} has {n_caps} captions")
+        if n_caps and (cap2img.min() < 0 or cap2img.max() >= n_rows):
+            raise DataFormatError(f"{cap2img_file}: image indices must lie in 0..{n_rows - 1}")
+        missing = np.setdiff1d(np.arange(n_rows), cap2img)
+        if len(missing):
+            raise DataFormatError(f"{cap2img_file}: image row {missing[0]} has no caption ({len(missing)} such rows)")
+        return cap2img, np.arange(n_rows, dtype=np.int64)
+    k = captions_per_image
+    if n_caps == n_rows * k:
+        return np.arange(n_caps, dtype=np.int64) // k, np.arange(n_rows, dtype=np.int64)
+    if n_caps == n_rows and n_rows % k == 0 and k > 1:
+        # one feature row per caption (e.g. Kaggle F30K dev): image i is row k*i
+        return np.arange(n_caps, dtype=np.int64) // k, np.arange(0, n_rows, k, dtype=np.int64)
+    raise DataFormatError(
+        f"{caps_file}: {n_caps} captions do not fit {n_rows} image rows with {k} captions per image; "
+        f"add {cap2img_file.name} (one image row per caption) for a variable number of captions"
+    )
+
+
+def load_precomp_split(root: str | Path, split: str, captions_per_image: int = 5) -> PrecompSplit:
+    """Open `{split}_*` files in `root`, checking that they agree with each other."""
+    root = Path(root)
+    if not root.is_dir():
+        raise DataFormatError(f"{root}: dataset directory does not exist")
+    caps_file = root / f"{split}_caps.txt"
+    if not caps_file.is_file():
+        raise DataFormatError(f"{caps_file}: missing (expected one caption per line)")
+    feats = _load_features(root / f"{split}_ims.npy")
+    captions = read_lines(caps_file)
+    if not captions:
+        raise DataFormatError(f"{caps_file}: no captions")
+    cap2img, image_rows = caption_layout(
+        feats.shape[0], len(captions), root / f"{split}_cap2img.txt", captions_per_image, caps_file
+    )
+    n_images = len(image_rows)
+    ids_file = root / f"{split}_ids.txt"
+    if ids_file.is_file():
+        ids = [s.strip() for s in read_lines(ids_file)]
+        if len(ids) == n_images:
+            image_ids = ids
+        elif len(ids) == len(captions):
+            image_ids = [""] * n_images
+            for c, img in enumerate(cap2img):
+                if image_ids[img] == "":
+                    image_ids[img] = ids[c]
+                elif image_ids[img] != ids[c]:
+                    raise DataFormatError(
+                        f"{ids_file}:{c + 1}: caption of image row {img} has id {ids[c]!r}, "
+                        f"another caption of the same image has {image_ids[img]!r}"
+                    )
+        elif len(ids) == feats.shape[0]:
+            image_ids = [ids[r] for r in image_rows]
+        else:
+            raise DataFormatError(
+                f"{ids_file}: {len(ids)} lines; expected one per image ({n_images}) or per caption ({len(captions)})"
+            )
+    else:
+        image_ids = [str(i) for i in range(n_images)]
+    paths_file = root / f"{split}_images.txt"
+    image_paths = None
+    if paths_file.is_file():
+        image_paths = [s.strip() for s in read_lines(paths_file)]
+        if len(image_paths) != n_images:
+            raise DataFormatError(f"{paths_file}: {len(image_paths)} paths for {n_images} images")
+    return PrecompSplit(root, split, feats, captions, cap2img, image_rows, image_ids, image_paths)
+
+
+def write_precomp_split(
+    root: str | Path,
+    split: str,
+    features: np.ndarray,
+    captions: list[str],
+    cap2img: np.ndarray | None = None,
+    image_ids: list[str] | None = None,
+    ids_per_caption: bool = False,
+    image_paths: list[str] | None = None,
+) -> None:
+    """Write a split in the same layout (used by dataset builders and the tests)."""
+    from vsekit.utils.io import atomic_save_npy, atomic_write_text
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    atomic_save_npy(root / f"{split}_ims.npy", features)
+    atomic_write_text(root / f"{split}_caps.txt", "".join(c + "\n" for c in captions))
+    if cap2img is not None:
+        atomic_write_text(root / f"{split}_cap2img.txt", "".join(f"{int(i)}\n" for i in cap2img))
+    if image_ids is not None:
+        if ids_per_caption:
+            c2i = cap2img if cap2img is not None else np.arange(len(captions)) // (len(captions) // len(image_ids))
+            lines = [image_ids[int(i)] for i in c2i]
+        else:
+            lines = list(image_ids)
+        atomic_write_text(root / f"{split}_ids.txt", "".join(f"{s}\n" for s in lines))
+    if image_paths is not None:
+        atomic_write_text(root / f"{split}_images.txt", "".join(f"{p}\n" for p in image_paths))

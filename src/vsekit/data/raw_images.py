@@ -1,0 +1,128 @@
+"""Raw images: Karpathy-style JSON splits (`dataset_flickr30k.json`, `dataset_coco.json`) and pixel loading.
+
+Karpathy JSON: {"images": [{"filename", "filepath"?, "split": train|restval|val|test, "sentences":
+[{"raw", "tokens"}], "imgid"?, "cocoid"?}]}. `restval` counts as train (the usual 113K COCO train),
+`val` is vsekit's `dev`.
+
+Transforms (VSE∞ `RawImageDataset`, PIL + numpy since torchvision is not required): training takes a
+random crop with side ratio U(0.6, 1), resizes to size x size and flips horizontally with p 0.5;
+evaluation resizes the whole image. ImageNet mean/std normalisation.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from vsekit.data.precomp import DataFormatError
+
+IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
+IMAGENET_STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
+_SPLIT_ALIASES = {"train": ("train", "restval"), "dev": ("val",), "val": ("val",), "test": ("test",)}
+
+
+@dataclass
+class RawSplit:
+    root: Path
+    split: str
+    captions: list[str]
+    cap2img: np.ndarray
+    image_paths: list[str]
+    image_ids: list[str]
+
+    @property
+    def n_images(self) -> int:
+        return len(self.image_paths)
+
+    @property
+    def n_captions(self) -> int:
+        return len(self.captions)
+
+    def abs_image_path(self, index: int) -> Path:
+        return self.root / self.image_paths[index]
+
+    def truncate(self, max_images: int) -> RawSplit:
+        if max_images <= 0 or max_images >= self.n_images:
+            return self
+        keep = np.nonzero(self.cap2img < max_images)[0]
+        return RawSplit(self.root, self.split, [self.captions[i] for i in keep], self.cap2img[keep],
+                        self.image_paths[:max_images], self.image_ids[:max_images])  # fmt: skip
+
+
+def load_karpathy_split(json_path: str | Path, split: str, image_root: str | Path | None = None) -> RawSplit:
+    json_path = Path(json_path)
+    if not json_path.is_file():
+        raise DataFormatError(f"{json_path}: missing (expected a Karpathy-style dataset JSON)")
+    try:
+        data = json.loads(json_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DataFormatError(f"{json_path}: not valid JSON ({e})") from e
+    if not isinstance(data, dict) or not isinstance(data.get("images"), list):
+        raise DataFormatError(f"{json_path}: expected a top-level object with an 'images' list")
+    wanted = _SPLIT_ALIASES.get(split, (split,))
+    root = Path(image_root) if image_root else json_path.parent
+    captions, cap2img, paths, ids = [], [], [], []
+    for n, entry in enumerate(data["images"]):
+        if not isinstance(entry, dict) or "filename" not in entry or "sentences" not in entry:
+            raise DataFormatError(f"{json_path}: images[{n}] needs 'filename' and 'sentences'")
+        if entry.get("split") not in wanted:
+            continue
+        sents = [s.get("raw") or " ".join(s.get("tokens", [])) for s in entry["sentences"]]
+        sents = [s.strip() for s in sents if s and s.strip()]
+        if not sents:
+            raise DataFormatError(f"{json_path}: images[{n}] ({entry['filename']}) has no caption")
+        img = len(paths)
+        paths.append(str(Path(entry.get("filepath", "")) / entry["filename"]))
+        ids.append(str(entry.get("cocoid", entry.get("imgid", img))))
+        captions.extend(sents)
+        cap2img.extend([img] * len(sents))
+    if not paths:
+        raise DataFormatError(f"{json_path}: no image has split {' or '.join(wanted)}")
+    return RawSplit(root, split, captions, np.asarray(cap2img, dtype=np.int64), paths, ids)
+
+
+def load_pixels(path: Path, size: int, rng: np.random.Generator | None) -> torch.Tensor:
+    """[3, size, size] float tensor; training-time crop/flip when `rng` is given."""
+    try:
+        with Image.open(path) as im:
+            im.load()
+            if im.mode in ("RGBA", "LA", "P"):
+                im = im.convert("RGBA")
+                bg = Image.new("RGBA", im.size, (255, 255, 255, 255))
+                im = Image.alpha_composite(bg, im)
+            im = im.convert("RGB")
+    except (OSError, ValueError) as e:
+        raise DataFormatError(f"{path}: cannot read image ({e})") from e
+    if rng is not None:
+        w, h = im.size
+        ratio = rng.uniform(0.6, 1.0)
+        cw, ch = max(1, int(w * ratio)), max(1, int(h * ratio))
+        x0, y0 = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
+        im = im.crop((x0, y0, x0 + cw, y0 + ch))
+        if rng.random() < 0.5:
+            im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    im = im.resize((size, size), Image.Resampling.BILINEAR)
+    arr = (np.asarray(im, dtype=np.float32) / 255.0 - IMAGENET_MEAN) / IMAGENET_STD
+    return torch.from_numpy(arr.transpose(2, 0, 1).copy())
+
+
+class PixelSource:
+    """Images as normalised pixels, for end-to-end training with a CNN backbone."""
+
+    kind = "pixels"
+
+    def __init__(self, split, image_size: int = 224, augment: bool = False) -> None:
+        if getattr(split, "image_paths", None) is None:
+            raise DataFormatError(f"{split.root}: split {split.split!r} lists no image paths ({split.split}_images.txt)")
+        self.split = split
+        self.image_size = image_size
+        self.augment = augment
+        self.n_images = split.n_images
+
+    def load(self, index: int, rng: np.random.Generator | None) -> torch.Tensor:
+        return load_pixels(self.split.abs_image_path(index), self.image_size, rng if self.augment else None)

@@ -1,0 +1,78 @@
+"""Encode a split with a model and score it with the shared metrics module."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from vsekit.data.datasets import CaptionDataset, Collate, FeatureSource, ImageDataset
+from vsekit.data.precomp import load_precomp_split
+from vsekit.data.raw_images import PixelSource
+from vsekit.data.text import HFTextProcessor, Vocabulary
+from vsekit.metrics import evaluate_sims
+from vsekit.models.text import load_tokenizer
+from vsekit.models.vse import VSEModel
+from vsekit.similarity import all_pairs
+
+
+def text_processor_for(model: VSEModel):
+    """The tokeniser a model was trained with (BiGRU vocabulary or the transformer's tokenizer)."""
+    if model.recipe.model.text.kind == "bigru":
+        return Vocabulary(model.spec.vocab_words)
+    return HFTextProcessor(load_tokenizer(model.spec.text_model_path), model.recipe.model.text.max_tokens)
+
+
+def pad_id_for(text) -> int:
+    return getattr(text, "pad_id", 0)
+
+
+def image_source_for(model: VSEModel, split):
+    if model.recipe.model.image.kind == "backbone":
+        return PixelSource(split, model.recipe.model.image.image_size, augment=False)
+    return FeatureSource(split, aug=None)
+
+
+@torch.no_grad()
+def encode_images(model: VSEModel, source, batch_size: int = 256, device: str | torch.device = "cpu",
+                  progress: bool = False, num_workers: int = 0) -> torch.Tensor:  # fmt: skip
+    loader = DataLoader(ImageDataset(source), batch_size=batch_size, shuffle=False,
+                        collate_fn=Collate().images, num_workers=num_workers)  # fmt: skip
+    model.eval()
+    out = []
+    for batch in tqdm(loader, desc="encode images", disable=not progress, leave=False):
+        out.append(model.encode_images(batch["images"].to(device), batch["image_lengths"].to(device)).float().cpu())
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def encode_captions(model: VSEModel, captions: list[str], text, batch_size: int = 256,
+                    device: str | torch.device = "cpu", progress: bool = False) -> torch.Tensor:  # fmt: skip
+    loader = DataLoader(CaptionDataset(captions, text), batch_size=batch_size, shuffle=False,
+                        collate_fn=Collate(pad_id_for(text)).captions)  # fmt: skip
+    model.eval()
+    out = []
+    for batch in tqdm(loader, desc="encode captions", disable=not progress, leave=False):
+        out.append(model.encode_texts(batch["tokens"].to(device), batch["token_lengths"].to(device)).float().cpu())
+    return torch.cat(out)
+
+
+def split_similarities(model: VSEModel, split, batch_size: int = 256, device: str | torch.device = "cpu",
+                       progress: bool = False) -> np.ndarray:  # fmt: skip
+    """[n_images, n_captions] similarity matrix of a split under `model`."""
+    text = text_processor_for(model)
+    img = encode_images(model, image_source_for(model, split), batch_size, device, progress)
+    txt = encode_captions(model, split.captions, text, batch_size, device, progress)
+    return all_pairs(model.sim, img, txt, device)
+
+
+def evaluate_model(model: VSEModel, data_dir: str | Path, split_name: str, fold5: bool = False,
+                   batch_size: int = 256, device: str | torch.device = "cpu", progress: bool = True,
+                   max_images: int = 0) -> tuple[dict, np.ndarray, np.ndarray]:  # fmt: skip
+    """Metrics, similarity matrix and caption->image map of a model on a split."""
+    split = load_precomp_split(data_dir, split_name, model.recipe.data.captions_per_image).truncate(max_images)
+    sims = split_similarities(model, split, batch_size, device, progress)
+    return evaluate_sims(sims, split.cap2img, fold5=fold5), sims, split.cap2img

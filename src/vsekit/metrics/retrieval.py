@@ -1,0 +1,150 @@
+"""The community retrieval protocol on a similarity matrix (rows = images, columns = captions).
+
+Conventions (SCAN / VSE++ / VSE∞ `evaluation.py`):
+- i2t rank of image i = best (smallest) 0-based rank among the image's own captions;
+- t2i rank of caption c = 0-based rank of its image;
+- R@K = 100 * fraction of queries with rank < K; medr = floor(median(rank)) + 1; meanr = mean(rank) + 1;
+- rsum = R@1 + R@5 + R@10 of both directions;
+- fold-5 (COCO 1K): five consecutive image blocks with their captions, every key averaged over the folds
+  (rsum = mean of per-fold rsums — the SCAN/VSE++ printouts get this wrong, see docs/evaluation.md).
+
+Ties are resolved optimistically for nobody: a candidate counts as ranked above the positive only if its
+score is strictly greater, so the rank does not depend on the sort order of equal scores.
+Everything is vectorised and processed in column/row shards so that 5K x 25K and larger fit in bounded memory.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+RECALL_KS = (1, 5, 10)
+METRIC_KEYS = (
+    "i2t_r1", "i2t_r5", "i2t_r10", "i2t_medr", "i2t_meanr",
+    "t2i_r1", "t2i_r5", "t2i_r10", "t2i_medr", "t2i_meanr", "rsum",
+)  # fmt: skip
+
+
+class MetricsInputError(ValueError):
+    """A similarity matrix or caption->image map that cannot be evaluated."""
+
+
+def check_inputs(sims: np.ndarray, cap2img: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    sims = np.asarray(sims)
+    cap2img = np.asarray(cap2img)
+    if sims.ndim != 2:
+        raise MetricsInputError(f"similarity matrix must be 2-D (images x captions), got shape {sims.shape}")
+    n_img, n_cap = sims.shape
+    if n_img == 0 or n_cap == 0:
+        raise MetricsInputError(f"similarity matrix is empty: shape {sims.shape}")
+    if not np.issubdtype(sims.dtype, np.floating):
+        if not np.issubdtype(sims.dtype, np.integer):
+            raise MetricsInputError(f"similarity matrix must be numeric, got dtype {sims.dtype}")
+        sims = sims.astype(np.float32)
+    if cap2img.ndim != 1 or len(cap2img) != n_cap:
+        raise MetricsInputError(
+            f"caption->image map has {cap2img.size} entries but the matrix has {n_cap} caption columns"
+        )
+    if not np.issubdtype(cap2img.dtype, np.integer):
+        raise MetricsInputError(f"caption->image map must hold integers, got dtype {cap2img.dtype}")
+    if cap2img.min() < 0 or cap2img.max() >= n_img:
+        raise MetricsInputError(
+            f"caption->image map points outside 0..{n_img - 1} (min {cap2img.min()}, max {cap2img.max()})"
+        )
+    missing = np.setdiff1d(np.arange(n_img), cap2img)
+    if len(missing):
+        raise MetricsInputError(f"{len(missing)} image row(s) have no caption, e.g. row {missing[0]}")
+    if not np.isfinite(sims).all():
+        bad = np.argwhere(~np.isfinite(sims))[0]
+        raise MetricsInputError(f"similarity matrix has NaN/inf values, first at (image {bad[0]}, caption {bad[1]})")
+    return sims, cap2img.astype(np.int64)
+
+
+def ranks_t2i(sims: np.ndarray, cap2img: np.ndarray, shard: int = 2048) -> np.ndarray:
+    """0-based rank of each caption's own image among all images."""
+    n_cap = sims.shape[1]
+    ranks = np.empty(n_cap, dtype=np.int64)
+    for start in range(0, n_cap, shard):
+        cols = slice(start, min(start + shard, n_cap))
+        block = np.asarray(sims[:, cols])
+        pos = block[cap2img[cols], np.arange(block.shape[1])]
+        ranks[cols] = (block > pos[None, :]).sum(0)
+    return ranks
+
+
+def ranks_i2t(sims: np.ndarray, cap2img: np.ndarray, shard: int = 512) -> np.ndarray:
+    """0-based rank of each image's best-ranked own caption among all captions."""
+    n_img = sims.shape[0]
+    best_pos = np.full(n_img, -np.inf, dtype=np.float64)
+    cols = np.arange(sims.shape[1])
+    np.maximum.at(best_pos, cap2img, np.asarray(sims[cap2img, cols], dtype=np.float64))
+    ranks = np.empty(n_img, dtype=np.int64)
+    for start in range(0, n_img, shard):
+        rows = slice(start, min(start + shard, n_img))
+        block = np.asarray(sims[rows], dtype=np.float64)
+        ranks[rows] = (block > best_pos[rows, None]).sum(1)
+    return ranks
+
+
+def summarize_ranks(ranks: np.ndarray, prefix: str) -> dict[str, float]:
+    out = {f"{prefix}_r{k}": float(100.0 * np.mean(ranks < k)) for k in RECALL_KS}
+    out[f"{prefix}_medr"] = float(np.floor(np.median(ranks)) + 1)
+    out[f"{prefix}_meanr"] = float(ranks.mean() + 1)
+    return out
+
+
+def retrieval_metrics(sims: np.ndarray, cap2img: np.ndarray) -> dict[str, float]:
+    """R@1/5/10, medr, meanr in both directions and rsum for one similarity matrix."""
+    sims, cap2img = check_inputs(sims, cap2img)
+    out = summarize_ranks(ranks_i2t(sims, cap2img), "i2t")
+    out.update(summarize_ranks(ranks_t2i(sims, cap2img), "t2i"))
+    out["rsum"] = sum(out[f"{d}_r{k}"] for d in ("i2t", "t2i") for k in RECALL_KS)
+    return {k: out[k] for k in METRIC_KEYS}
+
+
+def fold_slices(cap2img: np.ndarray, n_img: int, n_folds: int = 5) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(image rows, caption columns) of each consecutive image block."""
+    if n_img % n_folds:
+        raise MetricsInputError(f"fold-{n_folds} needs the image count ({n_img}) to divide by {n_folds}")
+    size = n_img // n_folds
+    folds = []
+    for f in range(n_folds):
+        rows = np.arange(f * size, (f + 1) * size)
+        cols = np.nonzero((cap2img >= f * size) & (cap2img < (f + 1) * size))[0]
+        folds.append((rows, cols))
+    return folds
+
+
+def retrieval_metrics_fold5(sims: np.ndarray, cap2img: np.ndarray, n_folds: int = 5) -> dict:
+    """COCO 1K protocol: metrics on each of the five 1K-image folds, every key averaged over folds."""
+    sims, cap2img = check_inputs(sims, cap2img)
+    folds = []
+    for rows, cols in fold_slices(cap2img, sims.shape[0], n_folds):
+        sub = np.asarray(sims[rows[0] : rows[-1] + 1][:, cols])
+        folds.append(retrieval_metrics(sub, cap2img[cols] - rows[0]))
+    out: dict = {k: float(np.mean([f[k] for f in folds])) for k in METRIC_KEYS}
+    out["folds"] = folds
+    return out
+
+
+def evaluate_sims(sims: np.ndarray, cap2img: np.ndarray, fold5: bool = False) -> dict:
+    """Entry point used by every model, ensemble and search evaluation."""
+    return retrieval_metrics_fold5(sims, cap2img) if fold5 else retrieval_metrics(sims, cap2img)
+
+
+def cap2img_for_k(n_img: int, n_cap: int, captions_per_image: int) -> np.ndarray:
+    """Caption->image map of the SCAN layout: captions k*i .. k*i+k-1 belong to image i."""
+    if n_cap != n_img * captions_per_image:
+        raise MetricsInputError(
+            f"{n_cap} captions do not fit {n_img} images x {captions_per_image} captions per image"
+        )
+    return np.arange(n_cap, dtype=np.int64) // captions_per_image
+
+
+def format_table(metrics: dict) -> str:
+    """One-line human summary."""
+    return (
+        f"i2t R@1 {metrics['i2t_r1']:.1f} R@5 {metrics['i2t_r5']:.1f} R@10 {metrics['i2t_r10']:.1f} "
+        f"medr {metrics['i2t_medr']:.0f} meanr {metrics['i2t_meanr']:.1f} | "
+        f"t2i R@1 {metrics['t2i_r1']:.1f} R@5 {metrics['t2i_r5']:.1f} R@10 {metrics['t2i_r10']:.1f} "
+        f"medr {metrics['t2i_medr']:.0f} meanr {metrics['t2i_meanr']:.1f} | rsum {metrics['rsum']:.1f}"
+    )

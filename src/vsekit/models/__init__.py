@@ -1,0 +1,5 @@
+"""Encoders and the assembled VSE model."""
+
+from vsekit.models.vse import DataSpec, VSEModel
+
+__all__ = ["DataSpec", "VSEModel"]

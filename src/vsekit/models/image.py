@@ -1,0 +1,132 @@
+"""Image encoders: a set of vectors in, one embedding (or several views) out.
+
+- `PrecompImageEncoder`: precomputed region/grid features. Regions: linear + 2-layer residual MLP (VSE∞
+  `EncoderImageAggr` 'basic'); grid: one linear layer (VSE∞ supp.). Unlike the reference, the MLP's
+  BatchNorm sees only real rows, never the zero padding.
+- `BackboneImageEncoder`: a CNN on pixels (EfficientNet-Lite0 by default) whose grid cells are the set,
+  with VSE∞'s grid size augmentation and staged unfreezing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vsekit.config import ImageEncoderConfig
+from vsekit.pooling import create_pooling, length_mask
+
+
+class ResidualMLP(nn.Module):
+    """Linear -> BatchNorm -> ReLU -> Linear applied to the valid rows only."""
+
+    def __init__(self, d_in: int, d_hidden: int, d_out: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.bn = nn.BatchNorm1d(d_hidden)
+        self.fc2 = nn.Linear(d_hidden, d_out)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros(*x.shape[:-1], self.fc2.out_features)
+        rows = x[mask]
+        out[mask] = self.fc2(torch.relu(self.bn(self.fc1(rows))))
+        return out
+
+
+def xavier_linear(d_in: int, d_out: int) -> nn.Linear:
+    layer = nn.Linear(d_in, d_out)
+    nn.init.xavier_uniform_(layer.weight)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+def grid_size_augment(feats: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None,
+                      drop_max: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """VSE∞ grid augmentation, vectorised: 80% of images drop each cell with prob drop_max*U(0.2,1)."""
+    b, n, _ = feats.shape
+    dev = feats.device
+    r = torch.rand(b, 1, generator=generator).to(dev)
+    cell = torch.rand(b, n, generator=generator).to(dev)
+    keep = (r <= 0.2) | (cell >= drop_max * r)
+    keep &= length_mask(lengths, n)
+    keep[keep.sum(1) == 0, 0] = True
+    # pack kept cells to the front with a stable sort on the keep flag
+    order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
+    packed = torch.gather(feats, 1, order.unsqueeze(-1).expand_as(feats))
+    new_len = keep.sum(1)
+    packed = packed.masked_fill(~length_mask(new_len, n).unsqueeze(-1), 0.0)
+    return packed[:, : int(new_len.max())], new_len
+
+
+class PrecompImageEncoder(nn.Module):
+    def __init__(self, img_dim: int, embed_dim: int, cfg: ImageEncoderConfig, normalize: bool = True) -> None:
+        super().__init__()
+        self.feature_type = cfg.feature_type
+        self.fc = xavier_linear(img_dim, embed_dim)
+        self.mlp = ResidualMLP(img_dim, cfg.mlp_hidden, embed_dim) if cfg.feature_type == "region" else None
+        self.pool = create_pooling(cfg.pooling, embed_dim)
+        self.normalize = normalize
+
+    def embed_set(self, feats: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        mask = length_mask(lengths, feats.shape[1])
+        x = self.fc(feats)
+        if self.mlp is not None:
+            x = x + self.mlp(feats, mask)
+        return x
+
+    def forward(self, feats: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        x = self.pool(self.embed_set(feats, lengths), lengths)
+        return nn.functional.normalize(x, dim=-1) if self.normalize else x
+
+
+class BackboneImageEncoder(nn.Module):
+    """CNN grid features -> linear -> pooling, trainable end to end."""
+
+    def __init__(self, embed_dim: int, cfg: ImageEncoderConfig, normalize: bool = True, grid_drop_max: float = 0.2,
+                 size_augment: bool = True) -> None:  # fmt: skip
+        super().__init__()
+        from vsekit.features.efficientnet import load_efficientnet_lite0
+
+        if cfg.backbone != "efficientnet_lite0":
+            raise ValueError(f"backbone {cfg.backbone!r} is not supported; use efficientnet_lite0")
+        self.cnn = load_efficientnet_lite0(cfg.backbone_weights or None)
+        self.cnn_dim = 1280
+        self.fc = xavier_linear(self.cnn_dim, embed_dim)
+        self.pool = create_pooling(cfg.pooling, embed_dim)
+        self.normalize = normalize
+        self.grid_drop_max = grid_drop_max
+        self.size_augment = size_augment
+        self.trainable_blocks = cfg.backbone_trainable_blocks
+        self.set_backbone_trainable(False)
+
+    def backbone_parameters(self) -> list[nn.Parameter]:
+        return list(self.cnn.parameters())
+
+    def set_backbone_trainable(self, trainable: bool) -> None:
+        """Freeze all, or unfreeze the last `trainable_blocks` blocks (+ head conv); BatchNorm stays frozen."""
+        for p in self.cnn.parameters():
+            p.requires_grad = False
+        if not trainable:
+            return
+        blocks = list(self.cnn._blocks)
+        chosen = blocks if self.trainable_blocks < 0 else blocks[len(blocks) - self.trainable_blocks :]
+        modules = chosen + [self.cnn._conv_head, self.cnn._bn1]
+        for m in modules:
+            for p in m.parameters():
+                p.requires_grad = True
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        for m in self.cnn.modules():  # frozen BN statistics, as VSE∞ does for its backbones
+            if isinstance(m, nn.BatchNorm2d):
+                m.eval()
+        return self
+
+    def forward(self, pixels: torch.Tensor, lengths: torch.Tensor | None = None,
+                generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+        grid = self.cnn.extract_features(pixels)  # [B, C, H, W]
+        feats = grid.flatten(2).transpose(1, 2)
+        lengths = torch.full((feats.shape[0],), feats.shape[1], dtype=torch.long, device=feats.device)
+        if self.training and self.size_augment:
+            feats, lengths = grid_size_augment(feats, lengths, generator, self.grid_drop_max)
+        x = self.pool(self.fc(feats), lengths)
+        return nn.functional.normalize(x, dim=-1) if self.normalize else x

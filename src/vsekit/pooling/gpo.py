@@ -1,0 +1,69 @@
+"""Generalized Pooling Operator (GPO) from VSE∞ (Chen et al., CVPR 2021).
+
+pooled_d = sum_k theta_k * x_(k),d where x_(k),d is the k-th largest value of dimension d and the
+weights theta depend only on (rank k, set size N): sin/cos positions -> BiGRU (directions averaged)
+-> bias-free linear -> softmax with temperature 0.1, padding masked. Faithful to the reference code
+(`lib/modules/aggr/gpo.py`); because theta depends on N alone, we compute the weights once per
+distinct length in the batch rather than once per sample (same numbers, far fewer GRU steps).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from vsekit.pooling.basic import length_mask, sort_desc_per_dim
+
+
+def positional_encoding_1d(d_model: int, length: int, device: torch.device | None = None) -> torch.Tensor:
+    """Transformer sin/cos table [length, d_model]; position 0-based, even dims sin, odd dims cos."""
+    if d_model % 2:
+        raise ValueError(f"positional encoding needs an even size, got {d_model}")
+    position = torch.arange(length, dtype=torch.float32, device=device).unsqueeze(1)
+    div_term = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32, device=device) * -(math.log(10000.0) / d_model))
+    pe = torch.zeros(length, d_model, device=device)
+    pe[:, 0::2] = torch.sin(position * div_term)
+    pe[:, 1::2] = torch.cos(position * div_term)
+    return pe
+
+
+class GPO(nn.Module):
+    """Learned pooling over per-dimension sorted features; drop-in `pool(features, lengths)`."""
+
+    def __init__(self, d_pe: int = 32, d_hidden: int = 32, temperature: float = 0.1) -> None:
+        super().__init__()
+        self.d_pe = d_pe
+        self.temperature = temperature
+        self.gru = nn.GRU(d_pe, d_hidden, num_layers=1, batch_first=True, bidirectional=True)
+        self.linear = nn.Linear(d_hidden, 1, bias=False)
+
+    def weights_for_lengths(self, lengths: torch.Tensor, max_len: int) -> torch.Tensor:
+        """Pooling weights [len(lengths), max_len] for each set size in `lengths` (zeros on padding)."""
+        device = self.linear.weight.device
+        lengths_cpu = lengths.detach().to("cpu", torch.int64).clamp(min=1)
+        pe = positional_encoding_1d(self.d_pe, max_len, device=device)
+        pe = pe.unsqueeze(0).expand(len(lengths_cpu), -1, -1)
+        mask = length_mask(lengths_cpu.to(device), max_len)
+        pe = pe.masked_fill(~mask.unsqueeze(-1), 0.0)
+        packed = pack_padded_sequence(pe, lengths_cpu, batch_first=True, enforce_sorted=False)
+        out, _ = self.gru(packed)
+        out, _ = pad_packed_sequence(out, batch_first=True, total_length=max_len)
+        half = out.shape[-1] // 2
+        hidden = (out[..., :half] + out[..., half:]) / 2
+        scores = self.linear(hidden).squeeze(-1).masked_fill(~mask, -10000.0)
+        return torch.softmax(scores / self.temperature, dim=1)
+
+    def forward(
+        self, features: torch.Tensor, lengths: torch.Tensor, return_weights: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        max_len = int(lengths.max())
+        features = features[:, :max_len]
+        unique, inverse = torch.unique(lengths.detach().to("cpu", torch.int64), return_inverse=True)
+        weights = self.weights_for_lengths(unique, max_len)[inverse.to(self.linear.weight.device)]
+        weights = weights.to(features.device, features.dtype)
+        ordered = sort_desc_per_dim(features, lengths)
+        pooled = (ordered * weights.unsqueeze(-1)).sum(1)
+        return (pooled, weights) if return_weights else pooled

@@ -1,0 +1,374 @@
+"""The trainer: builds the parts a recipe names, trains with AdamW + step decay, validates on dev every
+epoch (never on test), keeps the best-on-dev weights, and resumes bit-exactly.
+
+Determinism: the data order of epoch e is a permutation drawn from (seed, e); each sample's augmentation
+from (seed, e, index); in-model randomness (grid size augmentation) from (seed, e, step). A resumed run
+therefore replays exactly the batches an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Sampler
+from tqdm import tqdm
+
+from vsekit.config import Recipe, to_dict
+from vsekit.data.datasets import AugmentConfig, Collate, FeatureSource, PairDataset
+from vsekit.data.precomp import DataFormatError, load_precomp_split
+from vsekit.data.raw_images import PixelSource
+from vsekit.data.text import HFTextProcessor, Vocabulary
+from vsekit.evaluation import pad_id_for, split_similarities
+from vsekit.losses import create_loss
+from vsekit.metrics import evaluate_sims, format_table
+from vsekit.models.image import BackboneImageEncoder
+from vsekit.models.text import default_transformer_path, load_tokenizer
+from vsekit.models.vse import DataSpec, VSEModel
+from vsekit.training.checkpoint import (
+    CheckpointError,
+    load_tensors,
+    load_weights,
+    optimizer_from_files,
+    optimizer_to_files,
+    read_run_config,
+    save_tensors,
+    write_run_config,
+)
+from vsekit.utils.io import atomic_write_json
+from vsekit.utils.runtime import derived_seed, resolve_device, seed_everything
+
+
+class EpochBatches(Sampler[list[int]]):
+    """Shuffled batches of epoch e from seed (seed, e); `skip` drops batches already trained on."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, lengths: np.ndarray | None = None) -> None:
+        self.n, self.batch_size, self.seed = n, batch_size, seed
+        self.lengths = lengths
+        self.epoch, self.skip = 0, 0
+
+    def batches(self) -> list[list[int]]:
+        g = torch.Generator().manual_seed(derived_seed(self.seed, self.epoch, 0xDA7A))
+        perm = torch.randperm(self.n, generator=g).numpy()
+        if self.lengths is not None:
+            # length bucketing: sort within chunks of 50 batches so batches hold similar lengths
+            chunk = self.batch_size * 50
+            perm = np.concatenate([c[np.argsort(self.lengths[c], kind="stable")] for c in np.array_split(perm, max(1, math.ceil(self.n / chunk)))])
+        batches = [perm[i : i + self.batch_size].tolist() for i in range(0, self.n, self.batch_size)]
+        batches = [b for b in batches if len(b) >= 2]  # a single-sample batch has no negatives
+        if self.lengths is not None:
+            order = torch.randperm(len(batches), generator=g).tolist()
+            batches = [batches[i] for i in order]
+        return batches
+
+    def __iter__(self):
+        yield from self.batches()[self.skip :]
+
+    def __len__(self) -> int:
+        return max(0, len(self.batches()) - self.skip)
+
+
+@dataclass
+class TrainState:
+    epoch: int = 0  # epoch in progress
+    step_in_epoch: int = 0  # batches of `epoch` already trained
+    global_step: int = 0
+    best_rsum: float = -1.0
+    best_epoch: int = -1
+
+
+def lr_at_epoch(base_lr: float, epoch: int, decay_epochs: list[int], decay: float) -> float:
+    """Step decay applied once per listed epoch (not compounding every epoch, unlike vse_2ad's code)."""
+    return base_lr * decay ** sum(1 for e in decay_epochs if epoch >= e)
+
+
+def load_text_processor(recipe: Recipe, train_captions: list[str], spec: DataSpec):
+    t = recipe.model.text
+    if t.kind == "bigru":
+        if t.vocab_path:
+            vocab = Vocabulary.load(t.vocab_path)
+        else:
+            vocab = Vocabulary.build(train_captions, t.vocab_min_count)
+        spec.vocab_words = vocab.idx2word
+        return vocab
+    path = spec.text_model_path or t.model_path or default_transformer_path()
+    spec.text_model_path = path
+    return HFTextProcessor(load_tokenizer(path), t.max_tokens)
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe, data_dir: str | Path, run_dir: str | Path, *, resume: bool = False,
+                 overwrite: bool = False, progress: bool = True, log=print) -> None:  # fmt: skip
+        self.recipe = recipe
+        self.data_dir = Path(data_dir)
+        self.run_dir = Path(run_dir)
+        self.progress = progress
+        self.log = log
+        self.device = resolve_device(recipe.train.device)
+        seed_everything(recipe.train.seed)
+        cfg = recipe.data
+        self.train_split = load_precomp_split(self.data_dir, cfg.train_split, cfg.captions_per_image)
+        self.val_split = load_precomp_split(self.data_dir, cfg.val_split, cfg.captions_per_image).truncate(cfg.val_max_images)
+        from vsekit.data.validate import check_split_features
+
+        check_split_features(self.train_split)
+        check_split_features(self.val_split)
+        if self.train_split.feature_shape[1] != self.val_split.feature_shape[1]:
+            raise DataFormatError(
+                f"{self.data_dir}: feature size differs between {cfg.train_split} ({self.train_split.feature_shape[1]}) "
+                f"and {cfg.val_split} ({self.val_split.feature_shape[1]})"
+            )
+        self._prepare_run_dir(resume, overwrite)
+        spec = DataSpec(img_dim=self.train_split.feature_shape[1])
+        if resume:
+            _, saved_spec, _ = read_run_config(self.run_dir)
+            spec = saved_spec
+        self.text = load_text_processor(recipe, self.train_split.captions, spec)
+        self.model = VSEModel(recipe, spec).to(self.device)
+        self.loss_fn = create_loss(recipe.loss)
+        if hasattr(self.loss_fn, "prepare"):
+            self.loss_fn.prepare(self.data_dir, self.train_split, self.log)
+        self.loss_fn.to(self.device)
+        params = self.model.parameter_groups(recipe.optim.lr)
+        params += [{"params": list(self.loss_fn.parameters()), "lr": recipe.optim.lr, "lr_mult": 1.0}] if list(self.loss_fn.parameters()) else []
+        self.optimizer = torch.optim.AdamW(params, lr=recipe.optim.lr, weight_decay=recipe.optim.weight_decay)
+        self.state = TrainState()
+        self.history: list[dict] = []
+        if resume:
+            self._load_state()
+        else:
+            manifest = self._dataset_manifest()
+            write_run_config(self.run_dir, recipe, spec, {
+                "data_dir": str(self.data_dir.resolve()),
+                "extractor": manifest.get("extractor") or manifest.get("feature_extractor"),
+                "dataset_format": manifest.get("format"),
+            })  # fmt: skip
+        self._build_loader()
+        self._tb = None
+
+    # ----------------------------------------------------------------------------------------- setup
+    def _dataset_manifest(self) -> dict:
+        path = self.data_dir / "manifest.json"
+        if path.is_file():
+            try:
+                return json.loads(path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError:
+                self.log(f"warning: {path} is not valid JSON; ignored")
+        return {}
+
+    def _prepare_run_dir(self, resume: bool, overwrite: bool) -> None:
+        exists = (self.run_dir / "config.json").exists()
+        if resume and not exists:
+            raise CheckpointError(f"{self.run_dir}: nothing to resume (no config.json)")
+        if not resume and exists and not overwrite:
+            raise CheckpointError(
+                f"{self.run_dir} already holds a run; resume it with `vse train --resume {self.run_dir}`, "
+                "choose another --out, or pass --overwrite"
+            )
+        if overwrite and not resume:
+            for name in ("last.safetensors", "last_optim.safetensors", "last_state.json", "best.safetensors",
+                         "best.json", "metrics.jsonl", "config.json", "vocab.json"):  # fmt: skip
+                (self.run_dir / name).unlink(missing_ok=True)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+
+    def _image_source(self, split, train: bool):
+        img = self.recipe.model.image
+        if img.kind == "backbone":
+            return PixelSource(split, img.image_size, augment=train)
+        d = self.recipe.data
+        aug = AugmentConfig(d.size_augment, img.feature_type, d.region_keep_prob, d.grid_drop_max, d.text_augment_prob)
+        return FeatureSource(split, aug if train else None)
+
+    def _build_loader(self) -> None:
+        r = self.recipe
+        self.train_set = PairDataset(self._image_source(self.train_split, True), self.train_split.captions,
+                                     self.train_split.cap2img, self.text, train=True, seed=r.train.seed,
+                                     text_augment_prob=r.data.text_augment_prob if r.data.size_augment else 0.0)  # fmt: skip
+        lengths = None
+        if r.train.length_bucketing:
+            lengths = np.array([len(c.split()) for c in self.train_split.captions])
+        self.sampler = EpochBatches(len(self.train_set), r.train.batch_size, r.train.seed, lengths)
+        self.loader = DataLoader(
+            self.train_set, batch_sampler=self.sampler, collate_fn=Collate(pad_id_for(self.text)).pairs,
+            num_workers=r.data.num_workers, pin_memory=self.device.type == "cuda",
+            persistent_workers=False,
+        )  # fmt: skip
+
+    # ----------------------------------------------------------------------------------------- state
+    def _save_state(self, tag: str = "last") -> None:
+        save_tensors(self.run_dir / f"{tag}.safetensors", self.model.state_dict())
+        tensors, meta = optimizer_to_files(self.optimizer)
+        tensors["__torch_rng__"] = torch.get_rng_state()
+        save_tensors(self.run_dir / f"{tag}_optim.safetensors", tensors)
+        atomic_write_json(self.run_dir / f"{tag}_state.json", {
+            "train_state": self.state.__dict__, "optimizer": meta, "history": self.history,
+        })  # fmt: skip
+
+    def _load_state(self) -> None:
+        load_weights(self.model, self.run_dir / "last.safetensors")
+        tensors = load_tensors(self.run_dir / "last_optim.safetensors")
+        rng = tensors.pop("__torch_rng__", None)
+        path = self.run_dir / "last_state.json"
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path}: cannot read training state ({e})") from e
+        optimizer_from_files(self.optimizer, tensors, saved["optimizer"])
+        if rng is not None:
+            torch.set_rng_state(rng)
+        self.state = TrainState(**saved["train_state"])
+        self.history = saved.get("history", [])
+        self.log(f"resumed {self.run_dir} at epoch {self.state.epoch} step {self.state.step_in_epoch}")
+
+    # ------------------------------------------------------------------------------------- logging
+    def _emit(self, record: dict) -> None:
+        with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tb is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.run_dir / "tb"))
+            except ImportError:
+                self._tb = False
+        if self._tb:
+            step = record.get("step", 0)
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k not in ("step", "epoch"):
+                    self._tb.add_scalar(f"{record.get('kind', 'train')}/{k}", v, step)
+
+    # ---------------------------------------------------------------------------------------- train
+    def _set_lr(self, epoch: int) -> None:
+        o = self.recipe.optim
+        lr = lr_at_epoch(o.lr, epoch, o.lr_decay_epochs, o.lr_decay)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr * g.get("lr_mult", 1.0)
+
+    def _backbone_phase(self, epoch: int) -> bool:
+        """Unfreeze the CNN after its frozen epochs; True during the first unfrozen epoch (loss warm-up)."""
+        enc = self.model.image_encoder
+        if not isinstance(enc, BackboneImageEncoder):
+            return False
+        frozen = self.recipe.model.image.backbone_frozen_epochs
+        enc.set_backbone_trainable(epoch >= frozen)
+        return epoch == frozen and frozen > 0
+
+    def train_step(self, batch: dict, epoch: int, step: int, steps_in_epoch: int, loss_warmup: bool) -> dict:
+        r = self.recipe
+        dev = self.device
+        self.model.train()
+        gen = torch.Generator().manual_seed(derived_seed(r.train.seed, epoch, step, 0x1A6E))
+        amp = r.train.amp == "bf16" and dev.type == "cuda"
+        with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=amp):
+            img = self.model.encode_images(batch["images"].to(dev, non_blocking=True),
+                                           batch["image_lengths"].to(dev, non_blocking=True), generator=gen)  # fmt: skip
+            txt = self.model.encode_texts(batch["tokens"].to(dev, non_blocking=True), batch["token_lengths"])
+            sims = self.model.similarity(img, txt).float()
+        loss, diag = self.loss_fn(
+            sims, image_ids=batch["image_index"].to(dev), caption_ids=batch["caption_index"].to(dev),
+            warmup=epoch < r.loss.warmup_epochs, image_emb=img, text_emb=txt, model=self.model,
+        )  # fmt: skip
+        if loss_warmup:
+            loss = loss * (step + 1) / steps_in_epoch
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if r.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), r.optim.grad_clip)
+        self.optimizer.step()
+        return {"loss": loss.detach(), **{k: v for k, v in diag.items() if torch.is_tensor(v) or isinstance(v, (int, float))}}
+
+    def validate(self) -> dict:
+        sims = split_similarities(self.model, self.val_split, self.recipe.train.eval_batch_size, self.device)
+        return evaluate_sims(sims, self.val_split.cap2img)
+
+    def fit(self, max_steps: int | None = None) -> dict:
+        """Train to the recipe's last epoch (or stop after `max_steps` steps, for tests/benchmarks)."""
+        r = self.recipe
+        total_epochs = r.train.epochs
+        steps_done = 0
+        while self.state.epoch < total_epochs:
+            epoch = self.state.epoch
+            self._set_lr(epoch)
+            loss_warmup = self._backbone_phase(epoch)
+            self.train_set.set_epoch(epoch)
+            self.sampler.epoch, self.sampler.skip = epoch, self.state.step_in_epoch
+            steps_in_epoch = len(self.sampler.batches())
+            t_epoch = time.perf_counter()
+            t_data = time.perf_counter()
+            meter = {"loss": 0.0, "data_time": 0.0, "step_time": 0.0, "n": 0}
+            bar = tqdm(total=steps_in_epoch, initial=self.state.step_in_epoch, desc=f"epoch {epoch + 1}/{total_epochs}",
+                       disable=not self.progress, leave=False, dynamic_ncols=True)  # fmt: skip
+            for batch in self.loader:
+                data_time = time.perf_counter() - t_data
+                t0 = time.perf_counter()
+                step = self.state.step_in_epoch
+                out = self.train_step(batch, epoch, step, steps_in_epoch, loss_warmup)
+                loss_value = float(out["loss"])
+                if not math.isfinite(loss_value):
+                    raise FloatingPointError(f"loss became {loss_value} at epoch {epoch} step {step}; "
+                                             f"last good checkpoint: {self.run_dir / 'last.safetensors'}")  # fmt: skip
+                step_time = time.perf_counter() - t0
+                self.state.step_in_epoch += 1
+                self.state.global_step += 1
+                steps_done += 1
+                meter["loss"] += loss_value
+                meter["data_time"] += data_time
+                meter["step_time"] += step_time
+                meter["n"] += 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss_value:.3f}")
+                if r.train.log_every and self.state.global_step % r.train.log_every == 0:
+                    n = meter["n"]
+                    rec = {
+                        "kind": "train", "epoch": epoch, "step": self.state.global_step,
+                        "loss": meter["loss"] / n, "data_time": meter["data_time"] / n,
+                        "step_time": meter["step_time"] / n,
+                        "samples_per_s": r.train.batch_size * n / max(meter["data_time"] + meter["step_time"], 1e-9),
+                        "lr": self.optimizer.param_groups[0]["lr"],
+                        **{k: float(v) for k, v in out.items() if k != "loss"},
+                    }  # fmt: skip
+                    self._emit(rec)
+                    if not self.progress:
+                        self.log(f"epoch {epoch} step {self.state.global_step} loss {rec['loss']:.4f} "
+                                 f"data {rec['data_time'] * 1e3:.1f}ms step {rec['step_time'] * 1e3:.1f}ms "
+                                 f"{rec['samples_per_s']:.0f} samples/s")  # fmt: skip
+                    meter = {"loss": 0.0, "data_time": 0.0, "step_time": 0.0, "n": 0}
+                if r.train.checkpoint_every and self.state.global_step % r.train.checkpoint_every == 0:
+                    self._save_state()
+                if max_steps is not None and steps_done >= max_steps:
+                    bar.close()
+                    self._save_state()
+                    return {"stopped_at_step": self.state.global_step}
+                t_data = time.perf_counter()
+            bar.close()
+            train_time = time.perf_counter() - t_epoch
+            metrics = self.validate()
+            improved = metrics["rsum"] > self.state.best_rsum
+            record = {"kind": "val", "epoch": epoch, "step": self.state.global_step, "train_time_s": train_time, **metrics}
+            self.history.append(record)
+            self._emit(record)
+            self.log(f"epoch {epoch + 1}/{total_epochs} dev: {format_table(metrics)}{'  (best)' if improved else ''}")
+            self.state.epoch += 1
+            self.state.step_in_epoch = 0
+            if improved:
+                self.state.best_rsum, self.state.best_epoch = metrics["rsum"], epoch
+                save_tensors(self.run_dir / "best.safetensors", self.model.state_dict())
+                atomic_write_json(self.run_dir / "best.json", {"epoch": epoch, "split": r.data.val_split, **metrics})
+            self._save_state()
+        if self._tb:
+            self._tb.flush()
+        return {"best_rsum": self.state.best_rsum, "best_epoch": self.state.best_epoch, "history": self.history}
+
+
+def train(recipe: Recipe, data_dir: str | Path, run_dir: str | Path, **kwargs) -> dict:
+    return Trainer(recipe, data_dir, run_dir, **kwargs).fit()
+
+
+def recipe_summary(recipe: Recipe) -> str:
+    d = to_dict(recipe)
+    return json.dumps({k: d[k] for k in ("name", "model", "loss")}, indent=None)[:400]
