@@ -19,4 +19,13 @@ if [ ! -d /usr/share/openclipart/svg ]; then
     echo "note: the openclipart demo needs Debian's openclipart-svg: sudo apt-get install openclipart-svg librsvg2-bin" >&2
   fi
 fi
+# The search page's browser test drives Debian's chromium through PyPI's playwright (never `playwright install`,
+# which downloads a browser); without chromium that test skips.
+if [ ! -x /usr/bin/chromium ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -q && apt-get install -y -q chromium) >/dev/null
+  else
+    echo "note: the search page's browser test needs Debian's chromium: sudo apt-get install chromium" >&2
+  fi
+fi
 echo "vsekit is set up in .venv (run: .venv/bin/vse --help)"

@@ -33,6 +33,7 @@ class PoolingConfig:
     temperature: float = 0.1  # gpo: softmax temperature
     token_level: bool = True  # adpool: use the token-level branch
     embedding_level: bool = True  # adpool: use the embedding-level branch
+    adpool_variant: str = "paper"  # adpool: paper (one weight per rank) | reference (per rank and dimension)
 
 
 @dataclass
@@ -100,12 +101,14 @@ class LossConfig:
     adopt_scale: float = 1.25
     view_reg_weight: float = 0.0  # avse: lambda for the dimension-wise view regulariser
     view_reg_offdiag: float = 0.0051  # avse: lambda_1
-    ladder_thresholds: list[float] = field(default_factory=lambda: [0.63])
+    # θ: 0.40 for Sentence-BERT relevance (TMM paper Sec. IV-A; 0.63 was the AAAI "hybrid" CBoW+BERT value)
+    ladder_thresholds: list[float] = field(default_factory=lambda: [0.40])
     ladder_margins: list[float] = field(default_factory=lambda: [0.2, 0.01])
     ladder_weights: list[float] = field(default_factory=lambda: [1.0, 0.25])
     ladder_cumulative: bool = False
     ladder_levels_min: int = 2
     ladder_levels_max: int = 4
+    ladder_variant: str = "paper"  # paper | reference (released code's hard-contrastive sets, see losses/ladder.py)
 
 
 @dataclass
@@ -139,8 +142,10 @@ class TrainConfig:
     device: str = "auto"
     log_every: int = 50
     checkpoint_every: int = 0  # also checkpoint every N steps (0 = once per epoch)
-    amp: str = "none"  # none | bf16 (CUDA autocast)
+    amp: str = "none"  # none | bf16 (autocast on the run's device, CPU or CUDA; loss in fp32)
     length_bucketing: bool = False
+    tf32: bool = False  # CUDA: TF32 matmuls during the train step (fp32 storage, ~10-bit mantissa products)
+    compile: bool = False  # torch.compile the two encoders for the train step
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""`vse data openclipart | show | check | synthetic`."""
+"""`vse data openclipart | show | check | synthetic | relevance`."""
 
 from __future__ import annotations
 
@@ -38,6 +38,15 @@ def run_synthetic(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_relevance(args: argparse.Namespace) -> int:
+    from vsekit.data.relevance import cache_location, split_relevance
+
+    for split in args.split:
+        rel = split_relevance(args.data, split, cache_dir=args.cache_dir, device=args.device)
+        print(f"{split}: relevance {rel.shape} in {cache_location(args.data, args.cache_dir)}")
+    return 0
+
+
 def register(sub) -> None:
     p = sub.add_parser("data", help="build, inspect and check datasets")
     dsub = p.add_subparsers(dest="data_command", required=True, metavar="ACTION")
@@ -65,3 +74,9 @@ def register(sub) -> None:
     y.add_argument("--seed", type=int, default=0)
     y.add_argument("--variable-captions", action="store_true")
     y.set_defaults(func=run_synthetic)
+    r = dsub.add_parser("relevance", help="cache caption x caption relevance (MiniLM) for CS@K and the ladder loss")
+    r.add_argument("data")
+    r.add_argument("--split", nargs="+", default=["test"])
+    r.add_argument("--cache-dir", help="where to cache (default: the dataset directory when writable)")
+    r.add_argument("--device", default="cpu")
+    r.set_defaults(func=run_relevance)

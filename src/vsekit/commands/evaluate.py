@@ -51,6 +51,10 @@ def read_cap2img(path: str, n_cap: int) -> np.ndarray:
 
 def write_report(metrics: dict, json_out: str | None) -> None:
     print(format_table(metrics))
+    if any(k.startswith(("i2t_cs@", "t2i_cs@")) for k in metrics):
+        from vsekit.metrics.coherence import format_coherence
+
+        print(format_coherence(metrics))
     if "folds" in metrics:
         for i, f in enumerate(metrics["folds"]):
             print(f"  fold {i + 1}: {format_table(f)}")
@@ -106,6 +110,13 @@ def run_eval(args: argparse.Namespace) -> int:
         print("ensemble (mean similarity):")
     else:
         metrics = per_run[0]
+    from vsekit.data.relevance import cached_relevance
+
+    relevance = cached_relevance(data, args.split)  # prepared by `vse data relevance DIR --split SPLIT`
+    if relevance is not None:
+        from vsekit.metrics.coherence import coherence_metrics
+
+        metrics.update(coherence_metrics(sims_sum, cap2img, relevance, args.cs_k))
     write_report(metrics, args.json)
     return 0
 
@@ -121,6 +132,8 @@ def register(sub) -> None:
     p.add_argument("--save-sims", help="save the (ensemble) similarity matrix as .npy")
     p.add_argument("--device", default="auto")
     p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--cs-k", type=int, nargs="+", default=[100, 500],
+                   help="K of CS@K, reported when the split's relevance is cached (vse data relevance)")
     p.set_defaults(func=run_eval)
     s = sub.add_parser("eval-sims", help="evaluate similarity matrices (rows = images, columns = captions)")
     s.add_argument("sims", nargs="+", metavar="SIMS.npy", help="several files are averaged (an ensemble)")

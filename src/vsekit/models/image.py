@@ -26,9 +26,10 @@ class ResidualMLP(nn.Module):
         self.fc2 = nn.Linear(d_hidden, d_out)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        out = x.new_zeros(*x.shape[:-1], self.fc2.out_features)
-        rows = x[mask]
-        out[mask] = self.fc2(torch.relu(self.bn(self.fc1(rows))))
+        rows = self.fc2(torch.relu(self.bn(self.fc1(x[mask]))))
+        # the buffer takes the rows' dtype so autocast (bf16) and fp32 both work
+        out = rows.new_zeros(*x.shape[:-1], self.fc2.out_features)
+        out[mask] = rows
         return out
 
 

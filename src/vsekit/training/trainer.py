@@ -8,9 +8,11 @@ therefore replays exactly the batches an uninterrupted run would have seen.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +26,21 @@ from vsekit.data.datasets import AugmentConfig, Collate, FeatureSource, PairData
 from vsekit.data.precomp import DataFormatError, load_precomp_split
 from vsekit.data.raw_images import PixelSource
 from vsekit.data.text import HFTextProcessor, Vocabulary
+from vsekit.distributed import (
+    DistContext,
+    all_gather_rows,
+    all_gather_with_grad,
+    average_gradients,
+    barrier,
+    broadcast_module,
+    convert_batchnorm,
+    init_from_env,
+    local_shard_sizes,
+    main_first,
+    rank_device,
+    shard_sizes,
+    shard_slice,
+)
 from vsekit.evaluation import pad_id_for, split_similarities
 from vsekit.losses import create_loss
 from vsekit.metrics import evaluate_sims, format_table
@@ -45,11 +62,17 @@ from vsekit.utils.runtime import derived_seed, resolve_device, seed_everything
 
 
 class EpochBatches(Sampler[list[int]]):
-    """Shuffled batches of epoch e from seed (seed, e); `skip` drops batches already trained on."""
+    """Shuffled batches of epoch e from seed (seed, e); `skip` drops batches already trained on.
 
-    def __init__(self, n: int, batch_size: int, seed: int, lengths: np.ndarray | None = None) -> None:
+    `batches()` are global batches (the same on every rank); with `world_size > 1` iteration yields this
+    rank's contiguous shard of each (see vsekit.distributed), so the gathered batch is the global one.
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int, lengths: np.ndarray | None = None,
+                 rank: int = 0, world_size: int = 1) -> None:  # fmt: skip
         self.n, self.batch_size, self.seed = n, batch_size, seed
         self.lengths = lengths
+        self.rank, self.world_size = rank, world_size
         self.epoch, self.skip = 0, 0
 
     def batches(self) -> list[list[int]]:
@@ -60,14 +83,18 @@ class EpochBatches(Sampler[list[int]]):
             chunk = self.batch_size * 50
             perm = np.concatenate([c[np.argsort(self.lengths[c], kind="stable")] for c in np.array_split(perm, max(1, math.ceil(self.n / chunk)))])
         batches = [perm[i : i + self.batch_size].tolist() for i in range(0, self.n, self.batch_size)]
-        batches = [b for b in batches if len(b) >= 2]  # a single-sample batch has no negatives
-        if self.lengths is not None:
-            order = torch.randperm(len(batches), generator=g).tolist()
-            batches = [batches[i] for i in order]
+        # a single-sample batch has no negatives; under torchrun every rank needs at least one sample
+        batches = [b for b in batches if len(b) >= max(2, self.world_size)]
+        if self.lengths is not None and len(batches) > 1:
+            # shuffle the full batches; a short remainder batch stays last
+            full = batches if len(batches[-1]) == self.batch_size else batches[:-1]
+            order = torch.randperm(len(full), generator=g).tolist()
+            batches = [full[i] for i in order] + batches[len(full):]
         return batches
 
     def __iter__(self):
-        yield from self.batches()[self.skip :]
+        for b in self.batches()[self.skip :]:
+            yield b if self.world_size == 1 else b[shard_slice(len(b), self.rank, self.world_size)]
 
     def __len__(self) -> int:
         return max(0, len(self.batches()) - self.skip)
@@ -101,6 +128,107 @@ def load_text_processor(recipe: Recipe, train_captions: list[str], spec: DataSpe
     return HFTextProcessor(load_tokenizer(path), t.max_tokens)
 
 
+@contextlib.contextmanager
+def tf32_matmul(enabled: bool) -> Iterator[None]:
+    """TF32 matmuls inside the block only: torch keeps this as a process-wide flag, so it is restored."""
+    if not enabled:
+        yield
+        return
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def device_batches(loader: Iterable[dict], device: torch.device) -> Iterator[dict]:
+    """The loader's batches, on CUDA already copied to the GPU: the next batch is copied on a side stream
+    (from pinned memory, so asynchronously) while the current one trains. Elsewhere a plain pass-through.
+    `token_lengths` stays on the host: packed RNNs need host lengths, and reading them back would sync."""
+    if device.type != "cuda":
+        yield from loader
+        return
+    stream = torch.cuda.Stream(device)
+
+    def move(b: dict) -> dict:
+        with torch.cuda.stream(stream):
+            return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) and k != "token_lengths" else v
+                    for k, v in b.items()}  # fmt: skip
+
+    it = iter(loader)
+    nxt = next(it, None)
+    nxt = move(nxt) if nxt is not None else None
+    while nxt is not None:
+        current = torch.cuda.current_stream(device)
+        current.wait_stream(stream)
+        batch = nxt
+        for v in batch.values():
+            if torch.is_tensor(v) and v.is_cuda:
+                v.record_stream(current)  # the copy's memory belongs to the compute stream from now on
+        raw = next(it, None)
+        nxt = move(raw) if raw is not None else None
+        yield batch
+
+
+class TrainStep:
+    """One optimisation step: encode, all-gather across ranks, similarity, loss, backward, AdamW.
+
+    Shared by `Trainer` and `vse bench train-step`, so the benchmark times exactly the step that trains.
+    It never reads a value back to the host itself (the returned loss is a device tensor); autocast
+    (`train.amp=bf16`) works on any device; `train.compile` wraps the two encoders in `torch.compile`
+    (the modules themselves are untouched, so checkpoints keep their keys).
+    """
+
+    def __init__(self, recipe: Recipe, model: VSEModel, loss_fn: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 device: torch.device, dist: DistContext | None = None) -> None:  # fmt: skip
+        self.recipe, self.model, self.loss_fn, self.optimizer = recipe, model, loss_fn, optimizer
+        self.device = device
+        self.dist = dist or DistContext()
+        self.amp = recipe.train.amp == "bf16"
+        self.tf32 = recipe.train.tf32 and device.type == "cuda"
+        self.encode_images, self.encode_texts = model.encode_images, model.encode_texts
+        if recipe.train.compile:
+            self.encode_images = torch.compile(model.encode_images)
+            self.encode_texts = torch.compile(model.encode_texts)
+
+    def __call__(self, batch: dict, epoch: int, step: int, steps_in_epoch: int = 1, loss_warmup: bool = False,
+                 shard_sizes: list[int] | None = None) -> dict:  # fmt: skip
+        """Train on `batch` (this rank's shard; `shard_sizes` = every rank's shard size of the global batch)."""
+        r, dev, ctx = self.recipe, self.device, self.dist
+        self.model.train()
+        rank_part = (ctx.rank,) if ctx.enabled else ()
+        gen = torch.Generator().manual_seed(derived_seed(r.train.seed, epoch, step, 0x1A6E, *rank_part))
+        with tf32_matmul(self.tf32):
+            with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=self.amp):
+                img = self.encode_images(batch["images"].to(dev, non_blocking=True),
+                                         batch["image_lengths"].to(dev, non_blocking=True), generator=gen)  # fmt: skip
+                txt = self.encode_texts(batch["tokens"].to(dev, non_blocking=True), batch["token_lengths"])
+                image_ids, caption_ids = batch["image_index"].to(dev), batch["caption_index"].to(dev)
+                if ctx.enabled:  # every rank scores the global batch: its negatives are everyone's
+                    sizes = shard_sizes or local_shard_sizes(img.shape[0], ctx, dev)
+                    img, txt = all_gather_with_grad(img, sizes, ctx), all_gather_with_grad(txt, sizes, ctx)
+                    image_ids, caption_ids = all_gather_rows(image_ids, sizes, ctx), all_gather_rows(caption_ids, sizes, ctx)
+                sims = self.model.similarity(img, txt).float()
+            loss, diag = self.loss_fn(
+                sims, image_ids=image_ids, caption_ids=caption_ids,
+                warmup=epoch < r.loss.warmup_epochs, image_emb=img, text_emb=txt, model=self.model,
+            )  # fmt: skip
+            if loss_warmup:
+                loss = loss * (step + 1) / steps_in_epoch
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            average_gradients(self.model.parameters(), ctx)
+            if r.optim.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), r.optim.grad_clip)
+            self.optimizer.step()
+        return {"loss": loss.detach(), **{k: v for k, v in diag.items() if torch.is_tensor(v) or isinstance(v, (int, float))}}
+
+
+def _quiet(*_args, **_kwargs) -> None:
+    return None
+
+
 class Trainer:
     def __init__(self, recipe: Recipe, data_dir: str | Path, run_dir: str | Path, *, resume: bool = False,
                  overwrite: bool = False, progress: bool = True, log=print) -> None:  # fmt: skip
@@ -110,6 +238,11 @@ class Trainer:
         self.progress = progress
         self.log = log
         self.device = resolve_device(recipe.train.device)
+        # under torchrun: join the group, one GPU per rank; only rank 0 logs and writes files
+        self.dist = init_from_env(self.device.type)
+        self.device = rank_device(self.device, self.dist)
+        if not self.dist.is_main:
+            self.progress, self.log = False, _quiet
         seed_everything(recipe.train.seed)
         cfg = recipe.data
         self.train_split = load_precomp_split(self.data_dir, cfg.train_split, cfg.captions_per_image)
@@ -130,9 +263,12 @@ class Trainer:
             spec = saved_spec
         self.text = load_text_processor(recipe, self.train_split.captions, spec)
         self.model = VSEModel(recipe, spec).to(self.device)
+        convert_batchnorm(self.model, self.dist)  # global-batch BatchNorm statistics under torchrun
+        broadcast_module(self.model, self.dist)
         self.loss_fn = create_loss(recipe.loss)
         if hasattr(self.loss_fn, "prepare"):
-            self.loss_fn.prepare(self.data_dir, self.train_split, self.log)
+            with main_first(self.dist):  # rank 0 computes and caches, the others read the cache
+                self.loss_fn.prepare(self.data_dir, self.train_split, self.log)
         self.loss_fn.to(self.device)
         params = self.model.parameter_groups(recipe.optim.lr)
         params += [{"params": list(self.loss_fn.parameters()), "lr": recipe.optim.lr, "lr_mult": 1.0}] if list(self.loss_fn.parameters()) else []
@@ -141,13 +277,15 @@ class Trainer:
         self.history: list[dict] = []
         if resume:
             self._load_state()
-        else:
+        elif self.dist.is_main:
             manifest = self._dataset_manifest()
             write_run_config(self.run_dir, recipe, spec, {
                 "data_dir": str(self.data_dir.resolve()),
                 "extractor": manifest.get("extractor") or manifest.get("feature_extractor"),
                 "dataset_format": manifest.get("format"),
             })  # fmt: skip
+        self.step_fn = TrainStep(recipe, self.model, self.loss_fn, self.optimizer, self.device, self.dist)
+        self._first_bad: torch.Tensor | None = None  # global step of the first non-finite loss, on the device
         self._build_loader()
         self._tb = None
 
@@ -170,6 +308,9 @@ class Trainer:
                 f"{self.run_dir} already holds a run; resume it with `vse train --resume {self.run_dir}`, "
                 "choose another --out, or pass --overwrite"
             )
+        barrier(self.dist)  # every rank has checked the directory before rank 0 changes it
+        if not self.dist.is_main:
+            return
         if overwrite and not resume:
             for name in ("last.safetensors", "last_optim.safetensors", "last_state.json", "best.safetensors",
                          "best.json", "metrics.jsonl", "config.json", "vocab.json"):  # fmt: skip
@@ -192,7 +333,8 @@ class Trainer:
         lengths = None
         if r.train.length_bucketing:
             lengths = np.array([len(c.split()) for c in self.train_split.captions])
-        self.sampler = EpochBatches(len(self.train_set), r.train.batch_size, r.train.seed, lengths)
+        self.sampler = EpochBatches(len(self.train_set), r.train.batch_size, r.train.seed, lengths,
+                                    rank=self.dist.rank, world_size=self.dist.world_size)  # fmt: skip
         self.loader = DataLoader(
             self.train_set, batch_sampler=self.sampler, collate_fn=Collate(pad_id_for(self.text)).pairs,
             num_workers=r.data.num_workers, pin_memory=self.device.type == "cuda",
@@ -201,6 +343,8 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------- state
     def _save_state(self, tag: str = "last") -> None:
+        if not self.dist.is_main:
+            return
         save_tensors(self.run_dir / f"{tag}.safetensors", self.model.state_dict())
         tensors, meta = optimizer_to_files(self.optimizer)
         tensors["__torch_rng__"] = torch.get_rng_state()
@@ -227,6 +371,8 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------- logging
     def _emit(self, record: dict) -> None:
+        if not self.dist.is_main:
+            return
         with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
         if self._tb is None:
@@ -258,29 +404,22 @@ class Trainer:
         enc.set_backbone_trainable(epoch >= frozen)
         return epoch == frozen and frozen > 0
 
-    def train_step(self, batch: dict, epoch: int, step: int, steps_in_epoch: int, loss_warmup: bool) -> dict:
-        r = self.recipe
-        dev = self.device
-        self.model.train()
-        gen = torch.Generator().manual_seed(derived_seed(r.train.seed, epoch, step, 0x1A6E))
-        amp = r.train.amp == "bf16" and dev.type == "cuda"
-        with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=amp):
-            img = self.model.encode_images(batch["images"].to(dev, non_blocking=True),
-                                           batch["image_lengths"].to(dev, non_blocking=True), generator=gen)  # fmt: skip
-            txt = self.model.encode_texts(batch["tokens"].to(dev, non_blocking=True), batch["token_lengths"])
-            sims = self.model.similarity(img, txt).float()
-        loss, diag = self.loss_fn(
-            sims, image_ids=batch["image_index"].to(dev), caption_ids=batch["caption_index"].to(dev),
-            warmup=epoch < r.loss.warmup_epochs, image_emb=img, text_emb=txt, model=self.model,
-        )  # fmt: skip
-        if loss_warmup:
-            loss = loss * (step + 1) / steps_in_epoch
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if r.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), r.optim.grad_clip)
-        self.optimizer.step()
-        return {"loss": loss.detach(), **{k: v for k, v in diag.items() if torch.is_tensor(v) or isinstance(v, (int, float))}}
+    def train_step(self, batch: dict, epoch: int, step: int, steps_in_epoch: int, loss_warmup: bool,
+                   shard_sizes: list[int] | None = None) -> dict:  # fmt: skip
+        return self.step_fn(batch, epoch, step, steps_in_epoch, loss_warmup, shard_sizes)
+
+    def _track_finite(self, loss: torch.Tensor) -> None:
+        """Remember the first non-finite loss on the device (no host sync); `_check_finite` reads it."""
+        if self._first_bad is None:
+            self._first_bad = torch.full((), -1, dtype=torch.long, device=loss.device)
+        bad = (self._first_bad < 0) & ~torch.isfinite(loss)
+        self._first_bad = torch.where(bad, self.state.global_step, self._first_bad)
+
+    def _check_finite(self, epoch: int) -> None:
+        """Read the flag back (one sync) at log intervals and before anything is saved or validated."""
+        if self._first_bad is not None and int(self._first_bad) >= 0:
+            raise FloatingPointError(f"loss became NaN/inf at step {int(self._first_bad)} (epoch {epoch}); "
+                                     f"last good checkpoint: {self.run_dir / 'last.safetensors'}")  # fmt: skip
 
     def validate(self) -> dict:
         sims = split_similarities(self.model, self.val_split, self.recipe.train.eval_batch_size, self.device)
@@ -297,55 +436,60 @@ class Trainer:
             loss_warmup = self._backbone_phase(epoch)
             self.train_set.set_epoch(epoch)
             self.sampler.epoch, self.sampler.skip = epoch, self.state.step_in_epoch
-            steps_in_epoch = len(self.sampler.batches())
+            epoch_batches = self.sampler.batches()
+            steps_in_epoch = len(epoch_batches)
             t_epoch = time.perf_counter()
-            t_data = time.perf_counter()
+            t_data = t_log = time.perf_counter()
             meter = {"loss": 0.0, "data_time": 0.0, "step_time": 0.0, "n": 0}
             bar = tqdm(total=steps_in_epoch, initial=self.state.step_in_epoch, desc=f"epoch {epoch + 1}/{total_epochs}",
                        disable=not self.progress, leave=False, dynamic_ncols=True)  # fmt: skip
-            for batch in self.loader:
+            for batch in device_batches(self.loader, self.device):
                 data_time = time.perf_counter() - t_data
                 t0 = time.perf_counter()
                 step = self.state.step_in_epoch
-                out = self.train_step(batch, epoch, step, steps_in_epoch, loss_warmup)
-                loss_value = float(out["loss"])
-                if not math.isfinite(loss_value):
-                    raise FloatingPointError(f"loss became {loss_value} at epoch {epoch} step {step}; "
-                                             f"last good checkpoint: {self.run_dir / 'last.safetensors'}")  # fmt: skip
-                step_time = time.perf_counter() - t0
+                sizes = shard_sizes(len(epoch_batches[step]), self.dist.world_size) if self.dist.enabled else None
+                out = self.train_step(batch, epoch, step, steps_in_epoch, loss_warmup, sizes)
+                self._track_finite(out["loss"])  # no float(loss) here: that would sync with the GPU every step
+                step_time = time.perf_counter() - t0  # host time; the device may still be working
                 self.state.step_in_epoch += 1
                 self.state.global_step += 1
                 steps_done += 1
-                meter["loss"] += loss_value
+                meter["loss"] += out["loss"]
                 meter["data_time"] += data_time
                 meter["step_time"] += step_time
                 meter["n"] += 1
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss_value:.3f}")
                 if r.train.log_every and self.state.global_step % r.train.log_every == 0:
+                    self._check_finite(epoch)
                     n = meter["n"]
+                    wall = time.perf_counter() - t_log
                     rec = {
                         "kind": "train", "epoch": epoch, "step": self.state.global_step,
-                        "loss": meter["loss"] / n, "data_time": meter["data_time"] / n,
+                        "loss": float(meter["loss"]) / n, "data_time": meter["data_time"] / n,
                         "step_time": meter["step_time"] / n,
-                        "samples_per_s": r.train.batch_size * n / max(meter["data_time"] + meter["step_time"], 1e-9),
+                        "samples_per_s": r.train.batch_size * n / max(wall, 1e-9),
                         "lr": self.optimizer.param_groups[0]["lr"],
                         **{k: float(v) for k, v in out.items() if k != "loss"},
                     }  # fmt: skip
+                    bar.set_postfix(loss=f"{rec['loss']:.3f}")
                     self._emit(rec)
                     if not self.progress:
                         self.log(f"epoch {epoch} step {self.state.global_step} loss {rec['loss']:.4f} "
                                  f"data {rec['data_time'] * 1e3:.1f}ms step {rec['step_time'] * 1e3:.1f}ms "
                                  f"{rec['samples_per_s']:.0f} samples/s")  # fmt: skip
                     meter = {"loss": 0.0, "data_time": 0.0, "step_time": 0.0, "n": 0}
+                    t_log = time.perf_counter()
                 if r.train.checkpoint_every and self.state.global_step % r.train.checkpoint_every == 0:
+                    self._check_finite(epoch)
                     self._save_state()
                 if max_steps is not None and steps_done >= max_steps:
                     bar.close()
+                    self._check_finite(epoch)
                     self._save_state()
                     return {"stopped_at_step": self.state.global_step}
                 t_data = time.perf_counter()
             bar.close()
+            self._check_finite(epoch)
             train_time = time.perf_counter() - t_epoch
             metrics = self.validate()
             improved = metrics["rsum"] > self.state.best_rsum
@@ -357,6 +501,7 @@ class Trainer:
             self.state.step_in_epoch = 0
             if improved:
                 self.state.best_rsum, self.state.best_epoch = metrics["rsum"], epoch
+            if improved and self.dist.is_main:
                 save_tensors(self.run_dir / "best.safetensors", self.model.state_dict())
                 atomic_write_json(self.run_dir / "best.json", {"epoch": epoch, "split": r.data.val_split, **metrics})
             self._save_state()

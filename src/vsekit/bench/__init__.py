@@ -1,0 +1,1 @@
+"""Micro-benchmarks (pooling cost, ...) behind `vse bench`."""

@@ -1,0 +1,292 @@
+"""Search benchmarks: FAISS query latency vs recall on synthetic vectors, and a loopback load test of `vse serve`.
+
+    from vsekit.bench.search import bench_search, bench_serve
+    rows = bench_search(n=1_000_000, dim=1024)      # exact vs IVF: p50/p99 ms per query, recall@10
+    load = bench_serve("runs/demo/index", requests=2000, concurrency=4, max_seconds=60)
+
+`bench_search` draws a clustered set (a mixture of `clusters` Gaussian blobs on the unit sphere, like real
+embeddings, where neighbours share a topic; unclustered Gaussian vectors have no near neighbours and are
+the worst case for any ANN index — `clusters=0` measures that). Vectors are generated chunk by chunk from
+seeded generators, so the exact index, the ground truth and each approximate index see identical data
+without the full matrix ever being held twice; peak memory is about one fp32 copy (4 GB at 1M x 1024).
+Latency is per single query (one at a time, as a server sees them), on `threads` FAISS threads.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _faiss():
+    try:
+        import faiss
+    except ImportError as e:
+        raise ImportError("the search benchmark needs faiss-cpu: pip install 'vsekit[search]'") from e
+    return faiss
+
+
+def _percentiles(ms: list[float]) -> dict:
+    a = np.asarray(ms)
+    return {"p50_ms": round(float(np.percentile(a, 50)), 3), "p99_ms": round(float(np.percentile(a, 99)), 3),
+            "mean_ms": round(float(a.mean()), 3), "n": len(ms)}  # fmt: skip
+
+
+class ClusteredVectors:
+    """Deterministic synthetic embeddings: chunk c of the database always has the same rows."""
+
+    def __init__(self, dim: int, clusters: int, spread: float, seed: int) -> None:
+        self.dim, self.clusters, self.spread, self.seed = dim, clusters, spread, seed
+        if clusters > 0:
+            c = np.random.default_rng([seed, 0]).standard_normal((clusters, dim), dtype=np.float32)
+            self.centers = c / np.linalg.norm(c, axis=1, keepdims=True)
+
+    def draw(self, n: int, stream: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, 1, stream])
+        noise = rng.standard_normal((n, self.dim), dtype=np.float32)
+        if self.clusters > 0:
+            noise *= self.spread / np.sqrt(self.dim)  # noise norm ~ spread; same-cluster cosine ~ 1/(1+spread^2)
+            noise += self.centers[rng.integers(0, self.clusters, n)]
+        noise /= np.linalg.norm(noise, axis=1, keepdims=True)
+        return noise
+
+    def chunks(self, n: int, chunk: int):
+        for c, start in enumerate(range(0, n, chunk)):
+            yield self.draw(min(chunk, n - start), stream=c + 1)
+
+
+def _time_single(index, queries: np.ndarray, k: int, warmup: int = 3) -> tuple[list[float], np.ndarray]:
+    for q in queries[:warmup]:
+        index.search(q[None], k)
+    ms, ids = [], []
+    for q in queries:
+        t0 = time.perf_counter()
+        _, i = index.search(q[None], k)
+        ms.append((time.perf_counter() - t0) * 1000)
+        ids.append(i[0])
+    return ms, np.stack(ids)
+
+
+def _recall(ids: np.ndarray, truth: np.ndarray) -> float:
+    k = truth.shape[1]
+    return float(np.mean([len(set(a[:k]) & set(b)) / k for a, b in zip(ids, truth)]))
+
+
+def bench_search(n: int = 1_000_000, dim: int = 1024, k: int = 10, queries: int = 200, exact_queries: int = 30,
+                 clusters: int = 10_000, spread: float = 1.0, nlist: int = 1024, nprobes: tuple[int, ...] = (4, 8, 16, 32),
+                 sq8: bool = True, hnsw_m: int = 0, ef_searches: tuple[int, ...] = (32, 64, 128),
+                 train_size: int = 65_536, kmeans_iters: int = 10, threads: int = 1, chunk: int = 50_000,
+                 seed: int = 0, log=print) -> dict:  # fmt: skip
+    """Exact (flat) vs IVF (and optionally IVF-SQ8 / HNSW) on `n` synthetic `dim`-d unit vectors.
+
+    Returns {"setup": ..., "rows": [{"index", "params", "build_s", "bytes_per_vector", "p50_ms", "p99_ms",
+    "recall_at_k"}, ...]}; recall is against the exact top-k of the same queries.
+    """
+    faiss = _faiss()
+    if n < 1 or dim < 1 or k < 1 or queries < 1:
+        raise ValueError("n, dim, k and queries must be positive")
+    faiss.omp_set_num_threads(threads)
+    data = ClusteredVectors(dim, clusters, spread, seed)
+    q = data.draw(queries, stream=0)
+    rows = []
+    setup = {"n": n, "dim": dim, "k": k, "queries": queries, "clusters": clusters, "spread": spread,
+             "threads": threads, "seed": seed, "faiss": faiss.__version__}  # fmt: skip
+
+    t0 = time.perf_counter()
+    flat = faiss.IndexFlatIP(dim)
+    for x in data.chunks(n, chunk):
+        flat.add(x)
+    build = time.perf_counter() - t0
+    _, truth = flat.search(q, k)  # batched: ground truth for every approximate index
+    ms, ids = _time_single(flat, q[:exact_queries], k)
+    rows.append({"index": "flat (exact)", "params": "", "build_s": round(build, 1), "bytes_per_vector": 4 * dim,
+                 **_percentiles(ms), "recall_at_k": round(_recall(ids, truth[:exact_queries]), 4)})  # fmt: skip
+    log(json.dumps(rows[-1]))
+    del flat
+
+    def ivf_rows(label: str, make) -> None:
+        t0 = time.perf_counter()
+        index = make()
+        train = np.concatenate([x for _, x in zip(range(-(-train_size // chunk)), data.chunks(n, chunk))])[:train_size]
+        index.cp.niter = kmeans_iters
+        index.cp.seed = seed
+        index.train(train)
+        del train
+        for x in data.chunks(n, chunk):
+            index.add(x)
+        build = time.perf_counter() - t0
+        for nprobe in nprobes:
+            index.nprobe = nprobe
+            ms, ids = _time_single(index, q, k)
+            rows.append({"index": label, "params": f"nlist={nlist} nprobe={nprobe}", "build_s": round(build, 1),
+                         "bytes_per_vector": (dim if "SQ8" in label else 4 * dim) + 8, **_percentiles(ms),
+                         "recall_at_k": round(_recall(ids, truth), 4)})  # fmt: skip
+            log(json.dumps(rows[-1]))
+
+    ivf_rows("IVF-Flat", lambda: faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT))
+    if sq8:
+        ivf_rows("IVF-SQ8", lambda: faiss.IndexIVFScalarQuantizer(faiss.IndexFlatIP(dim), dim, nlist,
+                                                                  faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT))
+    if hnsw_m:
+        t0 = time.perf_counter()
+        index = faiss.IndexHNSWFlat(dim, hnsw_m, faiss.METRIC_INNER_PRODUCT)
+        for x in data.chunks(n, chunk):
+            index.add(x)
+        build = time.perf_counter() - t0
+        for ef in ef_searches:
+            index.hnsw.efSearch = ef
+            ms, ids = _time_single(index, q, k)
+            rows.append({"index": "HNSW-Flat", "params": f"M={hnsw_m} efSearch={ef}", "build_s": round(build, 1),
+                         "bytes_per_vector": 4 * dim + 8 * hnsw_m, **_percentiles(ms),
+                         "recall_at_k": round(_recall(ids, truth), 4)})  # fmt: skip
+            log(json.dumps(rows[-1]))
+    return {"setup": setup, "rows": rows}
+
+
+def format_search_table(result: dict) -> str:
+    s = result["setup"]
+    head = (f"{s['n']:,} x {s['dim']}-d unit vectors ({s['clusters']:,} clusters, spread {s['spread']}), "
+            f"{s['queries']} single queries, k={s['k']}, {s['threads']} FAISS thread(s), faiss {s['faiss']}\n\n")  # fmt: skip
+    lines = ["| index | params | build (s) | bytes/vector | p50 (ms) | p99 (ms) | recall@k vs exact |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in result["rows"]:
+        lines.append(f"| {r['index']} | {r['params']} | {r['build_s']} | {r['bytes_per_vector']} | {r['p50_ms']} | "
+                     f"{r['p99_ms']} | {r['recall_at_k']} |")  # fmt: skip
+    return head + "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------- load test
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_serve(index_dir: str | Path, requests: int = 2000, concurrency: int = 4, max_seconds: float = 60.0,
+                k: int = 10, queries: list[str] | None = None, device: str = "cpu",
+                startup_timeout: float = 120.0) -> dict:  # fmt: skip
+    """Bounded loopback load test: starts `vse serve` on 127.0.0.1 in a child process, sends at most
+    `requests` GET /search calls from `concurrency` client threads for at most `max_seconds`, stops it.
+
+    Returns requests done, seconds, requests/s, latency p50/p99 (ms, client side) and the error count
+    (any non-200 answer or failed connection).
+    """
+    import httpx
+
+    if requests < 1 or concurrency < 1 or max_seconds <= 0:
+        raise ValueError("requests, concurrency and max_seconds must be positive")
+    queries = queries or ["a red apple", "a cat", "a house with a tree", "a blue car", "a flower", "a man",
+                          "a green triangle", "a musical note", "a map of the world", "a smiling sun"]  # fmt: skip
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "vsekit.cli", "serve", str(index_dir), "--host", "127.0.0.1", "--port", str(port),
+           "--log-level", "warning", "--device", device, "--max-connections", str(max(64, 4 * concurrency))]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"`vse serve` exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(base + "/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"`vse serve` did not answer /healthz within {startup_timeout} s")
+            time.sleep(0.2)
+        lat: list[float] = []
+        errors: list[str] = []
+        lock = threading.Lock()
+        counter = {"next": 0}
+        stop_at = time.monotonic() + max_seconds
+
+        def worker() -> None:
+            with httpx.Client(base_url=base, timeout=30) as client:
+                while time.monotonic() < stop_at:
+                    with lock:
+                        i = counter["next"]
+                        if i >= requests:
+                            return
+                        counter["next"] += 1
+                    t0 = time.perf_counter()
+                    try:
+                        r = client.get("/search", params={"q": queries[i % len(queries)], "k": k})
+                        ok = r.status_code == 200 and len(r.json()["results"]) > 0
+                        err = None if ok else f"HTTP {r.status_code}"
+                    except (httpx.HTTPError, ValueError, KeyError) as e:
+                        err = f"{type(e).__name__}: {e}"
+                    dt = (time.perf_counter() - t0) * 1000
+                    with lock:
+                        lat.append(dt)
+                        if err:
+                            errors.append(err)
+
+        t0 = time.perf_counter()
+        pool = [threading.Thread(target=worker) for _ in range(concurrency)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        wall = time.perf_counter() - t0
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return {"requests": len(lat), "concurrency": concurrency, "seconds": round(wall, 2),
+            "requests_per_s": round(len(lat) / wall, 1), **_percentiles(lat), "errors": len(errors),
+            "first_errors": errors[:5]}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m vsekit.bench.search", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    a = sub.add_parser("ann", help="FAISS latency / recall on synthetic vectors")
+    a.add_argument("--n", type=int, default=1_000_000)
+    a.add_argument("--dim", type=int, default=1024)
+    a.add_argument("--queries", type=int, default=200)
+    a.add_argument("--exact-queries", type=int, default=30)
+    a.add_argument("--clusters", type=int, default=10_000)
+    a.add_argument("--spread", type=float, default=1.0)
+    a.add_argument("--nlist", type=int, default=1024)
+    a.add_argument("--nprobe", type=int, nargs="+", default=[4, 8, 16, 32])
+    a.add_argument("--no-sq8", action="store_true")
+    a.add_argument("--hnsw-m", type=int, default=0, help="also build HNSW with this M (slow to build at 1M)")
+    a.add_argument("--threads", type=int, default=1)
+    a.add_argument("--json", help="write the result here")
+    s = sub.add_parser("serve", help="bounded loopback load test of `vse serve`")
+    s.add_argument("index")
+    s.add_argument("--requests", type=int, default=2000)
+    s.add_argument("--concurrency", type=int, default=4)
+    s.add_argument("--max-seconds", type=float, default=60)
+    s.add_argument("--json")
+    args = p.parse_args(argv)
+    if args.what == "ann":
+        res = bench_search(n=args.n, dim=args.dim, queries=args.queries, exact_queries=args.exact_queries,
+                           clusters=args.clusters, spread=args.spread, nlist=args.nlist, nprobes=tuple(args.nprobe),
+                           sq8=not args.no_sq8, hnsw_m=args.hnsw_m, threads=args.threads)  # fmt: skip
+        print(format_search_table(res))
+    else:
+        res = bench_serve(args.index, requests=args.requests, concurrency=args.concurrency, max_seconds=args.max_seconds)
+        print(json.dumps(res, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""`vse index` (embed pictures with a trained run), `vse search` (query an index), `vse serve` (HTTP + web page)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def run_index(args: argparse.Namespace) -> int:
+    from vsekit.search.index import FaissParams, build_index
+    from vsekit.utils.runtime import resolve_device
+
+    params = FaissParams(kind=args.index, nlist=args.nlist, nprobe=args.nprobe, hnsw_m=args.hnsw_m,
+                         ef_construction=args.ef_construction, ef_search=args.ef_search)  # fmt: skip
+    meta = build_index(
+        args.run, args.source, args.out, checkpoint=args.checkpoint, params=params,
+        device=resolve_device(args.device), batch_size=args.batch_size, chunk_size=args.chunk_size,
+        pixels=args.pixels, strict=args.strict, captions_file=args.captions, progress=not args.quiet,
+        log=lambda msg: print(msg, file=sys.stderr),
+    )  # fmt: skip
+    c = meta["counts"]
+    print(f"index {args.out}: {c['pictures']} pictures, {c['captions']} captions ({meta['faiss']['kind']})")
+    return 0
+
+
+def run_search(args: argparse.Namespace) -> int:
+    from vsekit.search.engine import SearchEngine
+    from vsekit.utils.runtime import resolve_device
+
+    if args.k < 1:
+        raise ValueError(f"-k must be at least 1, got {args.k}")
+    if args.query is None and args.image is None:
+        raise ValueError("give a text query, or --image PATH to find captions for a picture")
+    if args.query is not None and args.image is not None:
+        raise ValueError("give either a text query or --image PATH, not both")
+    engine = SearchEngine.open(args.index, resolve_device(args.device), run_dir=args.run)
+    engine.index.set_search_params(nprobe=args.nprobe, ef_search=args.ef_search)
+    if args.image is not None:
+        hits = engine.search_image(args.image, args.k)
+    else:
+        if not args.query.strip():
+            raise ValueError("the query is empty")
+        hits = engine.search_text(args.query, args.k)
+        unknown = engine.text.unknown_words(args.query)
+        if unknown and not args.json:
+            print(f"note: the model does not know: {', '.join(unknown)}", file=sys.stderr)
+    if args.json:
+        print(json.dumps([h.public() for h in hits], ensure_ascii=False, indent=2))
+        return 0
+    if not hits:
+        print("no results")
+    for rank, h in enumerate(hits, 1):
+        where = h.file or h.path or "-"
+        print(f"{rank:3d}  {h.score:8.4f}  {where}  {h.caption or ''}")
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import ipaddress
+    import logging
+
+    import torch
+    import uvicorn
+
+    from vsekit.search.server import ServerLimits, create_app, json_log_handler
+    from vsekit.utils.runtime import resolve_device
+
+    try:
+        loopback = ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        loopback = args.host == "localhost"
+    allowed = args.allowed_host or (["127.0.0.1", "localhost"] if loopback else ["*"])
+    if not loopback:
+        print(f"warning: serving on {args.host}, reachable from other machines; there is no authentication",
+              file=sys.stderr)  # fmt: skip
+    if args.threads:
+        torch.set_num_threads(args.threads)  # this process only serves; small queries run best single-threaded
+    logger = logging.getLogger("vsekit.search.server")
+    logger.setLevel(args.log_level.upper())
+    if not logger.handlers:
+        logger.addHandler(json_log_handler())
+    limits = ServerLimits(max_k=args.max_k, max_query_chars=args.max_query_chars, max_body_bytes=args.max_body_mb << 20)
+    app = create_app(args.index, device=resolve_device(args.device), run_dir=args.run, limits=limits,
+                     cors_origins=args.cors_origin, allowed_hosts=allowed, logger=logger)  # fmt: skip
+    print(f"serving {args.index} on http://{args.host}:{args.port}  (Ctrl-C stops)", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, access_log=False, log_level=args.log_level,
+                limit_concurrency=args.max_connections, timeout_keep_alive=5)  # fmt: skip
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("index", help="embed pictures with a trained run into a search index (resumable, incremental)")
+    p.add_argument("run", metavar="RUN_DIR")
+    p.add_argument("source", metavar="SOURCE",
+                   help="a folder of pictures (x.txt beside x.png = its caption), DATASET_DIR:SPLIT, or one picture")
+    p.add_argument("--out", required=True, metavar="INDEX_DIR", help="new index, or an existing one to add pictures to")
+    p.add_argument("--index", default="flat", choices=("flat", "ivf", "hnsw"),
+                   help="flat = exact (default); ivf / hnsw = approximate, faster on large sets (docs/search.md)")
+    p.add_argument("--nlist", type=int, default=0, help="ivf: number of lists (0 = about 4*sqrt(n))")
+    p.add_argument("--nprobe", type=int, default=16, help="ivf: lists visited per query")
+    p.add_argument("--hnsw-m", type=int, default=32, help="hnsw: graph degree")
+    p.add_argument("--ef-construction", type=int, default=80, help="hnsw: build beam")
+    p.add_argument("--ef-search", type=int, default=64, help="hnsw: query beam")
+    p.add_argument("--checkpoint", default="best", choices=("best", "last"))
+    p.add_argument("--pixels", action="store_true",
+                   help="embed a dataset split from its pictures even when it has precomputed features")
+    p.add_argument("--captions", metavar="FILE", help="extra captions (one per line) for picture -> text search")
+    p.add_argument("--strict", action="store_true", help="stop at the first unreadable picture instead of skipping it")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--chunk-size", type=int, default=256, help="pictures per saved chunk (the resume granularity)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_index)
+
+    s = sub.add_parser("search", help="query an index: text -> pictures, or --image -> captions")
+    s.add_argument("index", metavar="INDEX_DIR")
+    s.add_argument("query", nargs="?", help="text to find pictures for")
+    s.add_argument("--image", metavar="PATH", help="find indexed captions that describe this picture")
+    s.add_argument("-k", type=int, default=10, help="number of results")
+    s.add_argument("--json", action="store_true", help='print a JSON list of {"path", "score", "caption"}, best first')
+    s.add_argument("--nprobe", type=int, help="ivf: override the lists visited per query")
+    s.add_argument("--ef-search", type=int, help="hnsw: override the query beam")
+    s.add_argument("--run", metavar="RUN_DIR", help="the run, if it moved since indexing (weights are checked)")
+    s.add_argument("--device", default="auto")
+    s.set_defaults(func=run_search)
+
+    v = sub.add_parser("serve", help="HTTP API and web page over an index (127.0.0.1 by default)")
+    v.add_argument("index", metavar="INDEX_DIR")
+    v.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--max-k", type=int, default=100, help="largest k a request may ask for")
+    v.add_argument("--max-query-chars", type=int, default=256)
+    v.add_argument("--max-body-mb", type=int, default=8, help="largest request body (picture uploads)")
+    v.add_argument("--max-connections", type=int, default=64, help="concurrent connections before 503")
+    v.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="allow cross-origin requests from ORIGIN (repeatable; CORS is off by default)")
+    v.add_argument("--allowed-host", action="append", metavar="HOST",
+                   help="Host headers to accept (default: 127.0.0.1 and localhost on loopback)")
+    v.add_argument("--threads", type=int, default=1,
+                   help="torch threads per query (default 1: concurrent requests already use the cores; 0 = torch's default)")
+    v.add_argument("--run", metavar="RUN_DIR", help="the run, if it moved since indexing")
+    v.add_argument("--device", default="auto")
+    v.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    v.set_defaults(func=run_serve)

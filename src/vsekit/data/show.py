@@ -1,0 +1,122 @@
+"""A contact sheet of a dataset split: pictures with their captions beneath, to check by eye that they match."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+
+def _lines(path: Path) -> list[str]:
+    text = path.read_text(encoding="utf-8")
+    return text[:-1].split("\n") if text.endswith("\n") else (text.split("\n") if text else [])
+
+
+def _font(size: int) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
+    try:
+        return ImageFont.load_default(size=size)  # scalable bundled font (Pillow >= 10.1 with FreeType)
+    except TypeError:
+        return ImageFont.load_default()
+
+
+def _wrap(text: str, font, width: int, draw: ImageDraw.ImageDraw) -> list[str]:
+    """Greedy word wrap by rendered pixel width (long words are hard-split)."""
+    lines: list[str] = []
+    line = ""
+    for word in text.split():
+        while draw.textlength(word, font=font) > width:  # a single word wider than the cell
+            cut = max(1, int(len(word) * width / max(draw.textlength(word, font=font), 1)) - 1)
+            if line:
+                lines.append(line)
+                line = ""
+            lines.append(word[:cut])
+            word = word[cut:]
+        trial = f"{line} {word}".strip()
+        if draw.textlength(trial, font=font) <= width:
+            line = trial
+        else:
+            lines.append(line)
+            line = word
+    if line:
+        lines.append(line)
+    return lines
+
+
+def show_dataset(data_dir: str | Path, out_png: str | Path, split: str = "test", n: int = 16, seed: int = 0,
+                 cell: int = 224, max_lines: int = 12) -> Path:  # fmt: skip
+    """Write a montage of `n` seeded-random images of `split` with all their captions; returns the PNG path.
+
+    Needs `{split}_images.txt` (raw pictures), `{split}_caps.txt` and `{split}_cap2img.txt` (or k captions
+    per image in order). Ids from `{split}_ids.txt` are printed above the captions when present.
+    """
+    root = Path(data_dir)
+    images_file = root / f"{split}_images.txt"
+    if not images_file.is_file():
+        raise FileNotFoundError(f"{images_file}: missing; the montage needs the raw image paths of the split")
+    paths = _lines(images_file)
+    caps = _lines(root / f"{split}_caps.txt")
+    c2i_file = root / f"{split}_cap2img.txt"
+    if c2i_file.is_file():
+        cap2img = [int(x) for x in _lines(c2i_file)]
+    else:
+        k = max(len(caps) // max(len(paths), 1), 1)
+        cap2img = [i // k for i in range(len(caps))]
+    ids_file = root / f"{split}_ids.txt"
+    ids = _lines(ids_file) if ids_file.is_file() else [str(i) for i in range(len(paths))]
+    by_image: dict[int, list[str]] = {}
+    for c, i in zip(caps, cap2img):
+        by_image.setdefault(i, []).append(c)
+
+    count = min(n, len(paths))
+    if count == 0:
+        raise ValueError(f"{images_file}: no images in split {split!r}")
+    rows_idx = sorted(np.random.default_rng(seed).choice(len(paths), size=count, replace=False).tolist())
+    cols = math.ceil(math.sqrt(count))
+    nrows = math.ceil(count / cols)
+    pad = 8
+    font, small = _font(13), _font(11)
+    line_h = 16
+    scratch = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    blocks = []
+    for i in rows_idx:
+        header = f"#{i}  {ids[i]}"
+        while len(header) > 4 and scratch.textlength(header, font=small) > cell:
+            header = header[:-2] + "…"
+        lines = [(header, small, (110, 110, 110))]
+        for j, c in enumerate(by_image.get(i, []), 1):
+            for k, part in enumerate(_wrap(f"{j}. {c}", font, cell, scratch)):
+                lines.append(("   " + part if k else part, font, (0, 0, 0)))
+        if len(lines) > max_lines:
+            lines = lines[: max_lines - 1] + [("…", font, (0, 0, 0))]
+        blocks.append(lines)
+    row_heights = [
+        cell + pad + line_h * max(len(b) for b in blocks[r * cols : (r + 1) * cols]) + 2 * pad
+        for r in range(nrows)
+    ]
+    sheet = Image.new("RGB", (cols * (cell + 2 * pad), sum(row_heights)), (255, 255, 255))
+    draw = ImageDraw.Draw(sheet)
+    y0 = 0
+    for r in range(nrows):
+        for c in range(cols):
+            idx = r * cols + c
+            if idx >= count:
+                break
+            x = c * (cell + 2 * pad) + pad
+            with Image.open(root / paths[rows_idx[idx]]) as im:
+                im = im.convert("RGB")
+                im.thumbnail((cell, cell))
+                sheet.paste(im, (x, y0 + pad))
+            draw.rectangle([x - 1, y0 + pad - 1, x + cell, y0 + pad + cell], outline=(200, 200, 200))
+            y = y0 + pad + cell + pad // 2
+            for text, f, color in blocks[idx]:
+                draw.text((x, y), text, font=f, fill=color)
+                y += line_h
+        y0 += row_heights[r]
+        if r < nrows - 1:
+            draw.line([0, y0 - 1, sheet.width, y0 - 1], fill=(220, 220, 220))
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sheet.save(out)
+    return out

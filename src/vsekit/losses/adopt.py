@@ -1,0 +1,135 @@
+"""ADOPT, the adaptive objective of VSE+2AD (Zhang et al., arXiv 2210.02206, §3.3), and plain InfoNCE.
+
+ADOPT is InfoNCE with temperature tau over the positive and the K hardest in-batch negatives, in both
+directions, where K follows how mature the embedding is: many negatives early (fast convergence), few
+late (fine-grained ranking). On the in-batch matrix `sims[i, j] = s(image_i, caption_j)` (diagonal =
+positives), with B = |batch|:
+
+paper variant (default; Eq. 6 and the two definitions above it)
+    gamma_align   = mean_i sims[i, i]                                  (mean positive cosine)
+    gamma_uniform = log( mean_{i,j} exp(sims[i, j]) )                   (all B^2 pairs)
+    each gamma clipped to [0, 1], the range the paper states for it
+    K' = floor( B * cos((gamma_align + gamma_uniform) * pi / 4) ),  K = max(1, min(K', B - 1))
+    L  = L_i2t + L_t2i,  L_i2t = -mean_i log( e^{s_ii/tau} / (e^{s_ii/tau} + sum_{k<=K} e^{s_i,n_k/tau}) )
+    (the printed denominator lists only the K negatives; we keep the positive in it, as InfoNCE — which
+    the paper names — and the released code do; without it the loss has no lower bound.)
+
+reference variant (`adopt_variant: reference`, the released code `losses.py` `ContrastiveLoss.ADCTO`)
+    gamma_uniform = mean_{i,j} exp(-sims'[i, j]) with the diagonal of sims' set to 0
+    t = gamma_align + gamma_uniform (clipped at 0),  K = min(max(trunc(cos(t ** scale) * B) + 1, 1), B - 1)
+    every selected negative logit gets + margin (additive-margin InfoNCE); L = (L_i2t + L_t2i) / 2
+    (The released code fills the diagonal with 0 before picking negatives, so the positive itself can be
+    picked as a "negative"; we do not copy that — the positive is never a negative in either variant.)
+
+K is computed from detached similarities (it is a count, not a differentiable quantity). Both directions
+see the same B x B matrix, so K_i2t == K_t2i (also true of the released code); both are logged. With
+`mask_same_image` other captions of the anchor's image are never negatives; a row with fewer valid
+negatives than K uses all it has.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from vsekit.config import LossConfig
+from vsekit.losses.triplet import positive_mask
+
+ADOPT_VARIANTS = ("paper", "reference")
+
+
+def adopt_gammas(sims: torch.Tensor, variant: str = "paper") -> tuple[float, float]:
+    """(gamma_align, gamma_uniform) of a square in-batch similarity matrix, as floats."""
+    s = sims.detach().float()
+    align = float(s.diagonal().mean())
+    if variant == "paper":
+        uniform = float(torch.logsumexp(s.flatten(), 0) - math.log(s.numel()))
+        return min(max(align, 0.0), 1.0), min(max(uniform, 0.0), 1.0)
+    off = s - torch.diag_embed(s.diagonal())
+    return align, float(torch.exp(-off).mean())
+
+
+def adopt_k(align: float, uniform: float, batch: int, variant: str = "paper", scale: float = 1.25) -> int:
+    """Number of hardest negatives per anchor from the model's maturity (Eq. 6 or the released rule)."""
+    if batch < 2:
+        raise ValueError(f"ADOPT needs at least 2 pairs in a batch, got {batch}")
+    if variant == "paper":
+        k = math.floor(batch * math.cos((align + uniform) * math.pi / 4))
+    elif variant == "reference":
+        t = max(align + uniform, 0.0)
+        k = max(math.trunc(math.cos(t**scale) * batch) + 1, 1)
+    else:
+        raise ValueError(f"ADOPT variant {variant!r}; choose one of {', '.join(ADOPT_VARIANTS)}")
+    return max(1, min(k, batch - 1))
+
+
+def topk_infonce(
+    sims: torch.Tensor, negatives: torch.Tensor, k: int | None, temperature: float, margin: float = 0.0
+) -> torch.Tensor:
+    """Mean over rows of -log softmax of the positive (diagonal) against the row's k hardest valid
+    negatives (`k=None`: all of them); `negatives[i, j]` says whether column j may be a negative of row i."""
+    pos = sims.diagonal().unsqueeze(1)
+    masked = sims.masked_fill(~negatives, float("-inf"))
+    if k is not None and k < sims.shape[1]:
+        masked = masked.topk(k, dim=1).values
+    logits = torch.cat([pos, masked + margin], dim=1) / temperature
+    return -torch.log_softmax(logits, dim=1)[:, 0].mean()
+
+
+class ADOPTLoss(nn.Module):
+    """ADOPT (adaptive K) or, with `adaptive=False` and `fixed_k=None`, InfoNCE over all in-batch negatives.
+
+    `fixed_k` pins K (the released code's `constant` mode; used to compare with a hardest-negative loss).
+    """
+
+    def __init__(self, temperature: float = 0.05, variant: str = "paper", scale: float = 1.25, margin: float = 0.2,
+                 mask_same_image: bool = True, adaptive: bool = True, fixed_k: int | None = None) -> None:  # fmt: skip
+        super().__init__()
+        if variant not in ADOPT_VARIANTS:
+            raise ValueError(f"ADOPT variant {variant!r}; choose one of {', '.join(ADOPT_VARIANTS)}")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        if fixed_k is not None and fixed_k < 1:
+            raise ValueError(f"fixed_k must be >= 1, got {fixed_k}")
+        self.temperature = temperature
+        self.variant = variant
+        self.scale = scale
+        self.margin = margin if variant == "reference" else 0.0
+        self.mask_same_image = mask_same_image
+        self.adaptive = adaptive
+        self.fixed_k = fixed_k
+
+    def forward(self, sims: torch.Tensor, image_ids: torch.Tensor | None = None, *, warmup: bool = False,
+                **_: object) -> tuple[torch.Tensor, dict]:  # fmt: skip
+        if sims.ndim != 2 or sims.shape[0] != sims.shape[1]:
+            raise ValueError(f"ADOPT/InfoNCE needs a square in-batch similarity matrix, got {tuple(sims.shape)}")
+        b = sims.shape[0]
+        sims = sims.float()
+        positives = positive_mask(image_ids if self.mask_same_image else None, b, sims.device)
+        align, uniform = adopt_gammas(sims, self.variant)
+        if self.fixed_k is not None:
+            k: int | None = min(self.fixed_k, b - 1)
+        elif self.adaptive:
+            k = adopt_k(align, uniform, b, self.variant, self.scale)
+        else:
+            k = None
+        loss_i2t = topk_infonce(sims, ~positives, k, self.temperature, self.margin)
+        loss_t2i = topk_infonce(sims.t(), ~positives.t(), k, self.temperature, self.margin)
+        loss = loss_i2t + loss_t2i
+        if self.variant == "reference":
+            loss = loss / 2
+        k_used = float(b - 1 if k is None else k)
+        diag = {"K_i2t": k_used, "K_t2i": k_used, "align": align, "uniform": uniform,
+                "loss_i2t": loss_i2t.detach(), "loss_t2i": loss_t2i.detach()}  # fmt: skip
+        return loss, diag
+
+
+def create_adopt_loss(cfg: LossConfig) -> ADOPTLoss:
+    """`adopt` = adaptive-K objective; `infonce` = InfoNCE over every in-batch negative (same temperature)."""
+    if cfg.name == "infonce":
+        return ADOPTLoss(cfg.temperature, "paper", mask_same_image=cfg.mask_same_image, adaptive=False)
+    if cfg.name != "adopt":
+        raise ValueError(f"create_adopt_loss builds 'adopt' or 'infonce', not {cfg.name!r}")
+    return ADOPTLoss(cfg.temperature, cfg.adopt_variant, cfg.adopt_scale, cfg.margin, cfg.mask_same_image)

@@ -1,0 +1,218 @@
+"""Pictures and queries -> model embeddings, through exactly the inputs the model was trained on.
+
+A model trained on precomputed features never saw pixels: its run records the dataset's feature extractor
+(`extractor` in RUN/config.json, copied from the dataset manifest), and raw pictures go through that
+extractor first (for openclipart: EfficientNet-Lite0 grid at 224 px, alpha on white, ImageNet mean/std,
+stored as float16 — so the features match the training ones bit for bit). A model with a pixel backbone
+takes the pictures directly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from vsekit.data.datasets import pad_tokens
+from vsekit.data.precomp import DataFormatError
+from vsekit.models.vse import VSEModel
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
+SUPPORTED_EXTRACTORS = ("efficientnet_lite0_grid",)
+MAX_IMAGE_PIXELS = 64_000_000  # refuse decompression bombs before decoding
+
+
+def needs_rerank(model: VSEModel) -> bool:
+    """True when the model's similarity is not a plain inner product (AEOM), so an index can only shortlist."""
+    return model.recipe.model.similarity.name != "cosine"
+
+
+def proxy_vectors(model: VSEModel, image_emb: torch.Tensor) -> torch.Tensor:
+    """[N, D] vectors for the inner-product index.
+
+    Cosine models: the embedding itself (the index is then exact). AEOM: the mean of the image's views,
+    L2-normalised — a shortlist key only; the engine re-scores the shortlist with `model.similarity`.
+    """
+    n = image_emb.shape[0]
+    if not needs_rerank(model):
+        return image_emb.reshape(n, -1).float()
+    d = model.recipe.model.embed_dim
+    v = image_emb.reshape(n, -1, d).float().mean(1)
+    return torch.nn.functional.normalize(v, dim=-1)
+
+
+def read_manifest_extractor(data_dir: str | Path) -> dict | None:
+    """The extractor spec of a dataset's manifest.json, under whichever key its builder used."""
+    path = Path(data_dir) / "manifest.json"
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DataFormatError(f"{path}: not valid JSON ({e})") from e
+    for key in ("extractor", "feature_extractor", "features"):
+        spec = manifest.get(key) if isinstance(manifest, dict) else None
+        if isinstance(spec, dict) and spec.get("name"):
+            return spec
+    return None
+
+
+def run_extractor_spec(run_cfg: dict) -> dict | None:
+    """Extractor recorded by the run, else the one in its training dataset's manifest (if still there)."""
+    spec = run_cfg.get("extractor")
+    if isinstance(spec, dict) and spec.get("name"):
+        return spec
+    data_dir = run_cfg.get("data_dir")
+    if data_dir and Path(data_dir).is_dir():
+        return read_manifest_extractor(data_dir)
+    return None
+
+
+def same_extractor(a: dict | None, b: dict | None) -> bool:
+    """Two specs make interchangeable features (same net, weights, input size, layer)."""
+    if not a or not b:
+        return False
+    keys = ("name", "weights_sha256", "image_size", "layer", "dim")
+    return all(a.get(k) == b.get(k) for k in keys)
+
+
+def open_image(path: str | Path) -> Image.Image:
+    """Decode a picture fully (so errors surface here, naming the file), refusing absurd sizes."""
+    path = Path(path)
+    try:
+        with Image.open(path) as im:
+            if im.width * im.height > MAX_IMAGE_PIXELS:
+                raise DataFormatError(f"{path}: {im.width}x{im.height} pixels is larger than the {MAX_IMAGE_PIXELS} limit")
+            im.load()
+            return im.copy()
+    except DataFormatError:
+        raise
+    except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as e:
+        raise DataFormatError(f"{path}: cannot read image ({e})") from e
+
+
+def backbone_pixels(img: Image.Image, size: int) -> torch.Tensor:
+    """Same transform as `vsekit.data.raw_images.load_pixels` at evaluation (alpha on white, bilinear)."""
+    from vsekit.data.raw_images import IMAGENET_MEAN, IMAGENET_STD
+
+    if img.mode in ("RGBA", "LA", "P"):
+        img = img.convert("RGBA")
+        bg = Image.new("RGBA", img.size, (255, 255, 255, 255))
+        img = Image.alpha_composite(bg, img)
+    img = img.convert("RGB").resize((size, size), Image.Resampling.BILINEAR)
+    arr = (np.asarray(img, dtype=np.float32) / 255.0 - IMAGENET_MEAN) / IMAGENET_STD
+    return torch.from_numpy(arr.transpose(2, 0, 1).copy())
+
+
+class ImageEmbedder:
+    """Raw pictures -> image embeddings [B, F] (F = flattened image embedding) of one model."""
+
+    def __init__(self, model: VSEModel, run_cfg: dict, device: str | torch.device = "cpu") -> None:
+        self.model = model
+        self.device = torch.device(device)
+        img_cfg = model.recipe.model.image
+        self.extractor = None
+        self.spec: dict[str, Any] | None = None
+        if img_cfg.kind == "backbone":
+            self.mode = "backbone"
+            self.image_size = img_cfg.image_size
+        else:
+            spec = run_extractor_spec(run_cfg)
+            if spec is None:
+                raise ValueError(
+                    "this run was trained on precomputed features and records no feature extractor (no 'extractor' "
+                    "in its config.json nor in its dataset's manifest.json), so it cannot embed raw pictures; "
+                    "index a dataset split with features instead (DATASET_DIR:SPLIT)"
+                )
+            if spec.get("name") not in SUPPORTED_EXTRACTORS:
+                raise ValueError(f"feature extractor {spec.get('name')!r} is not supported for raw pictures "
+                                 f"(supported: {', '.join(SUPPORTED_EXTRACTORS)})")  # fmt: skip
+            from vsekit.features.efficientnet import GridFeatureExtractor
+
+            self.image_size = int(spec.get("image_size", 224))
+            self.extractor = GridFeatureExtractor(device=self.device, image_size=self.image_size)
+            local = self.extractor.describe()
+            if spec.get("weights_sha256") and spec["weights_sha256"] != local["weights_sha256"]:
+                raise ValueError(
+                    f"the run's features came from extractor weights {spec['weights_sha256']}, but the installed "
+                    f"EfficientNet-Lite0 weights are {local['weights_sha256']}; features would not match training"
+                )
+            if model.spec.img_dim != local["dim"]:
+                raise ValueError(f"the extractor makes {local['dim']}-d features but the model expects {model.spec.img_dim}")
+            self.mode = "extractor"
+            self.spec = spec
+
+    def describe(self) -> dict:
+        if self.mode == "backbone":
+            return {"mode": "backbone", "image_size": self.image_size}
+        return {"mode": "extractor", "extractor": self.spec}
+
+    def load(self, path: str | Path) -> torch.Tensor:
+        """[3, S, S] input of one picture; DataFormatError naming the file when it cannot be read."""
+        return self.prepare(open_image(path))
+
+    def prepare(self, img: Image.Image) -> torch.Tensor:
+        """The model's evaluation-time input: the extractor's preprocessing, or `load_pixels` for backbones."""
+        if self.mode == "backbone":
+            return backbone_pixels(img, self.image_size)
+        from vsekit.features.efficientnet import preprocess_image
+
+        return preprocess_image(img, self.image_size)
+
+    @torch.no_grad()
+    def embed(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[B, 3, S, S] -> the model's image embeddings ([B, D], or [B, views, D]) as float32 on the CPU."""
+        pixels = pixels.to(self.device)
+        if self.mode == "backbone":
+            lengths = torch.full((pixels.shape[0],), -1, dtype=torch.long, device=self.device)
+            out = self.model.encode_images(pixels, lengths)
+        else:
+            feats = self.extractor(pixels)
+            feats = feats.half().float()  # the dataset stores float16 features; match them exactly
+            lengths = torch.full((feats.shape[0],), feats.shape[1], dtype=torch.long, device=self.device)
+            out = self.model.encode_images(feats, lengths)
+        return out.float().cpu()
+
+
+@torch.no_grad()
+def embed_features(model: VSEModel, feats: list[np.ndarray], device: str | torch.device = "cpu") -> torch.Tensor:
+    """Precomputed feature sets [(R_i, D)] -> image embeddings as float32 on the CPU."""
+    from vsekit.data.datasets import pad_sets
+
+    x, lengths = pad_sets([torch.from_numpy(np.asarray(f, dtype=np.float32)) for f in feats])
+    return model.encode_images(x.to(device), lengths.to(device)).float().cpu()
+
+
+class TextEmbedder:
+    """Queries or captions -> text embeddings [N, D], with the model's own tokeniser."""
+
+    def __init__(self, model: VSEModel, device: str | torch.device = "cpu") -> None:
+        from vsekit.evaluation import pad_id_for, text_processor_for
+
+        self.model = model
+        self.device = torch.device(device)
+        self.text = text_processor_for(model)
+        self.pad_id = pad_id_for(self.text)
+
+    @torch.no_grad()
+    def embed(self, texts: list[str], batch_size: int = 256) -> torch.Tensor:
+        out = []
+        for start in range(0, len(texts), batch_size):
+            ids = [torch.tensor(self.text.encode(t), dtype=torch.long) for t in texts[start : start + batch_size]]
+            tokens, lengths = pad_tokens(ids, self.pad_id)
+            out.append(self.model.encode_texts(tokens.to(self.device), lengths.to(self.device)).float().cpu())
+        if not out:
+            return torch.zeros((0, self.model.recipe.model.embed_dim))
+        return torch.cat(out)
+
+    def unknown_words(self, text: str) -> list[str]:
+        """Words a BiGRU vocabulary maps to <unk> (they carry no meaning for the model)."""
+        from vsekit.data.text import Vocabulary, tokenize_words
+
+        if not isinstance(self.text, Vocabulary):
+            return []
+        return [w for w in tokenize_words(text) if w.isalnum() and w not in self.text.word2idx]

@@ -1,0 +1,175 @@
+"""Queries against an index: text -> pictures, picture -> captions, with exact re-ranking where needed.
+
+For cosine models the FAISS inner product *is* the model's similarity, so a flat index is exact and an
+IVF/HNSW index only risks missing items. AEOM (AVSE) scores an image's several views block by block, which
+no inner-product index can do: the index ranks a shortlist by the views' mean, and the shortlist is
+re-scored exactly with `model.similarity` (depth = max(rerank_factor*k, rerank_min) candidates).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from vsekit.search.encode import ImageEmbedder, TextEmbedder, needs_rerank, proxy_vectors
+from vsekit.search.index import IndexFormatError, SearchIndex, _sha256, run_weights
+
+
+@dataclass
+class Hit:
+    """One result. For text -> image, `id` is a picture id; for image -> text, a caption id."""
+
+    id: int
+    score: float
+    path: str | None  # picture path relative to its root (None for a caption without a picture)
+    file: str | None  # absolute path of the picture (None when missing or outside its root)
+    caption: str | None
+    picture: int | None = None  # picture id
+
+    def public(self) -> dict:
+        """The `--json` / API shape: path, score, caption (best first in a list)."""
+        return {"path": self.file or self.path, "score": round(self.score, 6), "caption": self.caption}
+
+
+class SearchEngine:
+    """A loaded index plus the model that built it; thread-safe for concurrent searches (no state changes)."""
+
+    def __init__(self, index: SearchIndex, model, run_cfg: dict, device: str | torch.device = "cpu",
+                 rerank_factor: int = 10, rerank_min: int = 100) -> None:  # fmt: skip
+        self.index = index
+        self.model = model.eval()
+        self.run_cfg = run_cfg
+        self.device = torch.device(device)
+        self.text = TextEmbedder(model, device)
+        self.rerank = needs_rerank(model)
+        self.rerank_factor = rerank_factor
+        self.rerank_min = rerank_min
+        self.emb_shape = tuple(index.meta.get("image_emb_shape") or [])
+        self._images: ImageEmbedder | None = None
+        self._images_lock = threading.Lock()
+
+    @classmethod
+    def open(cls, index_dir: str | Path, device: str | torch.device = "cpu", run_dir: str | Path | None = None,
+             **kwargs) -> SearchEngine:  # fmt: skip
+        """Open an index and load its model, refusing a model whose weights differ from the indexed ones."""
+        from vsekit.training.checkpoint import load_run
+
+        index = SearchIndex(index_dir)
+        m = index.meta["model"]
+        run = Path(run_dir) if run_dir else Path(m["run_dir"])
+        weights = run_weights(run, m["checkpoint"])
+        if not weights.is_file():
+            raise IndexFormatError(f"{index_dir}: its model {weights} is missing; pass the run with --run RUN_DIR")
+        if _sha256(weights) != m["weights_sha256"]:
+            raise IndexFormatError(
+                f"{weights} differs from the weights this index was built with (sha256 {m['weights_sha256'][:12]}); "
+                "queries would not match the stored embeddings — rebuild the index with `vse index`"
+            )
+        model, cfg = load_run(run, m["checkpoint"], device)
+        return cls(index, model, cfg, device, **kwargs)
+
+    # ---------------------------------------------------------------------------------- helpers
+    def _hit_for_picture(self, pid: int, score: float) -> Hit:
+        pic = self.index.pictures[pid]
+        f = self.index.picture_file(pid)
+        return Hit(pid, score, pic["path"], str(f) if f else None, pic.get("caption"), pid)
+
+    def _hit_for_caption(self, cid: int, score: float) -> Hit:
+        cap = self.index.captions[cid]
+        pid = cap.get("image")
+        if pid is None:
+            return Hit(cid, score, None, None, cap["text"], None)
+        h = self._hit_for_picture(int(pid), score)
+        return Hit(cid, score, h.path, h.file, cap["text"], int(pid))
+
+    def _depth(self, k: int, n: int) -> int:
+        return min(n, max(k * self.rerank_factor, self.rerank_min)) if self.rerank else min(k, n)
+
+    # ---------------------------------------------------------------------------------- text -> image
+    @torch.no_grad()
+    def search_text_vectors(self, queries: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+        """Text embeddings [Q, D] -> per query [(picture id, score)] best first."""
+        n = self.index.n_pictures
+        if n == 0 or k < 1:
+            return [[] for _ in range(len(queries))]
+        q = np.ascontiguousarray(queries.float().cpu().numpy())
+        scores, ids = self.index.image_faiss.search(q, self._depth(k, n))
+        out = []
+        for qi in range(len(q)):
+            valid = ids[qi] >= 0
+            cand, sc = ids[qi][valid], scores[qi][valid]
+            if self.rerank and len(cand):
+                emb = torch.from_numpy(self.index.image_emb(cand)).reshape(len(cand), *self.emb_shape).to(self.device)
+                sc = self.model.similarity(emb, queries[qi : qi + 1].to(self.device))[:, 0].float().cpu().numpy()
+                order = np.argsort(-sc, kind="stable")
+                cand, sc = cand[order], sc[order]
+            out.append([(int(i), float(s)) for i, s in zip(cand[:k], sc[:k])])
+        return out
+
+    def search_text(self, query: str, k: int = 10) -> list[Hit]:
+        """Pictures that best match a text query."""
+        q = self.text.embed([query])
+        return [self._hit_for_picture(i, s) for i, s in self.search_text_vectors(q, k)[0]]
+
+    # ---------------------------------------------------------------------------------- image -> text
+    @property
+    def images(self) -> ImageEmbedder:
+        """The picture pipeline, built on first use (it loads the feature extractor)."""
+        with self._images_lock:
+            if self._images is None:
+                self._images = ImageEmbedder(self.model, self.run_cfg, self.device)
+        return self._images
+
+    @torch.no_grad()
+    def search_image_vectors(self, image_emb: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+        """Image embeddings [Q, ...] -> per query [(caption id, score)] best first."""
+        idx = self.index.caption_faiss
+        n = self.index.n_captions
+        if idx is None or n == 0 or k < 1:
+            return [[] for _ in range(len(image_emb))]
+        proxy = np.ascontiguousarray(proxy_vectors(self.model, image_emb).cpu().numpy())
+        scores, ids = idx.search(proxy, self._depth(k, n))
+        out = []
+        for qi in range(len(proxy)):
+            valid = ids[qi] >= 0
+            cand, sc = ids[qi][valid], scores[qi][valid]
+            if self.rerank and len(cand):
+                txt = torch.from_numpy(self.index.caption_emb(cand)).to(self.device)
+                sc = self.model.similarity(image_emb[qi : qi + 1].to(self.device), txt)[0].float().cpu().numpy()
+                order = np.argsort(-sc, kind="stable")
+                cand, sc = cand[order], sc[order]
+            out.append([(int(i), float(s)) for i, s in zip(cand[:k], sc[:k])])
+        return out
+
+    def search_image(self, image: str | Path | Image.Image, k: int = 10, distinct: bool = True) -> list[Hit]:
+        """Indexed captions that best describe a picture (a file path or a PIL image).
+
+        With `distinct`, a caption text shared by several pictures ("a red circle") is listed once.
+        """
+        pixels = self.images.load(image) if isinstance(image, (str, Path)) else self.images.prepare(image)
+        emb = self.images.embed(pixels.unsqueeze(0))
+        wide = 4 * k + 20 if distinct else k
+        hits, seen = [], set()
+        for i, s in self.search_image_vectors(emb, wide)[0]:
+            h = self._hit_for_caption(i, s)
+            if distinct and h.caption in seen:
+                continue
+            seen.add(h.caption)
+            hits.append(h)
+        return hits[:k]
+
+    def info(self) -> dict:
+        m = self.index.meta
+        return {
+            "pictures": self.index.n_pictures,
+            "captions": self.index.n_captions,
+            "index": self.index.params.kind,
+            "similarity": m["model"]["similarity"],
+            "rerank": self.rerank,
+            "recipe": m["model"].get("recipe"),
+        }

@@ -1,0 +1,627 @@
+"""A search index: picture embeddings of one trained model, their metadata, and FAISS indexes over them.
+
+INDEX_DIR/
+  index.json                 written last and atomically: model fingerprint, FAISS settings, roots, segments
+  segments/NNNN/             one per `vse index` call (incremental adds append a segment, never rewrite one)
+    pictures.jsonl           {"root": i, "path": relative path, "caption": str|null, "id": str} per picture
+    image_emb.npy            float32 [n, F]: the model's full image embeddings (re-ranking, rebuilding)
+    captions.jsonl           {"text": str, "image": global picture id|null} per caption (image -> text search)
+    caption_emb.npy          float32 [m, D]
+  images.gN.faiss            inner-product index over the pictures' proxy vectors (generation N)
+  captions.gN.faiss          the same over the captions
+  .work/JOB/chunk_*.npz      finished encoding chunks of an interrupted run; reused on restart, then removed
+
+A reader that opens index.json sees a consistent set of files: new files get new names, index.json is
+replaced in one rename, and the old files are deleted only after that. Picture paths are stored relative
+to a recorded root, and are only ever resolved inside it (the server depends on that).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vsekit.data.precomp import DataFormatError, PrecompSplit, load_precomp_split, read_lines
+from vsekit.search.encode import (
+    IMAGE_SUFFIXES,
+    ImageEmbedder,
+    TextEmbedder,
+    embed_features,
+    needs_rerank,
+    proxy_vectors,
+    read_manifest_extractor,
+    run_extractor_spec,
+    same_extractor,
+)
+from vsekit.utils.io import atomic_save_npy, atomic_write_bytes, atomic_write_json, atomic_write_text
+
+INDEX_FORMAT = "vsekit-index/1"
+INDEX_KINDS = ("flat", "ivf", "hnsw")
+
+
+class IndexFormatError(ValueError):
+    """An index directory that cannot be read or extended safely; the message names the file."""
+
+
+# ---------------------------------------------------------------------------------------------- FAISS
+
+
+@dataclass
+class FaissParams:
+    """Which FAISS index and its knobs. `flat` is exact; `ivf` and `hnsw` trade recall for speed
+    (docs/search.md has the measured trade-off)."""
+
+    kind: str = "flat"
+    nlist: int = 0  # ivf: number of lists; 0 = about 4*sqrt(n) (autofaiss' rule), at least 39 vectors per list
+    nprobe: int = 16  # ivf: lists visited per query (search time; more = higher recall, slower)
+    hnsw_m: int = 32  # hnsw: graph degree (memory: 8*M bytes per vector on top of the vector)
+    ef_construction: int = 80  # hnsw: build-time beam
+    ef_search: int = 64  # hnsw: query-time beam (search time; more = higher recall, slower)
+
+    def validate(self) -> None:
+        if self.kind not in INDEX_KINDS:
+            raise ValueError(f"index kind {self.kind!r}; choose one of {', '.join(INDEX_KINDS)}")
+        for name in ("nprobe", "hnsw_m", "ef_construction", "ef_search"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.nlist < 0:
+            raise ValueError(f"nlist must be >= 0 (0 = automatic), got {self.nlist}")
+
+
+def _faiss():
+    try:
+        import faiss
+    except ImportError as e:
+        raise ImportError("search needs FAISS: pip install 'vsekit[search]' (faiss-cpu)") from e
+    return faiss
+
+
+def auto_nlist(n: int) -> int:
+    """A power of two near 4*sqrt(n), with at least 39 training vectors per list."""
+    target = 2 ** int(round(np.log2(max(1.0, 4 * np.sqrt(n)))))
+    return int(max(1, min(target, n // 39)))
+
+
+def build_faiss(vectors: np.ndarray, params: FaissParams, seed: int = 0):
+    """A FAISS inner-product index over `vectors` [N, D] (trained first when the kind needs it)."""
+    faiss = _faiss()
+    params.validate()
+    x = np.ascontiguousarray(vectors, dtype=np.float32)
+    n, d = x.shape
+    if params.kind == "flat":
+        index = faiss.IndexFlatIP(d)
+    elif params.kind == "hnsw":
+        index = faiss.IndexHNSWFlat(d, params.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction = params.ef_construction
+    else:
+        nlist = params.nlist or auto_nlist(n)
+        if n < nlist:
+            raise ValueError(f"an IVF index with {nlist} lists needs at least {nlist} vectors to train, got {n}; "
+                             "use a smaller --nlist or --index flat")  # fmt: skip
+        index = faiss.IndexIVFFlat(faiss.IndexFlatIP(d), d, nlist, faiss.METRIC_INNER_PRODUCT)
+        index.cp.seed = seed
+        max_train = 256 * nlist
+        train = x if n <= max_train else x[np.sort(np.random.default_rng(seed).choice(n, max_train, replace=False))]
+        index.train(train)
+    if n:
+        index.add(x)
+    tune_faiss(index, params)
+    return index
+
+
+def tune_faiss(index, params: FaissParams) -> None:
+    """Apply the search-time knobs (nprobe / efSearch) to a loaded index."""
+    if hasattr(index, "nprobe"):
+        index.nprobe = min(params.nprobe, index.nlist)
+    if hasattr(index, "hnsw"):
+        index.hnsw.efSearch = params.ef_search
+
+
+def write_faiss(index, path: Path) -> None:
+    """Temp file + fsync + rename (FAISS writes large indexes straight to disk, not through memory)."""
+    faiss = _faiss()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        faiss.write_index(index, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def read_faiss(path: Path):
+    faiss = _faiss()
+    if not path.is_file():
+        raise IndexFormatError(f"{path}: missing (the index directory is incomplete)")
+    try:
+        return faiss.read_index(str(path))
+    except RuntimeError as e:
+        raise IndexFormatError(f"{path}: not a readable FAISS index ({str(e).splitlines()[0]})") from e
+
+
+# -------------------------------------------------------------------------------------------- sources
+
+
+@dataclass
+class Source:
+    """Pictures to index (paths relative to `root`), their ids and captions, and features when a split has them."""
+
+    label: str
+    root: Path
+    paths: list[str]
+    ids: list[str]
+    captions: list[tuple[str, int]] = field(default_factory=list)  # (text, picture index in this source)
+    split: PrecompSplit | None = None
+
+    def first_caption(self) -> list[str | None]:
+        out: list[str | None] = [None] * len(self.paths)
+        for text, i in self.captions:
+            if out[i] is None:
+                out[i] = text
+        return out
+
+
+def _is_dataset_dir(path: Path) -> bool:
+    return any(path.glob("*_caps.txt"))
+
+
+def split_source(root: Path, split: str, captions_per_image: int) -> Source:
+    data = load_precomp_split(root, split, captions_per_image)
+    if data.image_paths is None:
+        raise DataFormatError(f"{root / f'{split}_images.txt'}: missing, so split {split!r} names no pictures to "
+                              "index (it needs one image path per image row)")  # fmt: skip
+    caps = [(c, int(i)) for c, i in zip(data.captions, data.cap2img)]
+    return Source(f"{root}:{split}", root.resolve(), list(data.image_paths), list(data.image_ids), caps, data)
+
+
+def folder_source(root: Path) -> Source:
+    """Every picture under `root` (sorted, hidden files skipped); `x.png` + `x.txt` gives x's caption."""
+    paths = sorted(
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*")
+        if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()
+        and not any(part.startswith(".") for part in p.relative_to(root).parts)
+    )  # fmt: skip
+    if not paths:
+        raise DataFormatError(f"{root}: no pictures ({', '.join(IMAGE_SUFFIXES)}) in this folder or below")
+    caps = []
+    for i, rel in enumerate(paths):
+        side = (root / rel).with_suffix(".txt")
+        if side.is_file():
+            lines = [s.strip() for s in read_lines(side) if s.strip()]
+            caps += [(s, i) for s in lines]
+    return Source(str(root), root.resolve(), paths, [Path(p).stem for p in paths], caps)
+
+
+def resolve_source(spec: str, captions_per_image: int = 5) -> Source:
+    """`DATASET_DIR:SPLIT`, a dataset directory (its test split), a folder of pictures, or one picture."""
+    path = Path(spec)
+    if path.is_dir():
+        if _is_dataset_dir(path):
+            if not (path / "test_caps.txt").is_file():
+                splits = sorted(p.name[: -len("_caps.txt")] for p in path.glob("*_caps.txt"))
+                raise DataFormatError(f"{path}: a dataset directory; name a split as {path}:SPLIT ({', '.join(splits)})")
+            return split_source(path, "test", captions_per_image)
+        return folder_source(path)
+    if path.is_file():
+        if path.suffix.lower() not in IMAGE_SUFFIXES:
+            raise DataFormatError(f"{path}: not a picture ({', '.join(IMAGE_SUFFIXES)}) nor a directory")
+        caps = []
+        side = path.with_suffix(".txt")
+        if side.is_file():
+            caps = [(s.strip(), 0) for s in read_lines(side) if s.strip()]
+        return Source(str(path), path.parent.resolve(), [path.name], [path.stem], caps)
+    if ":" in spec:
+        root, split = spec.rsplit(":", 1)
+        if Path(root).is_dir() and split:
+            return split_source(Path(root), split, captions_per_image)
+    raise DataFormatError(f"{spec}: does not exist (give a folder of pictures, a dataset directory, or DATASET_DIR:SPLIT)")
+
+
+# ------------------------------------------------------------------------------ resumable encoding
+
+
+def _save_npz(path: Path, **arrays: np.ndarray) -> None:
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def encode_resumable(work_dir: Path, n: int, load: Callable[[int], Any], embed: Callable[[list], torch.Tensor],
+                     chunk_size: int = 256, batch_size: int = 16, strict: bool = False, progress: bool = True,
+                     desc: str = "index") -> tuple[np.ndarray, np.ndarray, list[str], list[int]]:  # fmt: skip
+    """Embed items 0..n-1 chunk by chunk, saving each finished chunk, so a rerun skips finished work.
+
+    Returns (embeddings flattened to [kept, F], kept item indices, problems, per-item embedding shape).
+    An item whose `load` raises DataFormatError is skipped and reported (with `strict`, it stops the run).
+    """
+    from tqdm import tqdm
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    n_chunks = (n + chunk_size - 1) // chunk_size
+    done = [c for c in range(n_chunks) if (work_dir / f"chunk_{c:06d}.npz").is_file()]
+    start_count = sum(min(chunk_size, n - c * chunk_size) for c in done)
+    bar = tqdm(total=n, initial=start_count, desc=desc, unit="img", disable=not progress)
+    for c in range(n_chunks):
+        path = work_dir / f"chunk_{c:06d}.npz"
+        if path.is_file():
+            continue
+        lo, hi = c * chunk_size, min(n, (c + 1) * chunk_size)
+        embs, kept, problems, shape = [], [], [], []
+        for b in range(lo, hi, batch_size):
+            items = []
+            for i in range(b, min(hi, b + batch_size)):
+                try:
+                    items.append(load(i))
+                    kept.append(i)
+                except DataFormatError as e:
+                    if strict:
+                        raise
+                    problems.append(str(e))
+            if items:
+                out = embed(items)
+                shape = list(out.shape[1:])
+                embs.append(out.reshape(out.shape[0], -1).float().cpu())
+            bar.update(min(hi, b + batch_size) - b)
+        emb = torch.cat(embs).numpy() if embs else np.zeros((0, 0), dtype=np.float32)
+        atomic_write_json(work_dir / f"chunk_{c:06d}.json", problems)
+        _save_npz(path, emb=emb.astype(np.float32), kept=np.asarray(kept, dtype=np.int64),
+                  shape=np.asarray(shape, dtype=np.int64))  # fmt: skip
+    bar.close()
+    embs, kept, problems, shape = [], [], [], []
+    for c in range(n_chunks):
+        with np.load(work_dir / f"chunk_{c:06d}.npz", allow_pickle=False) as z:
+            if len(z["kept"]):
+                embs.append(z["emb"])
+                kept.append(z["kept"])
+                shape = [int(v) for v in z["shape"]]
+        problems += json.loads((work_dir / f"chunk_{c:06d}.json").read_text(encoding="utf-8"))
+    if not embs:
+        return np.zeros((0, 0), dtype=np.float32), np.zeros(0, dtype=np.int64), problems, shape
+    return np.concatenate(embs), np.concatenate(kept), problems, shape
+
+
+# ------------------------------------------------------------------------------------- the index
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def run_weights(run_dir: Path, which: str) -> Path:
+    """The weights file `load_run` reads for `which` (best falls back to last)."""
+    path = run_dir / f"{which}.safetensors"
+    if not path.is_file() and which == "best":
+        path = run_dir / "last.safetensors"
+    return path
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise IndexFormatError(f"{path}: missing (the index directory is incomplete)")
+    out = []
+    for lineno, line in enumerate(read_lines(path), 1):
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise IndexFormatError(f"{path}:{lineno}: not valid JSON ({e})") from e
+        if not isinstance(item, dict):
+            raise IndexFormatError(f"{path}:{lineno}: expected a JSON object")
+        out.append(item)
+    return out
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def _load_emb(path: Path, rows: int, mmap: bool) -> np.ndarray:
+    if not path.is_file():
+        raise IndexFormatError(f"{path}: missing (the index directory is incomplete)")
+    try:
+        arr = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise IndexFormatError(f"{path}: not a readable .npy array ({e})") from e
+    if arr.ndim != 2 or arr.shape[0] != rows or arr.dtype != np.float32:
+        raise IndexFormatError(f"{path}: expected float32 [{rows}, dim], got {arr.dtype} {list(arr.shape)}")
+    return arr
+
+
+class SearchIndex:
+    """An index directory opened for searching: metadata in memory, embeddings memory-mapped."""
+
+    def __init__(self, index_dir: str | Path, mmap: bool = True) -> None:
+        self.dir = Path(index_dir)
+        meta_path = self.dir / "index.json"
+        if not meta_path.is_file():
+            raise IndexFormatError(f"{self.dir}: not a vsekit index (no index.json); build one with `vse index`")
+        try:
+            self.meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise IndexFormatError(f"{meta_path}: not valid JSON ({e})") from e
+        if not isinstance(self.meta, dict) or self.meta.get("format") != INDEX_FORMAT:
+            raise IndexFormatError(f"{meta_path}: format {self.meta.get('format') if isinstance(self.meta, dict) else None!r}; "
+                                   f"this vsekit reads {INDEX_FORMAT}")  # fmt: skip
+        try:
+            self.roots = [Path(r) for r in self.meta["roots"]]
+            self.params = FaissParams(**self.meta["faiss"])
+            segments = self.meta["segments"]
+            files = self.meta["files"]
+        except (KeyError, TypeError) as e:
+            raise IndexFormatError(f"{meta_path}: missing or malformed field ({e})") from e
+        self.pictures: list[dict] = []
+        self.captions: list[dict] = []
+        self._img: list[np.ndarray] = []
+        self._cap: list[np.ndarray] = []
+        for seg in segments:
+            sdir = self.dir / seg["dir"]
+            pics = _read_jsonl(sdir / "pictures.jsonl")
+            caps = _read_jsonl(sdir / "captions.jsonl")
+            for lineno, p in enumerate(pics, 1):
+                if not isinstance(p.get("path"), str) or not isinstance(p.get("root"), int) or not 0 <= p["root"] < len(self.roots):
+                    raise IndexFormatError(f"{sdir / 'pictures.jsonl'}:{lineno}: needs a 'path' string and a valid 'root'")
+            self.pictures += pics
+            self.captions += caps
+            self._img.append(_load_emb(sdir / "image_emb.npy", len(pics), mmap))
+            self._cap.append(_load_emb(sdir / "caption_emb.npy", len(caps), mmap) if caps else None)
+        self._img_offsets = np.cumsum([0] + [len(a) for a in self._img])
+        self._cap_offsets = np.cumsum([0] + [0 if a is None else len(a) for a in self._cap])
+        self.image_faiss = read_faiss(self.dir / files["images"])
+        self.caption_faiss = read_faiss(self.dir / files["captions"]) if files.get("captions") else None
+        if self.image_faiss.ntotal != len(self.pictures):
+            raise IndexFormatError(f"{self.dir / files['images']}: holds {self.image_faiss.ntotal} vectors but the "
+                                   f"segments list {len(self.pictures)} pictures")  # fmt: skip
+        n_caps = 0 if self.caption_faiss is None else self.caption_faiss.ntotal
+        if n_caps != len(self.captions):
+            raise IndexFormatError(f"{self.dir}: caption index holds {n_caps} vectors for {len(self.captions)} captions")
+        tune_faiss(self.image_faiss, self.params)
+        if self.caption_faiss is not None:
+            tune_faiss(self.caption_faiss, self.params)
+
+    @property
+    def n_pictures(self) -> int:
+        return len(self.pictures)
+
+    @property
+    def n_captions(self) -> int:
+        return len(self.captions)
+
+    def set_search_params(self, nprobe: int | None = None, ef_search: int | None = None) -> None:
+        if nprobe is not None:
+            self.params.nprobe = nprobe
+        if ef_search is not None:
+            self.params.ef_search = ef_search
+        self.params.validate()
+        for idx in (self.image_faiss, self.caption_faiss):
+            if idx is not None:
+                tune_faiss(idx, self.params)
+
+    def _gather(self, parts: list, offsets: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        seg = np.searchsorted(offsets, ids, side="right") - 1
+        return np.stack([np.asarray(parts[s][i - offsets[s]]) for s, i in zip(seg, ids)]) if len(ids) else None
+
+    def image_emb(self, ids: np.ndarray) -> np.ndarray:
+        """Full image embeddings [len(ids), F] of pictures by global id."""
+        return self._gather(self._img, self._img_offsets, np.asarray(ids, dtype=np.int64))
+
+    def caption_emb(self, ids: np.ndarray) -> np.ndarray:
+        return self._gather(self._cap, self._cap_offsets, np.asarray(ids, dtype=np.int64))
+
+    def all_image_emb(self) -> np.ndarray:
+        return np.concatenate([np.asarray(a) for a in self._img]) if self._img else np.zeros((0, 0), np.float32)
+
+    def picture_file(self, i: int) -> Path | None:
+        """The picture's file, or None when it is missing or would resolve outside its recorded root."""
+        if not 0 <= i < len(self.pictures):
+            return None
+        pic = self.pictures[i]
+        root = self.roots[pic["root"]].resolve()
+        try:
+            path = (root / pic["path"]).resolve()
+        except (OSError, RuntimeError):
+            return None
+        if not path.is_relative_to(root) or not path.is_file():
+            return None
+        return path
+
+
+def _check_same_model(meta: dict, fingerprint: dict, out_dir: Path) -> None:
+    old = meta.get("model", {})
+    if old.get("weights_sha256") != fingerprint["weights_sha256"]:
+        raise IndexFormatError(
+            f"{out_dir / 'index.json'}: built with {old.get('run_dir')}/{old.get('weights')} "
+            f"(sha256 {str(old.get('weights_sha256'))[:12]}), not with {fingerprint['run_dir']}/{fingerprint['weights']} "
+            f"(sha256 {fingerprint['weights_sha256'][:12]}); embeddings of two models cannot share an index — use a new --out"
+        )
+
+
+def build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, checkpoint: str = "best",
+                params: FaissParams | None = None, device: str | torch.device = "cpu", batch_size: int = 16,
+                chunk_size: int = 256, pixels: bool = False, strict: bool = False,
+                captions_file: str | Path | None = None, progress: bool = True,
+                log: Callable[[str], None] = print) -> dict:  # fmt: skip
+    """Embed the pictures of `source` with a trained run and write (or extend) the index in `out_dir`.
+
+    Pictures already in the index are skipped, so rerunning after new files arrive only adds those. A run
+    that is interrupted resumes from its last finished chunk. Returns the new index.json contents.
+    """
+    from vsekit.training.checkpoint import load_run
+
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    device = torch.device(device)
+    weights = run_weights(run_dir, checkpoint)
+    model, run_cfg = load_run(run_dir, checkpoint, device)
+    fingerprint = {
+        "run_dir": str(run_dir.resolve()), "checkpoint": checkpoint, "weights": weights.name,
+        "weights_sha256": _sha256(weights), "recipe": model.recipe.name,
+        "similarity": model.recipe.model.similarity.name, "embed_dim": model.recipe.model.embed_dim,
+        "rerank": needs_rerank(model),
+    }  # fmt: skip
+    meta_path = out_dir / "index.json"
+    old = SearchIndex(out_dir) if meta_path.is_file() else None
+    if old is not None:
+        _check_same_model(old.meta, fingerprint, out_dir)
+        if params is not None and params.kind != old.params.kind:
+            log(f"note: {out_dir} is a {old.params.kind} index; new pictures are added to it as such")
+        params = old.params
+    params = params or FaissParams()
+    params.validate()
+    if out_dir.exists() and old is None and any(p for p in out_dir.iterdir() if p.name != ".work"):
+        raise IndexFormatError(f"{out_dir}: exists, is not empty and holds no index.json; choose an empty or new --out")
+
+    src = resolve_source(source, model.recipe.data.captions_per_image)
+    roots = [str(r) for r in (old.roots if old else [])]
+    if str(src.root) not in roots:
+        roots.append(str(src.root))
+    root_id = roots.index(str(src.root))
+    present = {(p["root"], p["path"]) for p in old.pictures} if old else set()
+    todo = [i for i, p in enumerate(src.paths) if (root_id, p) not in present]
+    if old is not None and len(todo) < len(src.paths):
+        log(f"{len(src.paths) - len(todo)} of {len(src.paths)} pictures are already in the index; adding {len(todo)}")
+
+    use_features = (src.split is not None and not pixels and model.recipe.model.image.kind == "precomp"
+                    and src.split.feature_shape[1] == model.spec.img_dim)  # fmt: skip
+    if use_features:
+        theirs, ours = read_manifest_extractor(src.root), run_extractor_spec(run_cfg)
+        if theirs and ours and not same_extractor(theirs, ours):
+            log(f"note: {src.root}'s features come from another extractor ({theirs.get('name')}) than the run's "
+                f"({ours.get('name')}); embedding its pictures instead")  # fmt: skip
+            use_features = False
+    if use_features:
+        mode = {"mode": "features", "dataset": src.label}
+        split = src.split
+
+        def load(j: int):
+            return split.image_features(todo[j])
+
+        def embed(items: list) -> torch.Tensor:
+            return embed_features(model, items, device)
+    else:
+        embedder = ImageEmbedder(model, run_cfg, device)
+        mode = embedder.describe()
+
+        def load(j: int):
+            return embedder.load(src.root / src.paths[todo[j]])
+
+        def embed(items: list) -> torch.Tensor:
+            return embedder.embed(torch.stack(items))
+
+    job = hashlib.sha256(json.dumps([fingerprint["weights_sha256"], mode, str(src.root), [src.paths[i] for i in todo]],
+                                    sort_keys=True).encode()).hexdigest()[:16]  # fmt: skip
+    work = out_dir / ".work" / job
+    emb, kept_local, problems, shape = encode_resumable(work, len(todo), load, embed, chunk_size, batch_size, strict,
+                                                        progress, desc="embed pictures")  # fmt: skip
+    for msg in problems[:10]:
+        log(f"warning: skipped {msg}")
+    if len(problems) > 10:
+        log(f"warning: … and {len(problems) - 10} more unreadable pictures skipped")
+    kept = [todo[j] for j in kept_local]
+    if not kept:
+        shutil.rmtree(work, ignore_errors=True)
+        if old is None:
+            raise DataFormatError(f"{source}: none of its {len(src.paths)} pictures could be embedded")
+        log(f"nothing to add to {out_dir}")
+        return old.meta
+    if old is not None and old.meta.get("image_emb_shape") != shape:
+        raise IndexFormatError(f"{meta_path}: pictures embed to shape {old.meta.get('image_emb_shape')}, the new ones to {shape}")
+
+    base = old.n_pictures if old else 0
+    first = src.first_caption()
+    pictures = [{"root": root_id, "path": src.paths[i], "caption": first[i], "id": src.ids[i]} for i in kept]
+    new_id = {i: base + n for n, i in enumerate(kept)}
+    captions = [{"text": t, "image": new_id[i]} for t, i in src.captions if i in new_id]
+    if captions_file:
+        extra = [s.strip() for s in read_lines(Path(captions_file)) if s.strip()]
+        known = {c["text"] for c in (old.captions if old else [])} | {c["text"] for c in captions}
+        captions += [{"text": s, "image": None} for s in dict.fromkeys(extra) if s not in known]
+    cap_emb = TextEmbedder(model, device).embed([c["text"] for c in captions]).numpy().astype(np.float32)
+
+    img_proxy = proxy_vectors(model, torch.from_numpy(emb)).numpy()
+    segment = {"source": src.label, "embedded_from": mode, "skipped": problems}
+    meta = append_segment(out_dir, old, fingerprint=fingerprint, params=params, roots=roots, pictures=pictures,
+                          image_emb=emb, emb_shape=shape, proxies=img_proxy, captions=captions, caption_emb=cap_emb,
+                          segment=segment)  # fmt: skip
+    shutil.rmtree(work, ignore_errors=True)
+    if (out_dir / ".work").is_dir() and not any((out_dir / ".work").iterdir()):
+        (out_dir / ".work").rmdir()
+    return meta
+
+
+def append_segment(out_dir: Path, old: SearchIndex | None, *, fingerprint: dict, params: FaissParams, roots: list[str],
+                   pictures: list[dict], image_emb: np.ndarray, emb_shape: list[int], proxies: np.ndarray,
+                   captions: list[dict], caption_emb: np.ndarray, segment: dict) -> dict:  # fmt: skip
+    """Write one segment, extend (or build) the FAISS indexes, then switch index.json over to them.
+
+    Order: segment files (unlisted until index.json names them), new-generation FAISS files, index.json in
+    one rename, then the old generation's files are deleted — a crash at any point leaves a readable index.
+    """
+    out_dir = Path(out_dir)
+    seg_rel = f"segments/{len(old.meta['segments']) if old else 0:04d}"
+    seg_dir = out_dir / seg_rel
+    if seg_dir.exists():
+        shutil.rmtree(seg_dir)  # left by a run that crashed before index.json listed it
+    seg_dir.mkdir(parents=True)
+    _write_jsonl(seg_dir / "pictures.jsonl", pictures)
+    atomic_save_npy(seg_dir / "image_emb.npy", np.asarray(image_emb, dtype=np.float32))
+    _write_jsonl(seg_dir / "captions.jsonl", captions)
+    atomic_save_npy(seg_dir / "caption_emb.npy", np.asarray(caption_emb, dtype=np.float32))
+
+    if old is None:
+        img_index = build_faiss(proxies, params)
+    else:
+        img_index = old.image_faiss
+        img_index.add(np.ascontiguousarray(proxies, dtype=np.float32))
+    cap_index = old.caption_faiss if old else None
+    if cap_index is None and captions:
+        small = params.kind == "ivf" and len(captions) < 39 * max(1, params.nlist)
+        cap_index = build_faiss(caption_emb, FaissParams("flat") if small else params)
+    elif cap_index is not None and captions:
+        cap_index.add(np.ascontiguousarray(caption_emb, dtype=np.float32))
+    gen = int(old.meta["generation"]) + 1 if old else 1
+    files = {"images": f"images.g{gen}.faiss", "captions": f"captions.g{gen}.faiss" if cap_index is not None else None}
+    write_faiss(img_index, out_dir / files["images"])
+    if cap_index is not None:
+        write_faiss(cap_index, out_dir / files["captions"])
+
+    now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    segment = {"dir": seg_rel, "pictures": len(pictures), "captions": len(captions), **segment, "added": now}
+    meta = {
+        "format": INDEX_FORMAT,
+        "generation": gen,
+        "created": old.meta["created"] if old else now,
+        "updated": now,
+        "model": fingerprint,
+        "image_emb_shape": list(emb_shape),
+        "faiss": asdict(params),
+        "roots": roots,
+        "segments": (old.meta["segments"] if old else []) + [segment],
+        "files": files,
+        "counts": {"pictures": (old.n_pictures if old else 0) + len(pictures),
+                   "captions": (old.n_captions if old else 0) + len(captions)},
+    }  # fmt: skip
+    atomic_write_json(out_dir / "index.json", meta)
+    if old is not None:
+        for name in old.meta["files"].values():
+            if name and name not in files.values():
+                (out_dir / name).unlink(missing_ok=True)
+    return meta

@@ -1,0 +1,303 @@
+"""`vse serve`: a FastAPI app over one index — JSON API, thumbnails and a small web page.
+
+Safety basics (a later issue revisits them): the CLI binds to 127.0.0.1; Host headers are checked (DNS
+rebinding); request bodies are capped (413); k and the query length are bounded (422 with a message that
+says the bound); CORS is off unless origins are named; thumbnails are served by picture id only, and a
+picture's file must resolve inside the root it was indexed from, so no request can name a path; static
+files come from a fixed in-memory set; every response carries nosniff / frame / CSP headers; each
+request is logged as one JSON line (method, path, status, ms — never the query text).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import sys
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from PIL import Image, UnidentifiedImageError
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import MutableHeaders
+from starlette.exceptions import HTTPException
+
+from vsekit.data.precomp import DataFormatError
+from vsekit.search.encode import MAX_IMAGE_PIXELS
+from vsekit.search.engine import SearchEngine
+
+SECURITY_HEADERS = {
+    "x-content-type-options": "nosniff",
+    "x-frame-options": "DENY",
+    "referrer-policy": "no-referrer",
+    "content-security-policy": "default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; "
+    "frame-ancestors 'none'; form-action 'self'",
+}
+STATIC_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+                ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml", ".png": "image/png"}  # fmt: skip
+
+
+@dataclass
+class ServerLimits:
+    """Bounds on what one request may ask for."""
+
+    max_k: int = 100
+    max_query_chars: int = 256
+    max_body_bytes: int = 8 << 20  # picture uploads
+    thumb_px: int = 256
+    thumb_cache: int = 512  # thumbnails kept in memory
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class Guard:
+    """Outermost ASGI layer: body-size cap, security headers and one structured log line per request."""
+
+    def __init__(self, app, max_body_bytes: int, logger: logging.Logger) -> None:
+        self.app = app
+        self.max_body = max_body_bytes
+        self.logger = logger
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        state = {"status": 500, "started": False, "received": 0}
+
+        async def send_wrapper(message) -> None:
+            if message["type"] == "http.response.start":
+                state["started"] = True
+                state["status"] = message["status"]
+                headers = MutableHeaders(scope=message)
+                for k, v in SECURITY_HEADERS.items():
+                    if k not in headers:
+                        headers[k] = v
+            await send(message)
+
+        async def limited_receive():
+            message = await receive()
+            if message["type"] == "http.request":
+                state["received"] += len(message.get("body", b""))
+                if state["received"] > self.max_body:
+                    raise _BodyTooLarge
+            return message
+
+        too_large = JSONResponse({"detail": f"request body is larger than the {self.max_body} byte limit"}, 413)
+        try:
+            length = dict(scope.get("headers") or []).get(b"content-length")
+            if length is not None and (not length.isdigit() or int(length) > self.max_body):
+                await too_large(scope, receive, send_wrapper)
+            else:
+                await self.app(scope, limited_receive, send_wrapper)
+        except _BodyTooLarge:
+            if not state["started"]:
+                await too_large(scope, receive, send_wrapper)
+        finally:
+            client = scope.get("client")
+            self.logger.info(json.dumps({
+                "ts": round(time.time(), 3), "event": "request", "method": scope.get("method"),
+                "path": scope.get("path"), "status": state["status"],
+                "ms": round((time.perf_counter() - t0) * 1000, 2), "client": client[0] if client else None,
+            }))  # fmt: skip
+
+
+def json_log_handler(stream=None) -> logging.Handler:
+    """A handler that prints the server's JSON log lines as they are (one object per line)."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    return handler
+
+
+def _static_files() -> dict[str, tuple[bytes, str]]:
+    """The web page's files, read once; nothing else is ever served as a static file."""
+    out = {}
+    for entry in (resources.files("vsekit.search") / "static").iterdir():
+        suffix = Path(entry.name).suffix
+        if entry.is_file() and suffix in STATIC_TYPES:
+            out[entry.name] = (entry.read_bytes(), STATIC_TYPES[suffix])
+    if "index.html" not in out:
+        raise FileNotFoundError("vsekit/search/static/index.html is missing from the installed package")
+    return out
+
+
+def _parse_k(raw, limits: ServerLimits) -> int:
+    if raw is None or raw == "":
+        return min(10, limits.max_k)
+    try:
+        k = int(raw)
+        if isinstance(raw, float) or isinstance(raw, bool):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise HTTPException(422, f"k must be an integer between 1 and {limits.max_k}, got {str(raw)[:20]!r}") from None
+    if not 1 <= k <= limits.max_k:
+        raise HTTPException(422, f"k must be between 1 and {limits.max_k}, got {k}")
+    return k
+
+
+def _check_query(q, limits: ServerLimits) -> str:
+    if not isinstance(q, str):
+        raise HTTPException(422, "q (the text query) is required and must be a string")
+    q = q.strip()
+    if not q:
+        raise HTTPException(422, "the query is empty; type a few words describing a picture")
+    if len(q) > limits.max_query_chars:
+        raise HTTPException(422, f"the query is {len(q)} characters long; the limit is {limits.max_query_chars}")
+    if any(ord(ch) < 32 for ch in q):
+        raise HTTPException(422, "the query contains control characters")
+    return q
+
+
+def create_app(index_dir: str | Path | SearchEngine, *, device: str = "cpu", run_dir: str | Path | None = None,
+               limits: ServerLimits | None = None, cors_origins: list[str] | None = None,
+               allowed_hosts: list[str] | tuple[str, ...] | None = ("127.0.0.1", "localhost"),
+               logger: logging.Logger | None = None) -> FastAPI:  # fmt: skip
+    """The app for one index (or an already opened engine). No module-level state: two apps never share."""
+    engine = index_dir if isinstance(index_dir, SearchEngine) else SearchEngine.open(index_dir, device, run_dir=run_dir)
+    limits = limits or ServerLimits()
+    logger = logger or logging.getLogger("vsekit.search.server")
+    static = _static_files()
+    thumbs: OrderedDict[int, bytes] = OrderedDict()
+    thumbs_lock = threading.Lock()
+
+    app = FastAPI(title="vsekit search", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        msgs = ["{}: {}".format(".".join(str(p) for p in e.get("loc", ())[1:]) or "request", e.get("msg")) for e in exc.errors()]
+        return JSONResponse({"detail": "; ".join(msgs)}, 422)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse({"detail": exc.detail}, exc.status_code, headers=getattr(exc, "headers", None))
+
+    def picture_json(pid: int | None) -> dict:
+        if pid is None:
+            return {"picture": None, "path": None, "thumb": None}
+        return {"picture": pid, "path": engine.index.pictures[pid]["path"], "thumb": f"/thumb/{pid}"}
+
+    def text_search(q: str, k: int) -> dict:
+        t0 = time.perf_counter()
+        hits = engine.search_text(q, k)
+        results = [{"id": h.id, "score": round(h.score, 6), "caption": h.caption, **picture_json(h.picture)} for h in hits]
+        return {"query": q, "k": k, "took_ms": round((time.perf_counter() - t0) * 1000, 2),
+                "unknown_words": engine.text.unknown_words(q), "results": results}  # fmt: skip
+
+    @app.get("/", include_in_schema=False)
+    def page() -> Response:
+        body, kind = static["index.html"]
+        return Response(body, media_type=kind, headers={"cache-control": "no-cache"})
+
+    @app.get("/static/{name}", include_in_schema=False)
+    def static_file(name: str) -> Response:
+        if name not in static:
+            raise HTTPException(404, "no such file")
+        body, kind = static[name]
+        return Response(body, media_type=kind, headers={"cache-control": "no-cache"})
+
+    @app.get("/healthz")
+    def healthz() -> dict:
+        return {"status": "ok", **engine.info(),
+                "limits": {"max_k": limits.max_k, "max_query_chars": limits.max_query_chars}}  # fmt: skip
+
+    @app.get("/search")
+    def search_get(q: str | None = None, k: str | None = None) -> dict:
+        """Text -> pictures: `/search?q=a+red+apple&k=10`."""
+        return text_search(_check_query(q, limits), _parse_k(k, limits))
+
+    @app.post("/search")
+    async def search_post(request: Request) -> dict:
+        """Text -> pictures with a JSON body {"q": str, "k": int}."""
+        try:
+            body = json.loads(await request.body() or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise HTTPException(400, 'the body must be JSON: {"q": "a red apple", "k": 10}') from None
+        if not isinstance(body, dict):
+            raise HTTPException(400, 'the body must be a JSON object: {"q": "a red apple", "k": 10}')
+        q, k = _check_query(body.get("q"), limits), _parse_k(body.get("k"), limits)
+        return await run_in_threadpool(text_search, q, k)
+
+    @app.post("/search/image")
+    async def search_image(request: Request, k: str | None = None) -> dict:
+        """Picture -> indexed captions: the raw picture bytes as the body (PNG, JPEG, …)."""
+        kk = _parse_k(k, limits)
+        data = await request.body()
+        if not data:
+            raise HTTPException(422, "the body is empty; send the picture's bytes")
+
+        def run() -> dict:
+            t0 = time.perf_counter()
+            try:
+                with Image.open(io.BytesIO(data)) as im:
+                    if im.width * im.height > MAX_IMAGE_PIXELS:
+                        raise HTTPException(413, f"the picture has more than {MAX_IMAGE_PIXELS} pixels")
+                    im.load()
+                    img = im.copy()
+            except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError, SyntaxError):
+                raise HTTPException(400, "the body is not a readable picture (PNG, JPEG, WebP, GIF, BMP)") from None
+            try:
+                hits = engine.search_image(img, kk)
+            except DataFormatError as e:
+                raise HTTPException(400, str(e)) from None
+            except ValueError as e:  # e.g. a run without a feature extractor
+                raise HTTPException(501, f"picture queries are not available for this index: {e}") from None
+            results = [{"id": h.id, "score": round(h.score, 6), "caption": h.caption, **picture_json(h.picture)} for h in hits]
+            return {"k": kk, "took_ms": round((time.perf_counter() - t0) * 1000, 2), "results": results}
+
+        return await run_in_threadpool(run)
+
+    @app.get("/thumb/{pid}")
+    def thumb(pid: str) -> Response:
+        """A picture's thumbnail by id (never by path)."""
+        if not pid.isdigit() or int(pid) >= engine.index.n_pictures:
+            raise HTTPException(404, f"no picture with id {pid[:20]!r}")
+        i = int(pid)
+        with thumbs_lock:
+            body = thumbs.get(i)
+            if body is not None:
+                thumbs.move_to_end(i)
+        if body is None:
+            path = engine.index.picture_file(i)
+            if path is None:
+                raise HTTPException(404, f"picture {i} has no file on this server")
+            try:
+                with Image.open(path) as im:
+                    if im.width * im.height > MAX_IMAGE_PIXELS:
+                        raise HTTPException(404, f"picture {i} is too large to thumbnail")
+                    im.draft("RGB", (limits.thumb_px, limits.thumb_px))
+                    im = im.convert("RGBA")
+                    im.thumbnail((limits.thumb_px, limits.thumb_px))
+                    bg = Image.new("RGBA", im.size, (255, 255, 255, 255))
+                    out = io.BytesIO()
+                    Image.alpha_composite(bg, im).convert("RGB").save(out, format="PNG")
+            except (OSError, ValueError, Image.DecompressionBombError, SyntaxError):
+                raise HTTPException(404, f"picture {i} cannot be read") from None
+            body = out.getvalue()
+            with thumbs_lock:
+                thumbs[i] = body
+                while len(thumbs) > limits.thumb_cache:
+                    thumbs.popitem(last=False)
+        return Response(body, media_type="image/png", headers={"cache-control": "max-age=3600"})
+
+    if cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["content-type"])  # fmt: skip
+    if allowed_hosts and "*" not in allowed_hosts:
+        from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))
+    app.add_middleware(Guard, max_body_bytes=limits.max_body_bytes, logger=logger)
+    app.state.engine = engine
+    app.state.limits = limits
+    return app

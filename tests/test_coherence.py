@@ -1,0 +1,160 @@
+"""Coherent Score (Kendall τ-b CS@K), i2t mAP, image-level relevance, and the eval-sims wiring."""
+
+import json
+
+import numpy as np
+import pytest
+from scipy.stats import kendalltau
+from sklearn.metrics import average_precision_score
+
+from vsekit.cli import main
+from vsekit.data.relevance import image_caption_relevance
+from vsekit.metrics import MetricsInputError
+from vsekit.metrics.coherence import (
+    average_precision_i2t,
+    coherence_metrics,
+    coherent_scores,
+    kendall_tau_b,
+)
+
+
+def _cs_of_ranking(ranking: list[int]) -> float:
+    """One query over h1..h5 with relevance h1 > h2 > … > h5; the model ranks them as `ranking`."""
+    relevance = np.array([[5.0, 4.0, 3.0, 2.0, 1.0]])
+    scores = np.zeros((1, 5))
+    for pos, h in enumerate(ranking):
+        scores[0, h - 1] = 10.0 - pos
+    return float(coherent_scores(scores, relevance, 5)[0])
+
+
+def test_paper_examples():
+    # Sec. III-D: (R@1, CS@5) = (100, -0.2) for h1,h5,h4,h3,h2; (0, 0.8) for h2,h1,h3,h4,h5; ...
+    assert _cs_of_ranking([1, 5, 4, 3, 2]) == pytest.approx(-0.2)
+    assert _cs_of_ranking([2, 1, 3, 4, 5]) == pytest.approx(0.8)
+    assert _cs_of_ranking([1, 3, 2, 4, 5]) == pytest.approx(0.8)
+    assert _cs_of_ranking([1, 2, 3, 4, 5]) == pytest.approx(1.0)
+
+
+def test_tau_b_equals_scipy_with_ties(rng):
+    for k in (2, 5, 17, 60):
+        x = rng.integers(0, 4, size=(30, k)).astype(float)  # many ties in both
+        y = rng.integers(0, 3, size=(30, k)).astype(float)
+        ours = kendall_tau_b(x, y, chunk_elems=7 * k * k)  # several chunks
+        for i in range(30):
+            ref = kendalltau(x[i], y[i], variant="b").statistic
+            assert ours[i] == pytest.approx(0.0 if np.isnan(ref) else ref, abs=1e-12), (k, i)
+
+
+def test_cs_top_k_matches_slow_loop(rng):
+    scores = rng.normal(size=(12, 40))
+    relevance = np.round(rng.normal(size=(12, 40)), 1)  # ties in relevance
+    for k in (5, 10, 40, 100):  # 100 > candidates: all of them
+        ours = coherent_scores(scores, relevance, k)
+        for i in range(12):
+            top = np.argsort(-scores[i])[: min(k, 40)]
+            assert ours[i] == pytest.approx(kendalltau(scores[i, top], relevance[i, top]).statistic, abs=1e-12)
+
+
+def test_image_caption_relevance_combines_captions():
+    rel = np.array([[1.0, 0.8, 0.2, 0.1], [0.8, 1.0, 0.5, 0.3], [0.2, 0.5, 1.0, 0.4], [0.1, 0.3, 0.4, 1.0]])
+    cap2img = np.array([0, 0, 1, 2])
+    mx = image_caption_relevance(rel, cap2img, "max")
+    np.testing.assert_allclose(mx, [[1.0, 1.0, 0.5, 0.3], [0.2, 0.5, 1.0, 0.4], [0.1, 0.3, 0.4, 1.0]])
+    mean = image_caption_relevance(rel, cap2img, "mean")
+    np.testing.assert_allclose(mean[0], [0.9, 0.9, 0.35, 0.2])
+    asym = rel.copy()
+    asym[3, 0] = 0.9  # caption 3 -> caption 0 differs from 0 -> 3
+    assert image_caption_relevance(asym, cap2img, "max", transpose=True)[0, 3] == pytest.approx(0.9)
+    assert image_caption_relevance(asym, cap2img, "max")[0, 3] == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="combine"):
+        image_caption_relevance(rel, cap2img, "median")
+
+
+def test_coherence_metrics_against_direct_definition(rng):
+    cap2img = np.array([0, 0, 1, 2, 2, 2, 3, 4, 4, 5])
+    n_img, n_cap = 6, len(cap2img)
+    sims = rng.normal(size=(n_img, n_cap))
+    emb = rng.normal(size=(n_cap, 8))
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    rel = (emb @ emb.T).astype(np.float32)
+    np.fill_diagonal(rel, 1.0)  # an image's own captions tie at relevance 1
+    out = coherence_metrics(sims, cap2img, rel, ks=[4])
+    i2t, t2i = [], []
+    for q in range(n_img):
+        r = np.array([max(rel[a, c] for a in np.nonzero(cap2img == q)[0]) for c in range(n_cap)])
+        top = np.argsort(-sims[q])[:4]
+        i2t.append(kendalltau(sims[q, top], r[top]).statistic)
+    for c in range(n_cap):
+        r = np.array([max(rel[c, a] for a in np.nonzero(cap2img == p)[0]) for p in range(n_img)])
+        top = np.argsort(-sims[:, c])[:4]
+        t2i.append(kendalltau(sims[top, c], r[top]).statistic)
+    assert out["i2t_cs@4"] == pytest.approx(np.mean(i2t))
+    assert out["t2i_cs@4"] == pytest.approx(np.mean(t2i))
+    assert set(out) == {"i2t_cs@4", "t2i_cs@4", "i2t_map"}
+
+
+def test_cs_is_one_for_a_coherent_model_and_near_zero_for_random(rng):
+    n = 300
+    emb = rng.normal(size=(n, 16))
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    rel = emb @ emb.T
+    cap2img = np.arange(n)
+    perfect = coherence_metrics(rel * 3 + 1, cap2img, rel, ks=[10, 100])  # a monotone map of relevance
+    assert perfect["i2t_cs@10"] == pytest.approx(1.0) and perfect["t2i_cs@100"] == pytest.approx(1.0)
+    random = coherence_metrics(rng.normal(size=(n, n)), cap2img, rel, ks=[100])
+    assert abs(random["i2t_cs@100"]) < 0.05 and abs(random["t2i_cs@100"]) < 0.05
+
+
+def test_map_matches_sklearn(rng):
+    cap2img = np.repeat(np.arange(20), rng.integers(1, 5, size=20))
+    sims = rng.normal(size=(20, len(cap2img)))
+    ours = average_precision_i2t(sims, cap2img)
+    for i in range(20):
+        assert ours[i] == pytest.approx(average_precision_score(cap2img == i, sims[i]))
+
+
+def test_map_ties_are_resolved_like_recall():
+    # image 0 owns captions 0 and 1; caption 2 ties with caption 1: a tie never ranks above a positive
+    sims = np.array([[0.9, 0.5, 0.5, 0.1], [0.0, 0.0, 1.0, 1.0]])
+    cap2img = np.array([0, 0, 1, 1])
+    ap = average_precision_i2t(sims, cap2img)
+    assert ap[0] == pytest.approx(1.0)
+    sims[0, 2] = 0.6  # now strictly above caption 1: precisions 1/1 and 2/3
+    assert average_precision_i2t(sims, cap2img)[0] == pytest.approx((1 + 2 / 3) / 2)
+    tied_pos = np.array([[0.5, 0.5, 0.7, 0.1], [0, 0, 1, 1.0]])  # two tied positives behind one negative
+    assert average_precision_i2t(tied_pos, cap2img)[0] == pytest.approx((1 / 2 + 2 / 3) / 2)
+
+
+def test_bad_relevance_is_a_clear_error(rng):
+    sims = rng.normal(size=(3, 6))
+    cap2img = np.array([0, 0, 1, 1, 2, 2])
+    with pytest.raises(MetricsInputError, match="5 captions but the similarity matrix has 6"):
+        coherence_metrics(sims, cap2img, np.eye(5), ks=[3])
+    with pytest.raises(MetricsInputError, match="square"):
+        coherence_metrics(sims, cap2img, np.ones((6, 5)), ks=[3])
+    bad = np.eye(6)
+    bad[2, 4] = np.nan
+    with pytest.raises(MetricsInputError, match=r"NaN/inf values, first at \(2, 4\)"):
+        coherence_metrics(sims, cap2img, bad, ks=[3])
+    with pytest.raises(MetricsInputError, match="K >= 2"):
+        coherence_metrics(sims, cap2img, np.eye(6), ks=[1])
+
+
+def test_eval_sims_cli_reports_coherence(tmp_path, rng, capsys):
+    n_img, per = 40, 2
+    cap2img = np.repeat(np.arange(n_img), per)
+    sims = rng.normal(size=(n_img, n_img * per)).astype(np.float32)
+    emb = rng.normal(size=(n_img * per, 8))
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    rel = (emb @ emb.T).astype(np.float16)
+    np.save(tmp_path / "sims.npy", sims)
+    np.save(tmp_path / "rel.npy", rel)
+    out = tmp_path / "m.json"
+    rc = main(["eval-sims", str(tmp_path / "sims.npy"), "--captions-per-image", "2", "--relevance",
+               str(tmp_path / "rel.npy"), "--cs-k", "10", "50", "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    metrics = json.loads(out.read_text())
+    expected = coherence_metrics(sims, cap2img, rel, ks=[10, 50])
+    for key in ("i2t_cs@10", "t2i_cs@10", "i2t_cs@50", "t2i_cs@50", "i2t_map"):
+        assert metrics[key] == pytest.approx(expected[key])
+    assert "i2t_cs@10" in capsys.readouterr().out

@@ -1,0 +1,190 @@
+"""Data-parallel training equals a single process on the global batch (2 gloo processes on CPU).
+
+The workers join through the torchrun environment variables (`init_from_env`), train two steps of each
+loss on their shard of a global batch, and save loss, gradients and weights; the parent runs the same two
+steps in one process on the whole batch. Without the gradient-carrying all-gather, the global BatchNorm
+statistics or the gradient averaging, gradients differ by far more than the tolerance.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from vsekit.config import load_recipe
+from vsekit.distributed import (
+    DistContext,
+    GlobalBatchNorm1d,
+    convert_batchnorm,
+    init_from_env,
+    shard_sizes,
+    shard_slice,
+)
+from vsekit.losses import create_loss
+from vsekit.models.vse import DataSpec, VSEModel
+from vsekit.training.trainer import EpochBatches, Trainer, TrainStep
+
+WORLD = 2
+GLOBAL_B = 11  # uneven shards: 6 + 5
+SMALL = ["model.embed_dim=32", "model.text.word_dim=16", "model.image.mlp_hidden=16"]
+VARIANTS = {
+    "triplet_hardest": ("vse_infty", ["loss.warmup_epochs=0"]),  # GPO, region MLP with BatchNorm, BiGRU
+    "triplet_warmup": ("vse_infty", []),  # epoch 0: sum over all negatives
+    "adopt": ("vse_2ad", []),
+    "ladder": ("cvsepp", []),
+    "ladder_auto": ("cvsepp_auto", []),
+}
+if importlib.util.find_spec("vsekit.similarity.aeom") is not None:
+    VARIANTS["aeom"] = ("vse_infty", ["model.similarity.name=aeom", "model.similarity.block_dim=16"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _build(variant: str, ctx: DistContext) -> TrainStep:
+    recipe_name, extra = VARIANTS[variant]
+    # no gradient clipping here: it would hide a gradient that is off by a constant factor
+    recipe = load_recipe(recipe_name, SMALL + extra + ["optim.grad_clip=0"])
+    torch.manual_seed(0)
+    model = VSEModel(recipe, DataSpec(img_dim=16, vocab_words=[f"w{i}" for i in range(50)]))
+    convert_batchnorm(model, ctx)
+    loss_fn = create_loss(recipe.loss)
+    if hasattr(loss_fn, "set_caption_embeddings"):
+        loss_fn.set_caption_embeddings(torch.randn(40, 24, generator=torch.Generator().manual_seed(5)))
+    # SGD rather than the trainer's AdamW: a bias right before BatchNorm has a zero gradient up to rounding,
+    # which Adam would blow up into lr-sized steps of either sign in both runs alike.
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    return TrainStep(recipe, model, loss_fn, opt, torch.device("cpu"), ctx)
+
+
+def _global_batch(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    img_len = torch.randint(2, 7, (GLOBAL_B,), generator=g)
+    tok_len = torch.randint(3, 10, (GLOBAL_B,), generator=g)
+    tokens = torch.randint(1, 50, (GLOBAL_B, 9), generator=g)
+    tokens[torch.arange(9)[None, :] >= tok_len[:, None]] = 0
+    images = torch.randn(GLOBAL_B, 6, 16, generator=g)
+    images[torch.arange(6)[None, :] >= img_len[:, None]] = 0
+    return {
+        "images": images, "image_lengths": img_len, "tokens": tokens, "token_lengths": tok_len,
+        "image_index": torch.tensor([0, 0, 1, 2, 3, 3, 4, 5, 6, 7, 8]) + seed,  # same-image captions
+        "caption_index": (torch.arange(GLOBAL_B) * 3 + seed) % 40,
+    }  # fmt: skip
+
+
+def _shard(batch: dict, rank: int) -> dict:
+    """What the collate function gives a rank: its rows, padded to its own longest set/caption."""
+    rows = shard_slice(GLOBAL_B, rank, WORLD)
+    out = {k: v[rows] for k, v in batch.items()}
+    out["images"] = out["images"][:, : int(out["image_lengths"].max())]
+    out["tokens"] = out["tokens"][:, : int(out["token_lengths"].max())]
+    return out
+
+
+def _run(step_fn: TrainStep, rank: int | None) -> dict:
+    losses = []
+    for s in range(2):
+        batch = _global_batch(s)
+        if rank is not None:
+            batch = _shard(batch, rank)
+        out = step_fn(batch, epoch=0, step=s, shard_sizes=shard_sizes(GLOBAL_B, WORLD) if rank is not None else None)
+        losses.append(float(out["loss"]))
+    model = step_fn.model
+    return {
+        "loss": losses,
+        "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+    }
+
+
+def _worker(rank: int, port: int, out_dir: str, variants: list[str]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank))  # fmt: skip
+    torch.set_num_threads(1)
+    ctx = init_from_env("cpu")
+    assert ctx.world_size == WORLD and ctx.rank == rank
+    results = {v: _run(_build(v, ctx), rank) for v in variants}
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_two_process_step_equals_single_process_on_global_batch(tmp_path):
+    variants = list(VARIANTS)
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), variants), nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for v in variants:
+        single = _run(_build(v, DistContext()), None)
+        for r, res in enumerate(ranks):
+            got = res[v]
+            np.testing.assert_allclose(got["loss"], single["loss"], rtol=1e-5, err_msg=f"{v} rank {r}")
+            assert got["grads"].keys() == single["grads"].keys()
+            for name, g in single["grads"].items():
+                torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-6, msg=f"{v} rank {r} grad {name}")
+            for name, t in single["state"].items():  # weights after two steps, BatchNorm running stats
+                torch.testing.assert_close(got["state"][name], t, rtol=1e-4, atol=1e-6, msg=f"{v} rank {r} {name}")
+
+
+def test_shards_cover_the_global_batch_in_order():
+    assert shard_sizes(11, 2) == [6, 5] and shard_sizes(8, 4) == [2, 2, 2, 2] and shard_sizes(3, 4) == [1, 1, 1, 0]
+    for n, w in ((11, 2), (7, 3), (128, 8)):
+        idx = list(range(n))
+        assert sum((idx[shard_slice(n, r, w)] for r in range(w)), []) == idx
+    # each rank iterates its part of the same global batches; batches too small to shard are dropped
+    full = EpochBatches(23, 5, seed=3)
+    parts = [EpochBatches(23, 5, seed=3, rank=r, world_size=2) for r in range(2)]
+    assert [a + b for a, b in zip(*[list(p) for p in parts])] == full.batches()[: len(parts[0].batches())]
+    assert len(full.batches()) == 5 and len(EpochBatches(23, 5, seed=3, world_size=4).batches()) == 4
+
+
+def test_global_batchnorm_is_plain_batchnorm_outside_distributed():
+    bn = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    assert convert_batchnorm(bn, DistContext()) is bn and type(bn[1]) is torch.nn.BatchNorm1d
+    conv = convert_batchnorm(bn, DistContext(rank=0, world_size=2))
+    assert isinstance(conv[1], GlobalBatchNorm1d) and conv[1].weight is bn[1].weight
+    assert set(conv.state_dict()) == {"0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var",
+                                      "1.num_batches_tracked"}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_vse_train_under_torchrun_matches_single_process(synthetic_dir, tmp_path):
+    """`torchrun --nproc_per_node 2 vse train` ≈ `vse train`: same weights, rank 0 alone writes."""
+    sets = SMALL[:2] + ["train.batch_size=32", "train.log_every=2", "train.epochs=1", "loss.warmup_epochs=0"]
+    args = ["--data", str(synthetic_dir), "--recipe", "vse_infty", "--no-progress", "--device", "cpu"]
+    for s in sets:
+        args += ["--set", s]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+           "-m", "vsekit.cli", "train", "--out", str(tmp_path / "ddp"), *args]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single = Trainer(load_recipe("vse_infty", sets + ["train.device=cpu"]), synthetic_dir, tmp_path / "one",
+                     progress=False, log=lambda *_: None)  # fmt: skip
+    single.fit()
+    a, b = load_file(tmp_path / "ddp" / "last.safetensors"), load_file(tmp_path / "one" / "last.safetensors")
+    assert a.keys() == b.keys()
+    steps = single.state.global_step
+    for k in a:
+        # The bias before the region MLP's BatchNorm has a zero gradient up to rounding; AdamW turns rounding
+        # noise into steps of up to lr, in any two runs that round differently. It (and the running mean that
+        # contains it) can only agree to steps x lr; every other weight agrees to float tolerance.
+        drift = k in ("image_encoder.mlp.fc1.bias", "image_encoder.mlp.bn.running_mean")
+        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=steps * 5e-4 if drift else 1e-4, msg=k)
+    ra = [json.loads(x) for x in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
+    rb = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in ra] == [r["step"] for r in rb]  # one writer: no duplicated records
+    np.testing.assert_allclose([r["loss"] for r in ra if r["kind"] == "train"],
+                               [r["loss"] for r in rb if r["kind"] == "train"], rtol=1e-4)  # fmt: skip

@@ -1,0 +1,265 @@
+"""`vse index` / `vse search`: a model trained on features indexes raw pictures, resumes, adds, re-ranks."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from vsekit.cli import main
+from vsekit.data.precomp import DataFormatError
+from vsekit.search.engine import SearchEngine
+from vsekit.search.index import (
+    FaissParams,
+    IndexFormatError,
+    SearchIndex,
+    append_segment,
+    build_faiss,
+    build_index,
+)
+from vsekit.search.shapes import COLORS, SHAPES, make_shapes_dataset, train_shapes_model
+
+pytest.importorskip("faiss")
+pytest.importorskip("efficientnet_lite_pytorch")
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    """The shapes set and a model trained on its features (built once per session: both steps are idempotent)."""
+    base = tmp_path_factory.getbasetemp() / "shapes"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: much faster than two on a shared 2-core machine
+    try:
+        data = make_shapes_dataset(base / "data")
+        run = train_shapes_model(data, base / "run")
+    finally:
+        torch.set_num_threads(threads)
+    return data, run
+
+
+@pytest.fixture(scope="module")
+def split_index(shapes, tmp_path_factory):
+    data, run = shapes
+    out = tmp_path_factory.mktemp("idx") / "test"
+    assert main(["index", str(run), f"{data}:test", "--out", str(out), "--quiet", "--device", "cpu"]) == 0
+    return out
+
+
+def quiet(*_):
+    pass
+
+
+@pytest.mark.slow
+def test_index_split_and_search_text(shapes, split_index, capsys):
+    meta = json.loads((split_index / "index.json").read_text())
+    assert meta["counts"] == {"pictures": 24, "captions": 48}
+    assert meta["segments"][0]["embedded_from"]["mode"] == "features"
+    capsys.readouterr()
+    assert main(["search", str(split_index), "a red circle", "-k", "2", "--json", "--device", "cpu"]) == 0
+    hits = json.loads(capsys.readouterr().out)
+    assert [set(h) for h in hits] == [{"path", "score", "caption"}] * 2
+    assert [h["caption"] for h in hits] == ["a red circle", "a red circle"]
+    assert hits[0]["score"] >= hits[1]["score"]
+    assert all("red_circle" in h["path"] for h in hits)
+    engine = SearchEngine.open(split_index)
+    right = sum(engine.search_text(f"a {c} {s}", 1)[0].caption == f"a {c} {s}" for c in COLORS for s in SHAPES)
+    assert right >= 10, f"only {right}/12 colour-shape queries found a matching picture first"
+
+
+@pytest.mark.slow
+def test_image_query_finds_its_captions(shapes, split_index, capsys):
+    data, _ = shapes
+    capsys.readouterr()
+    pic = data / "images" / "test_blue_square_0.png"
+    assert main(["search", str(split_index), "--image", str(pic), "-k", "3", "--json", "--device", "cpu"]) == 0
+    hits = json.loads(capsys.readouterr().out)
+    assert len(hits) == 3 and len({h["caption"] for h in hits}) == 3  # distinct caption texts
+    assert "blue square" in hits[0]["caption"]
+
+
+@pytest.mark.slow
+def test_raw_pictures_embed_like_the_training_features(shapes, split_index, tmp_path):
+    """The run records the dataset's extractor; raw PNGs through it must give the features' embeddings."""
+    data, run = shapes
+    meta = build_index(run, f"{data}:test", tmp_path / "px", pixels=True, progress=False, log=quiet)
+    assert meta["segments"][0]["embedded_from"]["mode"] == "extractor"
+    a, b = SearchIndex(split_index), SearchIndex(tmp_path / "px")
+    np.testing.assert_allclose(a.all_image_emb(), b.all_image_emb(), atol=1e-4)
+
+
+@pytest.mark.slow
+def test_incremental_add_skips_known_pictures(shapes, tmp_path):
+    data, run = shapes
+    out = tmp_path / "idx"
+    build_index(run, f"{data}:test", out, progress=False, log=quiet)
+    msgs = []
+    assert build_index(run, f"{data}:test", out, progress=False, log=msgs.append)["generation"] == 1
+    assert any("24 of 24 pictures are already in the index" in m for m in msgs)
+    meta = build_index(run, f"{data}:dev", out, progress=False, log=quiet)
+    idx = SearchIndex(out)
+    assert idx.n_pictures == 36 and len({p["path"] for p in idx.pictures}) == 36
+    assert idx.image_faiss.ntotal == 36 and idx.caption_faiss.ntotal == 72 and meta["generation"] == 2
+    assert sorted(p.name for p in out.glob("*.faiss")) == ["captions.g2.faiss", "images.g2.faiss"]
+    # the added pictures embed exactly as in an index of their own, and their captions point at them
+    build_index(run, f"{data}:dev", tmp_path / "dev", progress=False, log=quiet)
+    np.testing.assert_allclose(idx.all_image_emb()[24:], SearchIndex(tmp_path / "dev").all_image_emb(), atol=1e-6)
+    assert all(idx.pictures[c["image"]]["path"].startswith("images/dev_") for c in idx.captions[48:])
+    hits = SearchEngine.open(out).search_text("a green square", 3)
+    assert "images/dev_green_square_0.png" in {h.path for h in hits}  # an added picture is found
+
+
+@pytest.mark.slow
+def test_interrupted_indexing_resumes_from_finished_chunks(shapes, tmp_path, monkeypatch):
+    import vsekit.search.index as index_mod
+
+    data, run = shapes
+    calls = {"n": 0}
+    real = index_mod.embed_features
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(index_mod, "embed_features", flaky)
+    kw = {"chunk_size": 4, "batch_size": 4, "progress": False, "log": quiet}
+    with pytest.raises(KeyboardInterrupt):
+        build_index(run, f"{data}:test", tmp_path / "idx", **kw)
+    assert not (tmp_path / "idx" / "index.json").exists()
+    assert len(list((tmp_path / "idx" / ".work").glob("*/chunk_*.npz"))) == 2
+    calls["n"] = 100
+    build_index(run, f"{data}:test", tmp_path / "idx", **kw)
+    assert calls["n"] == 100 + 6 - 2  # 24 pictures / 4 per chunk, 2 chunks reused
+    assert not (tmp_path / "idx" / ".work").exists()
+    monkeypatch.setattr(index_mod, "embed_features", real)
+    build_index(run, f"{data}:test", tmp_path / "ref", **kw)
+    np.testing.assert_allclose(SearchIndex(tmp_path / "idx").all_image_emb(), SearchIndex(tmp_path / "ref").all_image_emb(), atol=1e-6)
+
+
+@pytest.mark.slow
+def test_unreadable_pictures_are_named(shapes, tmp_path, capsys):
+    data, run = shapes
+    folder = tmp_path / "pics"
+    folder.mkdir()
+    shutil.copy(data / "images" / "test_red_circle_0.png", folder / "good.png")
+    (folder / "good.txt").write_text("my own caption\n")
+    (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    msgs = []
+    build_index(run, str(folder), tmp_path / "idx", progress=False, log=msgs.append)
+    idx = SearchIndex(tmp_path / "idx")
+    assert [(p["path"], p["caption"]) for p in idx.pictures] == [("good.png", "my own caption")]
+    assert idx.captions == [{"text": "my own caption", "image": 0}]
+    assert any("broken.png" in m and "cannot read image" in m for m in msgs)
+    capsys.readouterr()
+    assert main(["index", str(run), str(folder), "--out", str(tmp_path / "strict"), "--strict", "--quiet"]) == 2
+    assert "broken.png" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_clear_errors(shapes, split_index, tmp_path, capsys):
+    data, run = shapes
+    with pytest.raises(IndexFormatError, match="not a vsekit index"):
+        SearchIndex(tmp_path)
+    with pytest.raises(DataFormatError, match="does not exist"):
+        build_index(run, str(tmp_path / "nope"), tmp_path / "o", progress=False, log=quiet)
+    with pytest.raises(DataFormatError, match="name a split"):
+        (tmp_path / "ds").mkdir()
+        (tmp_path / "ds" / "train_caps.txt").write_text("x\n")
+        build_index(run, str(tmp_path / "ds"), tmp_path / "o", progress=False, log=quiet)
+    capsys.readouterr()
+    assert main(["search", str(split_index), "a red circle", "-k", "0"]) == 2
+    assert "-k must be at least 1" in capsys.readouterr().err
+    broken = tmp_path / "broken"
+    shutil.copytree(split_index, broken)
+    (broken / "index.json").write_text('{"format": "vsekit-index/1", ')
+    with pytest.raises(IndexFormatError, match="index.json: not valid JSON"):
+        SearchIndex(broken)
+    # another model's weights: the index refuses to mix embeddings, and refuses to answer with changed weights
+    other = tmp_path / "run2"
+    shutil.copytree(run, other)
+    w = other / "best.safetensors"
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(w)
+    name = next(iter(t))
+    t[name] = t[name] + 0.01
+    save_file(t, w)
+    with pytest.raises(IndexFormatError, match="cannot share an index"):
+        build_index(other, f"{data}:test", split_index, progress=False, log=quiet)
+    with pytest.raises(IndexFormatError, match="differs from the weights"):
+        SearchEngine.open(split_index, run_dir=other)
+
+
+def clustered(n, d, centers, rng, noise=0.3):
+    c = rng.normal(size=(centers, d)).astype(np.float32)
+    x = c[rng.integers(0, centers, n)] + noise * rng.normal(size=(n, d)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def test_faiss_kinds_recall_against_exact():
+    rng = np.random.default_rng(0)
+    x, q = clustered(4000, 32, 64, rng), clustered(100, 32, 64, rng)
+    exact = build_faiss(x, FaissParams("flat"))
+    _, truth = exact.search(q, 10)
+    brute = np.argsort(-(q @ x.T), axis=1)[:, :10]
+    assert (np.sort(truth, 1) == np.sort(brute, 1)).mean() > 0.99
+
+    def recall(index):
+        _, ids = index.search(q, 10)
+        return np.mean([len(set(a) & set(b)) / 10 for a, b in zip(ids, truth)])
+
+    ivf_all = build_faiss(x, FaissParams("ivf", nlist=64, nprobe=64))
+    assert recall(ivf_all) == 1.0  # visiting every list is exact
+    ivf_one = build_faiss(x, FaissParams("ivf", nlist=64, nprobe=1))
+    assert recall(ivf_one) < recall(build_faiss(x, FaissParams("ivf", nlist=64, nprobe=8)))
+    hnsw_narrow = recall(build_faiss(x, FaissParams("hnsw", hnsw_m=16, ef_search=16)))
+    hnsw_wide = recall(build_faiss(x, FaissParams("hnsw", hnsw_m=16, ef_search=128)))
+    assert hnsw_narrow < hnsw_wide and hnsw_wide >= 0.97
+    with pytest.raises(ValueError, match="choose one of flat, ivf, hnsw"):
+        build_faiss(x, FaissParams("annoy"))
+    with pytest.raises(ValueError, match="needs at least 64 vectors"):
+        build_faiss(x[:10], FaissParams("ivf", nlist=64))
+
+
+class MaxOverViews(torch.nn.Module):
+    """An AEOM stand-in: the best of an image's views, which no single inner product reproduces."""
+
+    def forward(self, image_emb, text_emb):
+        return torch.einsum("ivd,td->ivt", image_emb, text_emb).amax(1)
+
+
+def test_non_inner_product_similarity_is_reranked_exactly(tmp_path):
+    from vsekit.config import load_recipe
+    from vsekit.data.text import Vocabulary
+    from vsekit.models.vse import DataSpec, VSEModel
+
+    recipe = load_recipe("vsepp", ["model.embed_dim=16", "model.text.word_dim=8"])
+    model = VSEModel(recipe, DataSpec(img_dim=8, vocab_words=Vocabulary.build(["a b"]).idx2word)).eval()
+    model.recipe.model.similarity.name = "aeom"  # what the engine keys the re-rank on
+    model.sim = MaxOverViews()
+    rng = np.random.default_rng(1)
+    n, views, d = 300, 2, 16
+    emb = rng.normal(size=(n, views, d)).astype(np.float32)
+    emb /= np.linalg.norm(emb, axis=2, keepdims=True)
+    from vsekit.search.encode import proxy_vectors
+
+    proxies = proxy_vectors(model, torch.from_numpy(emb)).numpy()
+    pictures = [{"root": 0, "path": f"p{i}.png", "caption": None, "id": str(i)} for i in range(n)]
+    append_segment(tmp_path, None, fingerprint={"similarity": "aeom"}, params=FaissParams("flat"), roots=[str(tmp_path)],
+                   pictures=pictures, image_emb=emb.reshape(n, -1), emb_shape=[views, d], proxies=proxies,
+                   captions=[], caption_emb=np.zeros((0, d), np.float32), segment={"source": "test"})  # fmt: skip
+    index = SearchIndex(tmp_path)
+    q = torch.from_numpy(rng.normal(size=(20, d)).astype(np.float32))
+    exact = MaxOverViews()(torch.from_numpy(emb), q).T.numpy()  # [Q, N]
+    full = SearchEngine(index, model, {}, rerank_factor=1, rerank_min=n)  # shortlist = everything
+    for qi, hits in enumerate(full.search_text_vectors(q, 5)):
+        assert [i for i, _ in hits] == list(np.argsort(-exact[qi], kind="stable")[:5])
+        np.testing.assert_allclose([s for _, s in hits], np.sort(exact[qi])[::-1][:5], rtol=1e-5)
+    proxy_only = np.argsort(-(q.numpy() @ proxies.T), axis=1)[:, :5]
+    assert (proxy_only != np.argsort(-exact, axis=1)[:, :5]).any()  # without re-ranking the order would be wrong
+    shallow = SearchEngine(index, model, {}, rerank_factor=10, rerank_min=50)
+    agree = np.mean([len({i for i, _ in h} & set(np.argsort(-exact[qi])[:5])) / 5
+                     for qi, h in enumerate(shallow.search_text_vectors(q, 5))])  # fmt: skip
+    assert agree >= 0.9
