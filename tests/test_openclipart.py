@@ -258,3 +258,57 @@ def test_preprocess_image_alpha_on_white():
 def test_build_with_worker_processes(svg_root, tmp_path):
     m = oc.build_openclipart(tmp_path / "out", svg_root=svg_root, workers=2, progress=False)
     assert m["counts"]["images"] == 7 and m["counts"]["blank"] == 1
+
+
+def test_show_montage(built, tmp_path):
+    """`vse data show`: a montage with one cell per image, pictures pasted in, captions drawn below."""
+    from PIL import Image
+
+    from vsekit.cli import main
+
+    out, m = built
+    n_train = m["splits"]["train"]["images"]
+    png = tmp_path / "montage.png"
+    assert main(["data", "show", str(out), "--split", "train", "--n", "4", "--out", str(png)]) == 0
+    with Image.open(png) as im:
+        arr = np.asarray(im.convert("RGB"))
+    cols = 2 if min(4, n_train) > 1 else 1
+    assert arr.shape[1] == cols * (224 + 16)
+    assert arr.shape[0] > 224 + 16  # room for the captions under the pictures
+    assert len(np.unique(arr.reshape(-1, 3), axis=0)) > 20  # drawings and text, not a blank sheet
+    with pytest.raises(FileNotFoundError, match="train_images.txt"):
+        (out / "renamed.txt").write_text("")
+        from vsekit.data.show import show_dataset
+
+        show_dataset(out / "nowhere", tmp_path / "x.png", split="train")
+
+
+@pytest.mark.slow
+def test_end_to_end_backbone_recipe_unfreezes_after_first_epoch(built, tmp_path):
+    """vse_infty_grid_e2e trains from the PNGs: backbone frozen in epoch 1, its last blocks move in epoch 2."""
+    import torch
+
+    from vsekit.config import load_recipe
+    from vsekit.training.trainer import Trainer
+
+    out, _ = built
+    recipe = load_recipe("vse_infty_grid_e2e", [
+        "train.epochs=2", "train.batch_size=4", "model.embed_dim=32", "model.text.word_dim=16",
+        "model.text.vocab_min_count=1", "data.captions_per_image=1", "train.log_every=0", "optim.lr=0.01",
+        "model.image.backbone_trainable_blocks=2",
+    ])  # fmt: skip
+    trainer = Trainer(recipe, out, tmp_path / "run", progress=False)
+    enc = trainer.model.image_encoder
+    before = {k: v.detach().clone() for k, v in enc.cnn.state_dict().items()}
+    trainer.fit(max_steps=trainer_steps_in_first_epoch(trainer))
+    after_e1 = enc.cnn.state_dict()
+    assert all(torch.equal(before[k], after_e1[k]) for k in before), "backbone moved while frozen"
+    trainer.fit()
+    moved = [k for k, v in enc.cnn.state_dict().items() if not torch.equal(before[k], v)]
+    assert moved, "no backbone weight moved after unfreezing"
+    assert not any(k.startswith(("_conv_stem", "_bn0", "_blocks.0.")) for k in moved), moved  # early layers fixed
+    assert any(k.startswith("_conv_head") for k in moved)
+
+
+def trainer_steps_in_first_epoch(trainer) -> int:
+    return len(trainer.sampler.batches())
