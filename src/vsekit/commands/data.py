@@ -1,4 +1,4 @@
-"""`vse data openclipart | show | check | synthetic | relevance`."""
+"""`vse data openclipart | karpathy | show | check | synthetic | relevance`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,14 @@ def run_openclipart(args: argparse.Namespace) -> int:
     manifest = build_openclipart(args.out, svg_root=args.svg_root, seed=args.seed, limit=args.limit, workers=args.workers)
     sizes = manifest.get("splits", manifest.get("split_sizes", {}))
     print(f"openclipart set ready in {args.out}: {sizes}")
+    return 0
+
+
+def run_karpathy(args: argparse.Namespace) -> int:
+    from vsekit.data.raw_images import convert_karpathy
+
+    counts = convert_karpathy(args.json, args.out, image_root=args.images, splits=tuple(args.splits))
+    print(f"wrote {args.out}: {counts} (pictures only: train a backbone recipe, e.g. vse_infty_grid_e2e)")
     return 0
 
 
@@ -57,6 +65,12 @@ def register(sub) -> None:
     o.add_argument("--limit", type=int, help="only the first N drawings (smoke tests)")
     o.add_argument("--workers", type=int, default=2)
     o.set_defaults(func=run_openclipart)
+    k = dsub.add_parser("karpathy", help="convert a Karpathy JSON (dataset_coco.json / dataset_flickr30k.json)")
+    k.add_argument("json", help="dataset_flickr30k.json or dataset_coco.json")
+    k.add_argument("--images", help="folder the JSON's filepath/filename are relative to (default: the JSON's)")
+    k.add_argument("--out", required=True)
+    k.add_argument("--splits", nargs="+", default=["train", "dev", "test"], help="dev = the JSON's 'val'")
+    k.set_defaults(func=run_karpathy)
     s = dsub.add_parser("show", help="a PNG montage of images with their captions")
     s.add_argument("data")
     s.add_argument("--out", default="montage.png")

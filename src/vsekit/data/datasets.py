@@ -59,6 +59,8 @@ class FeatureSource:
     kind = "features"
 
     def __init__(self, split, aug: AugmentConfig | None = None) -> None:
+        if hasattr(split, "require_features"):
+            split.require_features()
         self.split = split
         self.aug = aug
         self.n_images = split.n_images

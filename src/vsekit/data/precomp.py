@@ -73,6 +73,18 @@ class PrecompSplit:
     def feature_shape(self) -> tuple[int, int]:
         return int(self.features.shape[1]), int(self.features.shape[2])
 
+    @property
+    def has_features(self) -> bool:
+        return self.features.shape[1] > 0
+
+    def require_features(self) -> None:
+        """Raise a clear error when a split has pictures but no `{split}_ims.npy`."""
+        if not self.has_features:
+            raise DataFormatError(
+                f"{self.root / f'{self.split}_ims.npy'}: missing; this split has pictures only "
+                f"({self.split}_images.txt), so train a backbone recipe (e.g. vse_infty_grid_e2e) or extract features"
+            )
+
     def image_features(self, index: int) -> np.ndarray:
         return np.asarray(self.features[self.image_rows[index]], dtype=np.float32)
 
@@ -145,7 +157,14 @@ def load_precomp_split(root: str | Path, split: str, captions_per_image: int = 5
     caps_file = root / f"{split}_caps.txt"
     if not caps_file.is_file():
         raise DataFormatError(f"{caps_file}: missing (expected one caption per line)")
-    feats = _load_features(root / f"{split}_ims.npy")
+    paths_file = root / f"{split}_images.txt"
+    ims_file = root / f"{split}_ims.npy"
+    if not ims_file.is_file() and paths_file.is_file():
+        # pixels only (e.g. converted from a Karpathy JSON): a zero-width placeholder, one row per picture;
+        # backbone recipes read the pictures, precomp recipes get a clear error from `require_features`
+        feats = np.zeros((len(read_lines(paths_file)), 0, 0), dtype=np.float32)
+    else:
+        feats = _load_features(ims_file)
     captions = read_lines(caps_file)
     if not captions:
         raise DataFormatError(f"{caps_file}: no captions")
@@ -176,7 +195,6 @@ def load_precomp_split(root: str | Path, split: str, captions_per_image: int = 5
             )
     else:
         image_ids = [str(i) for i in range(n_images)]
-    paths_file = root / f"{split}_images.txt"
     image_paths = None
     if paths_file.is_file():
         image_paths = [s.strip() for s in read_lines(paths_file)]

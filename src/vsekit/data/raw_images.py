@@ -126,3 +126,35 @@ class PixelSource:
 
     def load(self, index: int, rng: np.random.Generator | None) -> torch.Tensor:
         return load_pixels(self.split.abs_image_path(index), self.image_size, rng if self.augment else None)
+
+
+def convert_karpathy(json_path: str | Path, out_dir: str | Path, image_root: str | Path | None = None,
+                     splits: tuple[str, ...] = ("train", "dev", "test")) -> dict[str, dict[str, int]]:  # fmt: skip
+    """Write a Karpathy JSON as vsekit split files (captions, cap2img, ids, images) without features.
+
+    The result trains backbone recipes from pixels (`vse train --recipe vse_infty_grid_e2e --data OUT`) and
+    is read by the same precomp reader; image paths are absolute unless the pictures lie under `out_dir`.
+    Splits are checked (every picture exists) before anything is written, so a bad JSON leaves no half layout.
+    """
+    from vsekit.utils.io import atomic_write_text
+
+    out = Path(out_dir)
+    loaded = {s: load_karpathy_split(json_path, s, image_root) for s in splits}
+    for s, raw in loaded.items():
+        for i in range(raw.n_images):
+            if not raw.abs_image_path(i).is_file():
+                raise DataFormatError(f"{json_path}: split {s!r} image {raw.image_paths[i]!r} not found at "
+                                      f"{raw.abs_image_path(i)} (pass --images ROOT)")  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    for s, raw in loaded.items():
+        paths = []
+        for i in range(raw.n_images):
+            p = raw.abs_image_path(i).resolve()
+            paths.append(str(p.relative_to(out.resolve())) if p.is_relative_to(out.resolve()) else str(p))
+        atomic_write_text(out / f"{s}_caps.txt", "".join(c.replace("\n", " ") + "\n" for c in raw.captions))
+        atomic_write_text(out / f"{s}_cap2img.txt", "".join(f"{i}\n" for i in raw.cap2img.tolist()))
+        atomic_write_text(out / f"{s}_ids.txt", "".join(f"{i}\n" for i in raw.image_ids))
+        atomic_write_text(out / f"{s}_images.txt", "".join(f"{p}\n" for p in paths))
+        counts[s] = {"images": raw.n_images, "captions": raw.n_captions}
+    return counts
