@@ -48,7 +48,7 @@ class ImageEncoderConfig:
     image_size: int = 224
     # staged unfreezing: backbone frozen for this many epochs, then trainable from the top down
     backbone_frozen_epochs: int = 1
-    backbone_trainable_blocks: int = -1  # -1 = all blocks once unfrozen; N = only the last N blocks
+    backbone_trainable_blocks: int = -1  # -1 = every stage once unfrozen; N = only the last N stages (head included)
     backbone_lr_mult: float = 0.1
     # multi-view (AVSE): number of views; 1 = ordinary single embedding
     views: int = 1

@@ -85,12 +85,10 @@ class BackboneImageEncoder(nn.Module):
     def __init__(self, embed_dim: int, cfg: ImageEncoderConfig, normalize: bool = True, grid_drop_max: float = 0.2,
                  size_augment: bool = True) -> None:  # fmt: skip
         super().__init__()
-        from vsekit.features.efficientnet import load_efficientnet_lite0
+        from vsekit.features.backbones import build_backbone
 
-        if cfg.backbone != "efficientnet_lite0":
-            raise ValueError(f"backbone {cfg.backbone!r} is not supported; use efficientnet_lite0")
-        self.cnn = load_efficientnet_lite0(cfg.backbone_weights or None)
-        self.cnn_dim = 1280
+        self.cnn = build_backbone(cfg.backbone, cfg.backbone_weights or None)
+        self.cnn_dim = self.cnn.out_dim
         self.fc = xavier_linear(self.cnn_dim, embed_dim)
         self.pool = create_pooling(cfg.pooling, embed_dim)
         self.normalize = normalize
@@ -103,15 +101,14 @@ class BackboneImageEncoder(nn.Module):
         return list(self.cnn.parameters())
 
     def set_backbone_trainable(self, trainable: bool) -> None:
-        """Freeze all, or unfreeze the last `trainable_blocks` blocks (+ head conv); BatchNorm stays frozen."""
+        """Freeze all, or unfreeze the last `trainable_blocks` stages (all when < 0); BatchNorm stays frozen."""
         for p in self.cnn.parameters():
             p.requires_grad = False
         if not trainable:
             return
-        blocks = list(self.cnn._blocks)
-        chosen = blocks if self.trainable_blocks < 0 else blocks[len(blocks) - self.trainable_blocks :]
-        modules = chosen + [self.cnn._conv_head, self.cnn._bn1]
-        for m in modules:
+        stages = self.cnn.stages
+        chosen = stages if self.trainable_blocks < 0 else stages[max(0, len(stages) - self.trainable_blocks) :]
+        for m in chosen:
             for p in m.parameters():
                 p.requires_grad = True
 
@@ -124,7 +121,7 @@ class BackboneImageEncoder(nn.Module):
 
     def forward(self, pixels: torch.Tensor, lengths: torch.Tensor | None = None,
                 generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
-        grid = self.cnn.extract_features(pixels)  # [B, C, H, W]
+        grid = self.cnn(pixels)  # [B, C, H, W]
         feats = grid.flatten(2).transpose(1, 2)
         lengths = torch.full((feats.shape[0],), feats.shape[1], dtype=torch.long, device=feats.device)
         if self.training and self.size_augment:
