@@ -199,19 +199,43 @@ def test_create_loss_and_errors():
         ADOPTLoss(temperature=0)
 
 
-@pytest.mark.slow
-def test_vse_2ad_trains_and_logs_k_per_step(synthetic_dir, tmp_path):
+def test_vse_2ad_trains_and_logs_k_every_iteration(synthetic_dir, tmp_path):
+    """K, align, uniform reach metrics.jsonl (kind "step") and TensorBoard at every iteration, even with
+    train.log_every = 4, and follow the rule: many negatives for an immature model."""
     import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from vsekit.training.trainer import Trainer
 
-    over = ["model.embed_dim=32", "train.batch_size=32", "train.log_every=1", "model.text.word_dim=16",
+    over = ["model.embed_dim=32", "train.batch_size=32", "train.log_every=4", "model.text.word_dim=16",
             "model.image.mlp_hidden=32"]  # fmt: skip
     trainer = Trainer(load_recipe("vse_2ad", over), synthetic_dir, tmp_path / "run", progress=False, log=lambda *_: None)
     trainer.fit(max_steps=6)
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in recs if r["kind"] == "train"]
-    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]  # one record (with K) per iteration
-    assert all(1 <= r["K_i2t"] <= 31 and r["K_i2t"] == r["K_t2i"] and 0 <= r["align"] <= 1 for r in train)
-    assert train[0]["K_i2t"] >= 20  # immature model: many negatives
-    assert all(math.isfinite(r["loss"]) for r in train)
+    steps = [r for r in recs if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]  # one record per iteration
+    assert [r["step"] for r in recs if r["kind"] == "train"] == [4]  # the regular log keeps its interval
+    for r in steps:
+        assert 1 <= r["K_i2t"] <= 31 and r["K_i2t"] == r["K_t2i"] and 0 <= r["align"] <= 1 and 0 <= r["uniform"] <= 1
+        assert r["K_i2t"] == adopt_k(r["align"], r["uniform"], 32)  # the logged K is the rule's K
+    assert steps[0]["K_i2t"] >= 20  # immature model: many negatives
+    trainer._tb.flush()
+    acc = EventAccumulator(str(tmp_path / "run" / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("step/K_i2t")] == [1, 2, 3, 4, 5, 6]
+    assert [e.value for e in acc.Scalars("step/K_i2t")] == [r["K_i2t"] for r in steps]
+
+
+@pytest.mark.slow
+def test_losses_without_step_keys_write_no_step_records(synthetic_dir, tmp_path):
+    import json
+
+    from vsekit.training.trainer import Trainer
+
+    over = ["model.embed_dim=16", "train.batch_size=32", "train.log_every=2", "model.text.word_dim=8",
+            "model.image.mlp_hidden=16"]  # fmt: skip
+    trainer = Trainer(load_recipe("vse_infty", over), synthetic_dir, tmp_path / "run", progress=False, log=lambda *_: None)
+    trainer.fit(max_steps=2)
+    kinds = [json.loads(line)["kind"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert kinds == ["train"]

@@ -186,6 +186,21 @@ def test_bench_pool_times_every_pooling():
     for r in rows:
         assert r["ms_median"] > 0 and r["ms_min"] <= r["ms_median"] and r["batch"] == 4 and r["dim"] == 8
     assert rows[0]["vs_avg"] == pytest.approx(1.0)
-    assert {r["pooling"]: r["params"] for r in rows}["adpool"] == 16
+    params = {r["pooling"]: r["params"] for r in rows}
+    assert params["adpool"] == 16 and params["adpool-ref"] == 8 * 8 + 8 + 8 and params["avg"] == 0
     with pytest.raises(ValueError, match="unknown pooling"):
         bench_pool(poolings=("nope",))
+
+
+def test_bench_pool_cli_prints_table_and_writes_json(tmp_path, capsys):
+    import json
+
+    from vsekit.bench.pool import main
+
+    out = tmp_path / "bench.json"
+    assert main(["--batch", "3", "--n", "4", "--dim", "8", "--repeats", "1", "--warmup", "0", "--poolings", "avg",
+                 "adpool", "--json", str(out)]) == 0  # fmt: skip
+    table = capsys.readouterr().out
+    assert table.startswith("| pooling |") and "| adpool | 16 | cpu |" in table
+    rows = json.loads(out.read_text())
+    assert [r["pooling"] for r in rows] == ["avg", "adpool"] and rows[0]["vs_avg"] == 1.0

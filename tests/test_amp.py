@@ -177,3 +177,22 @@ def test_device_batches_prefetches_to_cuda():
     for got, ref in zip(out, batches):
         assert got["images"].is_cuda and not got["token_lengths"].is_cuda
         torch.testing.assert_close(got["images"].cpu(), ref["images"])
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_unpacked_gpo_weights_equal_the_reference_packed_bigru(train):
+    """GPO's fast weights (no packing) are the reference's packed-BiGRU weights, values and gradients."""
+    from vsekit.pooling.gpo import GPO
+
+    torch.manual_seed(0)
+    gpo = GPO(32, 32).train(train)
+    lengths = torch.tensor([1, 2, 7, 19, 36, 36, 12])
+    fast = gpo.weights_for_lengths(lengths, 36)
+    ref = gpo.weights_packed(lengths, 36)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-6)
+    assert (fast[0, 1:] == 0).all() and float(fast[0, 0].detach()) == pytest.approx(1.0)
+    probe = torch.randn(36)
+    g_fast = torch.autograd.grad((fast * probe).sum(), list(gpo.parameters()))
+    g_ref = torch.autograd.grad((ref * probe).sum(), list(gpo.parameters()))
+    for a, b in zip(g_fast, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -158,3 +158,24 @@ def test_eval_sims_cli_reports_coherence(tmp_path, rng, capsys):
     for key in ("i2t_cs@10", "t2i_cs@10", "i2t_cs@50", "t2i_cs@50", "i2t_map"):
         assert metrics[key] == pytest.approx(expected[key])
     assert "i2t_cs@10" in capsys.readouterr().out
+
+
+def test_evaluate_sims_adds_coherence_and_names_a_bad_relevance_file(tmp_path, rng, capsys):
+    from vsekit.metrics import evaluate_sims
+
+    cap2img = np.repeat(np.arange(10), 2)
+    sims = rng.normal(size=(10, 20))
+    rel = rng.normal(size=(20, 20))
+    rel = (rel + rel.T) / 2
+    plain = evaluate_sims(sims, cap2img)
+    assert not any(k.startswith(("i2t_cs@", "t2i_cs@", "i2t_map")) for k in plain)
+    full = evaluate_sims(sims, cap2img, relevance=rel, cs_k=[5])
+    assert full == {**plain, **coherence_metrics(sims, cap2img, rel, ks=[5])}
+    np.save(tmp_path / "sims.npy", sims.astype(np.float32))
+    missing = tmp_path / "nope.npy"
+    rc = main(["eval-sims", str(tmp_path / "sims.npy"), "--captions-per-image", "2", "--relevance", str(missing)])
+    assert rc != 0 and "nope.npy" in capsys.readouterr().err
+    np.save(tmp_path / "rel.npy", np.ones((19, 19)))
+    rc = main(["eval-sims", str(tmp_path / "sims.npy"), "--captions-per-image", "2", "--relevance",
+               str(tmp_path / "rel.npy")])  # fmt: skip
+    assert rc != 0 and "rel.npy: 19 captions but the similarity matrix has 20" in capsys.readouterr().err

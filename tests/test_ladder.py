@@ -220,6 +220,7 @@ def test_minilm_sentence_embeddings_are_the_sbert_ones():
     assert e[0] @ e[2] < 0.2
 
 
+@pytest.mark.slow  # trains one epoch and loads MiniLM: ~15 s on a shared CPU
 def test_relevance_cache_training_and_eval(tmp_path, capsys):
     data = make_synthetic_precomp(tmp_path / "d", n_train=48, n_dev=12, n_test=12, regions=6, dim=16,
                                   captions_per_image=2)  # fmt: skip
@@ -253,3 +254,31 @@ def test_relevance_cache_training_and_eval(tmp_path, capsys):
     caps = data / "test_caps.txt"
     caps.write_text(caps.read_text().replace("the", "a"))  # captions changed: the cache is stale
     assert cached_relevance(data, "test") is None
+
+
+def test_step_benchmark_runs_all_three_losses():
+    from vsekit.bench.ladder import bench_ladder_step
+
+    row = bench_ladder_step(batch=16, repeats=1, warmup=0, regions=4, img_dim=32, embed_dim=32, vocab=50)
+    for name in ("vsepp", "ladder", "ladder_auto"):
+        assert row[f"{name}_step_ms"] > 0 and row[f"{name}_loss_ms"] > 0
+    assert row["ratio_auto"] == pytest.approx(row["ladder_auto_step_ms"] / row["vsepp_step_ms"])
+    with pytest.raises(ValueError, match="batch must be >= 2"):
+        bench_ladder_step(batch=1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_levels_equal_eager_and_cpu():
+    sims, rel, image_ids = _random_batch(128, 5)
+    kw = {"adaptive": True, "margins": [0.2, 0.01, 0.01, 0.01], "weights": [1.0, 0.25, 0.125, 0.0625]}
+    graphed, eager = _ladder(**kw).cuda(), _ladder(cuda_graphs=False, **kw).cuda()
+    pos = torch.eye(128, dtype=torch.bool)
+    ref = _ladder(**kw).levels(rel, pos)
+    for _ in range(2):  # capture, then replay
+        lv_g, k_g = graphed.levels(rel.cuda(), pos.cuda())
+        assert torch.equal(lv_g.cpu(), ref[0]) and torch.equal(k_g.cpu(), ref[1])
+    assert graphed.cuda_graphs and len(graphed._graphs) == 1
+    a = graphed(sims.cuda(), image_ids=image_ids.cuda(), relevance=rel.cuda())[0]
+    b = eager(sims.cuda(), image_ids=image_ids.cuda(), relevance=rel.cuda())[0]
+    c = _ladder(**kw)(sims, image_ids=image_ids, relevance=rel)[0]
+    assert float(a) == pytest.approx(float(b), rel=1e-6) and float(a) == pytest.approx(float(c), rel=1e-5)

@@ -68,10 +68,11 @@ def test_variable_captions_per_image():
     assert m["i2t_r1"] == 100 and m["t2i_r1"] == 100
 
 
-def test_ties_do_not_help_the_positive_or_hurt_it():
+def test_ties_rank_pessimistically():
     sims = np.zeros((3, 3))
     m = retrieval_metrics(sims, np.arange(3))
-    assert m["i2t_r1"] == 100.0  # nothing strictly above the positive
+    assert m["i2t_r1"] == 0.0 and m["t2i_r1"] == 0.0  # equal negatives rank above the positive
+    assert m["i2t_r5"] == 100.0 and m["i2t_meanr"] == 3.0
 
 
 @pytest.mark.parametrize("sims,c2i,needle", [

@@ -181,3 +181,16 @@ def test_cors_off_by_default_hosts_checked_headers_and_logs(index_dir, caplog):
         r = c.get("/healthz", headers={"origin": "http://ok.example"})
         assert r.headers["access-control-allow-origin"] == "http://ok.example"
         assert "access-control-allow-origin" not in c.get("/healthz", headers={"origin": "http://evil.example"}).headers
+
+
+@pytest.mark.slow
+def test_bench_serve_runs_a_bounded_load_test_against_vse_serve(index_dir):
+    """`vse serve` in a child process on a free loopback port: every request answered, then it is stopped."""
+    pytest.importorskip("uvicorn")
+    from vsekit.bench.search import bench_serve
+
+    res = bench_serve(index_dir, requests=40, concurrency=2, max_seconds=60, queries=["a red circle", "a blue square"])
+    assert res["requests"] == 40 and res["errors"] == 0, res["first_errors"]
+    assert res["requests_per_s"] > 0 and res["p50_ms"] <= res["p99_ms"]
+    with pytest.raises(ValueError, match="must be positive"):
+        bench_serve(index_dir, requests=0)

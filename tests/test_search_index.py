@@ -263,3 +263,82 @@ def test_non_inner_product_similarity_is_reranked_exactly(tmp_path):
     agree = np.mean([len({i for i, _ in h} & set(np.argsort(-exact[qi])[:5])) / 5
                      for qi, h in enumerate(shallow.search_text_vectors(q, 5))])  # fmt: skip
     assert agree >= 0.9
+
+
+def test_bench_search_measures_recall_against_exact():
+    """The ANN benchmark on a small set: IVF visiting every list is exact, one list is not; same seed, same data."""
+    from vsekit.bench.search import ClusteredVectors, bench_search, format_search_table
+
+    a, b = ClusteredVectors(16, 8, 1.0, seed=3), ClusteredVectors(16, 8, 1.0, seed=3)
+    np.testing.assert_array_equal(np.concatenate(list(a.chunks(250, 100))), np.concatenate(list(b.chunks(250, 100))))
+    np.testing.assert_allclose(np.linalg.norm(a.draw(5, 0), axis=1), 1.0, rtol=1e-5)
+    res = bench_search(n=3000, dim=32, queries=40, exact_queries=10, clusters=60, nlist=32, nprobes=(1, 32),
+                       sq8=True, hnsw_m=8, ef_searches=(4, 64), train_size=2000, chunk=700, log=quiet)  # fmt: skip
+    rows = {(r["index"], r["params"]): r for r in res["rows"]}
+    assert rows[("flat (exact)", "")]["recall_at_k"] == 1.0
+    assert rows[("IVF-Flat", "nlist=32 nprobe=32")]["recall_at_k"] == 1.0
+    assert rows[("IVF-Flat", "nlist=32 nprobe=1")]["recall_at_k"] < 1.0
+    assert rows[("IVF-SQ8", "nlist=32 nprobe=32")]["recall_at_k"] >= 0.9  # 8-bit codes: close, not exact
+    assert rows[("HNSW-Flat", "M=8 efSearch=4")]["recall_at_k"] <= rows[("HNSW-Flat", "M=8 efSearch=64")]["recall_at_k"]
+    assert all(0 < r["p50_ms"] <= r["p99_ms"] for r in res["rows"])
+    assert "| IVF-Flat | nlist=32 nprobe=1 |" in format_search_table(res)
+    auto = bench_search(n=3000, dim=16, queries=5, exact_queries=2, clusters=60, nprobes=(2,), sq8=False, log=quiet)
+    from vsekit.search.index import auto_nlist
+
+    assert auto["setup"]["nlist"] == auto_nlist(3000) and auto["setup"]["train_size"] == 3000  # as `vse index` picks
+    with pytest.raises(ValueError, match="must be positive"):
+        bench_search(n=0, log=quiet)
+
+
+def test_second_writer_is_refused_while_one_holds_the_index(tmp_path):
+    pytest.importorskip("fcntl")
+    from vsekit.search.index import writer_lock
+
+    out = tmp_path / "idx"
+    with writer_lock(out):
+        with pytest.raises(IndexFormatError, match="another `vse index` is writing"):
+            build_index(tmp_path / "no-run", "x", out, progress=False, log=quiet)
+    from vsekit.training.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="not a vsekit run"):  # released: the next writer gets past the lock
+        build_index(tmp_path / "no-run", "x", out, progress=False, log=quiet)
+
+
+def test_run_keeps_the_extractor_a_manifest_records_under_features(synthetic_dir, tmp_path):
+    """openclipart's manifest names its extractor `features`; the run must keep it so `vse index` can embed pixels."""
+    from vsekit.config import load_recipe
+    from vsekit.search.encode import run_extractor_spec
+    from vsekit.training.trainer import Trainer
+
+    data = tmp_path / "data"
+    shutil.copytree(synthetic_dir, data)
+    spec = {"name": "efficientnet_lite0_grid", "weights_sha256": "0123456789abcdef", "image_size": 224, "dim": 32}
+    (data / "manifest.json").write_text(json.dumps({"format": "vsekit-precomp/1", "features": spec}))
+    recipe = load_recipe("vsepp", ["model.embed_dim=16", "model.text.word_dim=8", "train.epochs=1",
+                                   "train.batch_size=64", "train.log_every=0", "data.val_max_images=20"])  # fmt: skip
+    Trainer(recipe, data, tmp_path / "run", progress=False, log=quiet).fit()
+    cfg = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert cfg["extractor"] == spec
+    shutil.rmtree(data)  # the run alone must know it, without its dataset
+    assert run_extractor_spec(cfg) == spec
+
+
+@pytest.mark.slow
+def test_index_scores_equal_the_evaluation_similarities(shapes, split_index):
+    """Searching the index with every test caption reproduces `vse eval`'s similarity matrix, hence its recalls."""
+    from vsekit.data.precomp import load_precomp_split
+    from vsekit.evaluation import split_similarities
+    from vsekit.metrics.retrieval import ranks_t2i
+
+    data, _ = shapes
+    engine = SearchEngine.open(split_index)
+    split = load_precomp_split(data, "test", engine.model.recipe.data.captions_per_image)
+    sims = split_similarities(engine.model, split)  # [images, captions], the evaluation's own path
+    n = engine.index.n_pictures
+    found = np.full_like(sims, np.nan)
+    for c, hits in enumerate(engine.search_text_vectors(engine.text.embed(split.captions), n)):
+        assert len(hits) == n and [s for _, s in hits] == sorted((s for _, s in hits), reverse=True)
+        for pid, score in hits:
+            found[pid, c] = score
+    np.testing.assert_allclose(found, sims, atol=1e-5)
+    np.testing.assert_array_equal(ranks_t2i(found, split.cap2img), ranks_t2i(sims, split.cap2img))

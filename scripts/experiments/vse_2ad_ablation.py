@@ -35,8 +35,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 # the small, fast config every variant shares (openclipart: EfficientNet-Lite0 grid features, BiGRU text)
 SMALL = [
-    "model.embed_dim=512", "model.image.feature_type=grid", "model.text.kind=bigru", "model.text.vocab_min_count=1",
-    "train.batch_size=128", "data.captions_per_image=1", "train.log_every=1", "train.eval_batch_size=512",
+    "model.embed_dim=256", "model.image.feature_type=grid", "model.text.kind=bigru", "model.text.vocab_min_count=1",
+    "train.batch_size=128", "data.captions_per_image=1", "train.log_every=10", "train.eval_batch_size=512",
 ]  # fmt: skip
 
 # key -> (table label, recipe, overrides, dense dev evaluation)
@@ -51,6 +51,10 @@ VARIANTS: dict[str, tuple[str, str, list[str], bool]] = {
     "no_adopt": ("− ADOPT (hardest-negative triplet)", "vse_2ad",
                  ["loss.name=triplet", "loss.margin=0.2", "loss.max_violation=true", "loss.warmup_epochs=0"], True),
     "vse_infty": ("VSE∞ (GPO + triplet, 1 warm-up epoch)", "vse_infty", [], False),
+    "no_adopt_warmup": ("− ADOPT, triplet after 1 all-negatives warm-up epoch", "vse_2ad",
+                        ["loss.name=triplet", "loss.margin=0.2", "loss.max_violation=true", "loss.warmup_epochs=1"],
+                        False),
+    "infonce": ("ADOPT → InfoNCE over all in-batch negatives", "vse_2ad", ["loss.name=infonce"], False),
     "reference": ("VSE+2AD, released-code variants (ADPOOL + ADOPT)", "vse_2ad",
                   ["model.image.pooling.adpool_variant=reference", "model.text.pooling.adpool_variant=reference",
                    "loss.adopt_variant=reference"], False),
@@ -91,6 +95,54 @@ def balance_weights(trainer: Trainer) -> dict[str, float]:
     return {f"omega_tok_{side}": float(np.mean(v)) for side, v in out.items()}
 
 
+@torch.no_grad()
+def branch_diagnostics(run_dir: Path, data: str, split_name: str = "test") -> dict[str, dict[str, float]]:
+    """Why ADPOOL's balance does (not) move: per side, over the split's sets with more than one element,
+    the mean per-dimension spread (max − min over the set) of the pooled features, the relative gap
+    |t_tok − t_emb| / |t_tok| between the two branches, how far θ is from uniform (L1) and the learned ω_tok."""
+    from vsekit.data.precomp import load_precomp_split
+    from vsekit.evaluation import encode_captions, encode_images, image_source_for, text_processor_for
+    from vsekit.pooling.adpool import ADPool
+    from vsekit.training.checkpoint import load_run
+
+    model, _ = load_run(run_dir)
+    split = load_precomp_split(data, split_name, 1)
+    acc: dict[str, dict[str, list[torch.Tensor]]] = {}
+
+    def make_hook(side: str):
+        def hook(module: ADPool, args, _output) -> None:
+            x, lengths = args
+            lengths = lengths.to(x.device)
+            _, w = module.forward(x, lengths, return_weights=True)
+            tok_only = ADPool(module.dim, embedding_level=False, variant=module.variant)
+            tok_only.token_scorer.load_state_dict(module.token_scorer.state_dict())
+            t, e = tok_only(x, lengths), ADPool(module.dim, token_level=False)(x, lengths)
+            xs = x[:, : int(lengths.max())]
+            valid = (torch.arange(xs.shape[1], device=x.device)[None] < lengths[:, None]).unsqueeze(-1)
+            spread = xs.masked_fill(~valid, float("-inf")).amax(1) - xs.masked_fill(~valid, float("inf")).amin(1)
+            theta = w["token"] if w["token"].ndim == 2 else w["token"].mean(-1)
+            uniform = valid[..., 0].float() / lengths[:, None].float()
+            many = lengths > 1
+            a = acc.setdefault(side, {"spread": [], "gap": [], "theta_l1": [], "omega_tok": []})
+            a["spread"].append(spread.mean(1)[many])
+            a["gap"].append(((t - e).norm(dim=1) / t.norm(dim=1).clamp_min(1e-12))[many])
+            a["theta_l1"].append((theta - uniform).abs().sum(1)[many])
+            a["omega_tok"].append(w["balance"][:, 0])
+
+        return hook
+
+    pools = {"image": model.image_encoder.pool, "text": model.text_encoder.pool}
+    hooks = [p.register_forward_hook(make_hook(side)) for side, p in pools.items()
+             if isinstance(p, ADPool) and p.token_level and p.embedding_level]  # fmt: skip
+    try:
+        encode_images(model, image_source_for(model, split))
+        encode_captions(model, split.captions, text_processor_for(model))
+    finally:
+        for h in hooks:
+            h.remove()
+    return {side: {k: float(torch.cat(v).mean()) for k, v in a.items()} for side, a in acc.items()}
+
+
 def run_one(key: str, seed: int, args: argparse.Namespace) -> dict:
     run_dir = Path(args.out) / key / f"seed{seed}"
     done = run_dir / "result.json"
@@ -125,10 +177,18 @@ def run_one(key: str, seed: int, args: argparse.Namespace) -> dict:
     return result
 
 
-def read_train_records(run_dir: Path) -> list[dict]:
+def read_val_records(run_dir: Path) -> list[dict]:
+    """End-of-epoch dev evaluations of a run (kind "val" in metrics.jsonl)."""
     path = run_dir / "metrics.jsonl"
     recs = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-    return [r for r in recs if r.get("kind") == "train"]
+    return [r for r in recs if r.get("kind") == "val"]
+
+
+def read_step_records(run_dir: Path) -> list[dict]:
+    """The per-iteration records (ADOPT's K, align, uniform) the trainer writes for losses with step_log_keys."""
+    path = run_dir / "metrics.jsonl"
+    recs = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return [r for r in recs if r.get("kind") == "step"]
 
 
 def mean_std(values: list[float]) -> str:
@@ -159,7 +219,7 @@ def table(results: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def plot_convergence(results: dict[str, list[dict]], path: Path) -> None:
+def plot_convergence(results: dict[str, list[dict]], path: Path, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -177,17 +237,31 @@ def plot_convergence(results: dict[str, list[dict]], path: Path) -> None:
         label = "with ADOPT (VSE+2AD)" if key == "full" else "without ADOPT (hardest-negative triplet)"
         ax.plot(steps[:n], mean, color=color, label=f"{label}, {len(rs)} seeds")
         ax.fill_between(steps[:n], mean - std, mean + std, color=color, alpha=0.2, lw=0)
+    # rows without a dense curve: their end-of-epoch dev RSUM (mean over seeds), dashed with markers
+    for key, color in (("no_adopt_warmup", "tab:purple"), ("infonce", "tab:orange"), ("vse_infty", "tab:gray")):
+        per_run = [read_val_records(out / key / f"seed{r['seed']}") for r in results.get(key, [])]
+        per_run = [v for v in per_run if v]
+        if not per_run:
+            continue
+        n = min(len(v) for v in per_run)
+        mean = np.mean([[v["rsum"] for v in vs[:n]] for vs in per_run], axis=0)
+        ax.plot([v["step"] for v in per_run[0][:n]], mean, ls="--", marker="o", ms=3, lw=1, color=color,
+                label=f"{VARIANTS[key][0]} (per epoch), {len(per_run)} seeds")  # fmt: skip
     ax.set_xlabel("iteration")
     ax.set_ylabel("dev RSUM")
     ax.set_title("Convergence with and without ADOPT (openclipart, mean ± std)")
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
-def plot_k(run_dirs: list[Path], path: Path, batch: int) -> None:
+K_RULES = {"full": ("paper rule (Eq. 6)", "tab:red"), "reference": ("released-code rule", "tab:green")}
+
+
+def plot_k(run_dirs: dict[str, list[Path]], path: Path, batch: int) -> None:
+    """K per iteration for each K rule and seed, like the paper's appendix figure (log scale)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -195,43 +269,58 @@ def plot_k(run_dirs: list[Path], path: Path, batch: int) -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)
     epoch_starts: dict[int, int] = {}
-    for d in run_dirs:
-        recs = read_train_records(d)
-        if not recs:
-            continue
-        ax.plot([r["step"] for r in recs], [r["K_i2t"] for r in recs], lw=0.9, label=d.name)
-        for r in recs:
-            epoch_starts.setdefault(r["epoch"], r["step"])
+    for key, dirs in run_dirs.items():
+        label, color = K_RULES[key]
+        for i, d in enumerate(dirs):
+            recs = read_step_records(d)
+            if not recs:
+                continue
+            ax.plot([r["step"] for r in recs], [r["K_i2t"] for r in recs], lw=0.9, color=color, alpha=1.0 - 0.25 * i,
+                    label=f"{label}, {d.name}")  # fmt: skip
+            for r in recs:
+                epoch_starts.setdefault(r["epoch"], r["step"])
     for _, s in sorted(epoch_starts.items())[1:]:
         ax.axvline(s - 0.5, color="grey", lw=0.5, ls=":")
     ax.set_yscale("log")
+    ax.set_ylim(0.8, batch * 1.25)
     ax.set_xlabel("iteration (dotted: epoch boundaries)")
     ax.set_ylabel("K (negatives per anchor)")
-    ax.set_title(f"ADOPT negative-group size per iteration (batch {batch})")
+    ax.set_title(f"ADOPT negative-group size per iteration (openclipart, batch {batch})")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def k_summary(d: Path) -> str:
+    """Per-epoch mean K over full batches (each epoch's last batch is partial: 5080 = 39 x 128 + 88 captions
+    on openclipart, and K scales with |B|), and the last full batch's K with its γ's."""
+    recs = read_step_records(d)
+    if not recs:
+        return f"{d.parent.name}/{d.name}: no step records"
+    last_of_epoch = {}
+    for r in recs:
+        last_of_epoch[r["epoch"]] = max(last_of_epoch.get(r["epoch"], 0), r["step"])
+    full = [r for r in recs if r["step"] != last_of_epoch[r["epoch"]]] or recs
+    per_epoch: dict[int, list[float]] = {}
+    for r in full:
+        per_epoch.setdefault(r["epoch"], []).append(r["K_i2t"])
+    last = full[-1]
+    return (f"{d.parent.name}/{d.name}: first {recs[0]['K_i2t']:.0f}, "
+            + ", ".join(f"epoch {e + 1} mean {np.mean(v):.1f}" for e, v in sorted(per_epoch.items()))
+            + f", last full batch {last['K_i2t']:.0f} (γ_align {last['align']:.2f}, γ_uniform {last['uniform']:.2f})")  # fmt: skip
 
 
 def write_docs(results: dict[str, list[dict]], args: argparse.Namespace, command: str) -> None:
     docs = Path(args.docs)
     figs = docs / "figures"
     figs.mkdir(parents=True, exist_ok=True)
-    plot_convergence(results, figs / "vse_2ad_convergence.png")
-    full_dirs = [Path(args.out) / "full" / f"seed{r['seed']}" for r in results.get("full", [])]
+    plot_convergence(results, figs / "vse_2ad_convergence.png", Path(args.out))
+    k_dirs = {key: [Path(args.out) / key / f"seed{r['seed']}" for r in results.get(key, [])] for key in K_RULES}
     batch = next(iter(results.values()))[0]["resolved_recipe"]["train"]["batch_size"]
-    plot_k(full_dirs, figs / "vse_2ad_k_per_iteration.png", batch)
-    k_stats = []
-    for d in full_dirs:
-        recs = read_train_records(d)
-        if recs:
-            per_epoch: dict[int, list[float]] = {}
-            for r in recs:
-                per_epoch.setdefault(r["epoch"], []).append(r["K_i2t"])
-            k_stats.append(f"{d.name}: first {recs[0]['K_i2t']:.0f}, "
-                           + ", ".join(f"epoch {e + 1} mean {np.mean(v):.1f}" for e, v in sorted(per_epoch.items())))  # fmt: skip
+    plot_k(k_dirs, figs / "vse_2ad_k_per_iteration.png", batch)
+    k_stats = [k_summary(d) for dirs in k_dirs.values() for d in dirs]
     any_result = next(iter(results.values()))[0]
     n_seeds = {k: len(v) for k, v in results.items()}
     block = [
@@ -245,7 +334,7 @@ def write_docs(results: dict[str, list[dict]], args: argparse.Namespace, command
                                                   f"optim.lr_decay_epochs=[{args.decay_epoch}]"] + args.set)
         + "`; each variant adds its own (see the script's `VARIANTS`).",
         "",
-        "ADOPT K per iteration (full variant): " + ("; ".join(k_stats) if k_stats else "n/a"),
+        "ADOPT K per iteration (i2t; t2i is equal; epoch means over full batches): " + ("; ".join(k_stats) if k_stats else "n/a"),
         "",
         f"Command: `{command}`",
         "",
@@ -273,14 +362,28 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--docs", default=str(REPO / "docs"), help="docs folder to write vse_2ad.md and figures into")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
-    p.add_argument("--epochs", type=int, default=8)
-    p.add_argument("--decay-epoch", type=int, default=6, help="lr x0.1 once from this epoch")
-    p.add_argument("--eval-every", type=int, default=5, help="dev evaluation every N iterations (0 = per epoch)")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--decay-epoch", type=int, default=2, help="lr x0.1 once from this epoch")
+    p.add_argument("--eval-every", type=int, default=10, help="dev evaluation every N iterations (0 = per epoch)")
     p.add_argument("--set", action="append", default=[], help="extra recipe override for every run")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--report-only", action="store_true", help="only rebuild the table/figures from finished runs")
+    p.add_argument("--diagnose", action="store_true",
+                   help="print ADPOOL branch diagnostics (spread, |tok-emb| gap, θ vs uniform, ω) of finished runs")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.diagnose:
+        print("| run | side | per-dim spread | abs(t_tok − t_emb) / abs(t_tok) | L1(θ − uniform) | ω_tok |")
+        print("|---|---|---|---|---|---|")
+        for key in args.variants:
+            for seed in args.seeds:
+                run_dir = Path(args.out) / key / f"seed{seed}"
+                if not (run_dir / "result.json").is_file():
+                    continue
+                for side, d in branch_diagnostics(run_dir, args.data).items():
+                    print(f"| {key}/seed{seed} | {side} | {d['spread']:.3f} | {d['gap']:.4f} | {d['theta_l1']:.3f} | "
+                          f"{d['omega_tok']:.4f} |", flush=True)  # fmt: skip
+        return
     command = "nice -n 10 .venv/bin/python scripts/experiments/vse_2ad_ablation.py " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]) if a != "--report-only"
     )

@@ -101,6 +101,7 @@ class LossConfig:
     adopt_scale: float = 1.25
     view_reg_weight: float = 0.0  # avse: lambda for the dimension-wise view regulariser
     view_reg_offdiag: float = 0.0051  # avse: lambda_1
+    view_reg_variant: str = "paper"  # avse: paper (Eq. 3 cosine, diagonal can reach 0) | reference (released code, /B)
     # θ: 0.40 for Sentence-BERT relevance (TMM paper Sec. IV-A; 0.63 was the AAAI "hybrid" CBoW+BERT value)
     ladder_thresholds: list[float] = field(default_factory=lambda: [0.40])
     ladder_margins: list[float] = field(default_factory=lambda: [0.2, 0.01])

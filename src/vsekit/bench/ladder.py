@@ -5,7 +5,8 @@ is what the trainer does per batch: encode images and captions, similarity, loss
 model is the `vsepp` recipe (precomputed region features, BiGRU, average pooling); the three losses run
 interleaved on the same batch so that load from other processes hits them alike; medians are reported.
 The relevance comes from random clustered "sentence embeddings" (the loss only looks them up, so their
-content does not change the cost).
+content does not change the cost). On CUDA the adaptive ladder is also timed without its CUDA graph
+(`ladder_auto_eager`).
 
     from vsekit.bench.ladder import bench_ladder_step
     row = bench_ladder_step(batch=128, device="cpu")   # row["ratio_auto"] = adaptive / VSE++ step time
@@ -52,11 +53,16 @@ def bench_ladder_step(batch: int = 128, device: str = "cpu", repeats: int = 10, 
     words = [f"w{i}" for i in range(vocab)]
 
     setups = {}
-    for name, recipe_name in LOSSES.items():
+    losses_run = dict(LOSSES)
+    if dev.type == "cuda":  # also the adaptive ladder without its CUDA graph, to show what the graph saves
+        losses_run["ladder_auto_eager"] = "cvsepp_auto"
+    for name, recipe_name in losses_run.items():
         recipe = load_recipe(recipe_name, [f"model.embed_dim={embed_dim}"])
         torch.manual_seed(seed)
         model = VSEModel(recipe, DataSpec(img_dim=img_dim, vocab_words=words)).to(dev)
         loss_fn = create_loss(recipe.loss)
+        if name == "ladder_auto_eager":
+            loss_fn.cuda_graphs = False
         if hasattr(loss_fn, "set_caption_embeddings"):
             loss_fn.set_caption_embeddings(emb)
         loss_fn.to(dev)
@@ -89,10 +95,10 @@ def bench_ladder_step(batch: int = 128, device: str = "cpu", repeats: int = 10, 
         _sync(dev)
         return (time.perf_counter() - t0) * 1e3
 
-    steps: dict[str, list[float]] = {n: [] for n in LOSSES}
-    losses: dict[str, list[float]] = {n: [] for n in LOSSES}
+    steps: dict[str, list[float]] = {n: [] for n in losses_run}
+    losses: dict[str, list[float]] = {n: [] for n in losses_run}
     for i in range(warmup + repeats):
-        for name in LOSSES:  # interleaved: background load hits every loss alike
+        for name in losses_run:  # interleaved: background load hits every loss alike
             t_step, t_loss = step(name), loss_only(name)
             if i >= warmup:
                 steps[name].append(t_step)
@@ -102,7 +108,8 @@ def bench_ladder_step(batch: int = 128, device: str = "cpu", repeats: int = 10, 
     return {
         "batch": batch, "device": str(dev), "threads": torch.get_num_threads(), "repeats": repeats,
         "model": f"vsepp recipe, {regions}x{img_dim} precomp regions, BiGRU, embed {embed_dim}",
-        **{f"{n}_step_ms": med[n] for n in LOSSES},
-        **{f"{n}_loss_ms": med_loss[n] for n in LOSSES},
+        **{f"{n}_step_ms": med[n] for n in losses_run},
+        **{f"{n}_loss_ms": med_loss[n] for n in losses_run},
         "ratio_fixed": med["ladder"] / med["vsepp"], "ratio_auto": med["ladder_auto"] / med["vsepp"],
+        **({"ratio_auto_eager": med["ladder_auto_eager"] / med["vsepp"]} if "ladder_auto_eager" in med else {}),
     }  # fmt: skip

@@ -80,24 +80,32 @@ def _recall(ids: np.ndarray, truth: np.ndarray) -> float:
 
 
 def bench_search(n: int = 1_000_000, dim: int = 1024, k: int = 10, queries: int = 200, exact_queries: int = 30,
-                 clusters: int = 10_000, spread: float = 1.0, nlist: int = 1024, nprobes: tuple[int, ...] = (4, 8, 16, 32),
+                 clusters: int = 10_000, spread: float = 1.0, nlist: int = 0, nprobes: tuple[int, ...] = (4, 8, 16, 32),
                  sq8: bool = True, hnsw_m: int = 0, ef_searches: tuple[int, ...] = (32, 64, 128),
-                 train_size: int = 65_536, kmeans_iters: int = 10, threads: int = 1, chunk: int = 50_000,
+                 train_size: int = 0, kmeans_iters: int = 10, threads: int = 1, chunk: int = 50_000,
                  seed: int = 0, log=print) -> dict:  # fmt: skip
     """Exact (flat) vs IVF (and optionally IVF-SQ8 / HNSW) on `n` synthetic `dim`-d unit vectors.
 
     Returns {"setup": ..., "rows": [{"index", "params", "build_s", "bytes_per_vector", "p50_ms", "p99_ms",
-    "recall_at_k"}, ...]}; recall is against the exact top-k of the same queries.
+    "recall_at_k"}, ...]}; recall is against the exact top-k of the same queries. `nlist=0` picks the
+    number of lists as `vse index --index ivf` does (autofaiss' rule, about 4*sqrt(n): 4096 at 1M);
+    `train_size=0` trains k-means on max(65,536, 40*nlist) vectors (FAISS wants at least 39 per list).
     """
     faiss = _faiss()
     if n < 1 or dim < 1 or k < 1 or queries < 1:
         raise ValueError("n, dim, k and queries must be positive")
     faiss.omp_set_num_threads(threads)
+    if nlist <= 0:
+        from vsekit.search.index import auto_nlist
+
+        nlist = auto_nlist(n)
+    train_size = min(n, train_size if train_size > 0 else max(65_536, 40 * nlist))
     data = ClusteredVectors(dim, clusters, spread, seed)
     q = data.draw(queries, stream=0)
     rows = []
     setup = {"n": n, "dim": dim, "k": k, "queries": queries, "clusters": clusters, "spread": spread,
-             "threads": threads, "seed": seed, "faiss": faiss.__version__}  # fmt: skip
+             "threads": threads, "seed": seed, "faiss": faiss.__version__, "nlist": nlist, "train_size": train_size,
+             "kmeans_iters": kmeans_iters}  # fmt: skip
 
     t0 = time.perf_counter()
     flat = faiss.IndexFlatIP(dim)
@@ -262,7 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--exact-queries", type=int, default=30)
     a.add_argument("--clusters", type=int, default=10_000)
     a.add_argument("--spread", type=float, default=1.0)
-    a.add_argument("--nlist", type=int, default=1024)
+    a.add_argument("--nlist", type=int, default=0, help="IVF lists (0 = about 4*sqrt(n), as `vse index` picks)")
+    a.add_argument("--train-size", type=int, default=0, help="k-means training vectors (0 = max(65536, 40*nlist))")
+    a.add_argument("--kmeans-iters", type=int, default=10)
+    a.add_argument("--ef-search", type=int, nargs="+", default=[32, 64, 128])
     a.add_argument("--nprobe", type=int, nargs="+", default=[4, 8, 16, 32])
     a.add_argument("--no-sq8", action="store_true")
     a.add_argument("--hnsw-m", type=int, default=0, help="also build HNSW with this M (slow to build at 1M)")
@@ -278,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "ann":
         res = bench_search(n=args.n, dim=args.dim, queries=args.queries, exact_queries=args.exact_queries,
                            clusters=args.clusters, spread=args.spread, nlist=args.nlist, nprobes=tuple(args.nprobe),
+                           train_size=args.train_size, kmeans_iters=args.kmeans_iters, ef_searches=tuple(args.ef_search),
                            sq8=not args.no_sq8, hnsw_m=args.hnsw_m, threads=args.threads)  # fmt: skip
         print(format_search_table(res))
     else:

@@ -72,11 +72,8 @@ def run_eval_sims(args: argparse.Namespace) -> int:
         cap2img = read_cap2img(args.cap2img, n_cap)
     else:
         cap2img = cap2img_for_k(n_img, n_cap, args.captions_per_image)
-    metrics = evaluate_sims(sims, cap2img, fold5=args.fold5)
-    if args.relevance:
-        from vsekit.metrics.coherence import coherence_metrics
-
-        metrics.update(coherence_metrics(sims, cap2img, np.load(args.relevance, allow_pickle=False), args.cs_k))
+    # the relevance path (not a loaded array) so that a missing or malformed file is a clear error naming it
+    metrics = evaluate_sims(sims, cap2img, fold5=args.fold5, relevance=args.relevance, cs_k=args.cs_k)
     write_report(metrics, args.json)
     return 0
 
@@ -117,6 +114,8 @@ def run_eval(args: argparse.Namespace) -> int:
         from vsekit.metrics.coherence import coherence_metrics
 
         metrics.update(coherence_metrics(sims_sum, cap2img, relevance, args.cs_k))
+    else:
+        print(f"(no CS@K / mAP: run `vse data relevance {data} --split {args.split}` to prepare the relevance)")
     write_report(metrics, args.json)
     return 0
 

@@ -11,6 +11,10 @@ __all__ = ["TripletLoss", "create_loss", "positive_mask", "triplet_loss"]
 
 
 def create_loss(cfg: LossConfig) -> nn.Module:
+    if cfg.view_reg_weight > 0:  # AVSE: the named loss + the dimension-wise view regulariser
+        from vsekit.losses.view_reg import create_view_reg_loss
+
+        return create_view_reg_loss(cfg)
     if cfg.name == "triplet":
         return TripletLoss(cfg.margin, cfg.max_violation, cfg.mask_same_image)
     if cfg.name in ("adopt", "infonce"):

@@ -82,7 +82,11 @@ class ADOPTLoss(nn.Module):
     """ADOPT (adaptive K) or, with `adaptive=False` and `fixed_k=None`, InfoNCE over all in-batch negatives.
 
     `fixed_k` pins K (the released code's `constant` mode; used to compare with a hardest-negative loss).
+    The trainer records `step_log_keys` at every iteration (JSONL kind "step" + TensorBoard `step/K_i2t`),
+    independent of `train.log_every`, so the K curve of the paper's appendix can be drawn from any run.
     """
+
+    step_log_keys: tuple[str, ...] = ("K_i2t", "K_t2i", "align", "uniform")
 
     def __init__(self, temperature: float = 0.05, variant: str = "paper", scale: float = 1.25, margin: float = 0.2,
                  mask_same_image: bool = True, adaptive: bool = True, fixed_k: int | None = None) -> None:  # fmt: skip

@@ -1,5 +1,11 @@
 """One metrics module: everything that ranks (models, ensembles, search) is scored here."""
 
+from vsekit.metrics.coherence import (
+    average_precision_i2t,
+    coherence_metrics,
+    coherent_scores,
+    kendall_tau_b,
+)
 from vsekit.metrics.retrieval import (
     METRIC_KEYS,
     MetricsInputError,
@@ -13,9 +19,13 @@ from vsekit.metrics.retrieval import (
 __all__ = [
     "METRIC_KEYS",
     "MetricsInputError",
+    "average_precision_i2t",
     "cap2img_for_k",
+    "coherence_metrics",
+    "coherent_scores",
     "evaluate_sims",
     "format_table",
+    "kendall_tau_b",
     "retrieval_metrics",
     "retrieval_metrics_fold5",
 ]

@@ -8,8 +8,10 @@ Conventions (SCAN / VSE++ / VSE∞ `evaluation.py`):
 - fold-5 (COCO 1K): five consecutive image blocks with their captions, every key averaged over the folds
   (rsum = mean of per-fold rsums — the SCAN/VSE++ printouts get this wrong, see docs/evaluation.md).
 
-Ties are resolved optimistically for nobody: a candidate counts as ranked above the positive only if its
-score is strictly greater, so the rank does not depend on the sort order of equal scores.
+Ties are resolved pessimistically: a negative whose score equals the positive's counts as ranked above it,
+so the rank never depends on the sort order of equal scores and a collapsed model (all similarities equal)
+scores R@K = 0 instead of a perfect 100. The reference `argsort` breaks exact ties by memory order, which
+only matters for such degenerate matrices; on real float scores the two agree.
 Everything is vectorised and processed in column/row shards so that 5K x 25K and larger fit in bounded memory.
 """
 
@@ -67,7 +69,8 @@ def ranks_t2i(sims: np.ndarray, cap2img: np.ndarray, shard: int = 2048) -> np.nd
         cols = slice(start, min(start + shard, n_cap))
         block = np.asarray(sims[:, cols])
         pos = block[cap2img[cols], np.arange(block.shape[1])]
-        ranks[cols] = (block > pos[None, :]).sum(0)
+        # `>=` counts the positive itself once; every other image with an equal score ranks above it.
+        ranks[cols] = (block >= pos[None, :]).sum(0) - 1
     return ranks
 
 
@@ -76,12 +79,16 @@ def ranks_i2t(sims: np.ndarray, cap2img: np.ndarray, shard: int = 512) -> np.nda
     n_img = sims.shape[0]
     best_pos = np.full(n_img, -np.inf, dtype=np.float64)
     cols = np.arange(sims.shape[1])
-    np.maximum.at(best_pos, cap2img, np.asarray(sims[cap2img, cols], dtype=np.float64))
+    own_scores = np.asarray(sims[cap2img, cols], dtype=np.float64)
+    np.maximum.at(best_pos, cap2img, own_scores)
+    # own captions tied with the best one are not negatives: subtract them from the `>=` count
+    own_at_best = np.zeros(n_img, dtype=np.int64)
+    np.add.at(own_at_best, cap2img, (own_scores >= best_pos[cap2img]).astype(np.int64))
     ranks = np.empty(n_img, dtype=np.int64)
     for start in range(0, n_img, shard):
         rows = slice(start, min(start + shard, n_img))
         block = np.asarray(sims[rows], dtype=np.float64)
-        ranks[rows] = (block > best_pos[rows, None]).sum(1)
+        ranks[rows] = (block >= best_pos[rows, None]).sum(1) - own_at_best[rows]
     return ranks
 
 
@@ -126,9 +133,19 @@ def retrieval_metrics_fold5(sims: np.ndarray, cap2img: np.ndarray, n_folds: int 
     return out
 
 
-def evaluate_sims(sims: np.ndarray, cap2img: np.ndarray, fold5: bool = False) -> dict:
-    """Entry point used by every model, ensemble and search evaluation."""
-    return retrieval_metrics_fold5(sims, cap2img) if fold5 else retrieval_metrics(sims, cap2img)
+def evaluate_sims(sims: np.ndarray, cap2img: np.ndarray, fold5: bool = False, relevance=None,
+                  cs_k: tuple[int, ...] | list[int] = (100, 500)) -> dict:  # fmt: skip
+    """Entry point used by every model, ensemble and search evaluation.
+
+    With a caption x caption `relevance` matrix (array or .npy path) the coherence keys of the ladder-loss
+    paper are added on the whole matrix: `i2t_cs@K`, `t2i_cs@K` for K in `cs_k`, and `i2t_map`.
+    """
+    out = retrieval_metrics_fold5(sims, cap2img) if fold5 else retrieval_metrics(sims, cap2img)
+    if relevance is not None:
+        from vsekit.metrics.coherence import coherence_metrics
+
+        out.update(coherence_metrics(sims, cap2img, relevance, cs_k))
+    return out
 
 
 def cap2img_for_k(n_img: int, n_cap: int, captions_per_image: int) -> np.ndarray:

@@ -10,6 +10,7 @@ distinct length in the batch rather than once per sample (same numbers, far fewe
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -41,7 +42,32 @@ class GPO(nn.Module):
         self.linear = nn.Linear(d_hidden, 1, bias=False)
 
     def weights_for_lengths(self, lengths: torch.Tensor, max_len: int) -> torch.Tensor:
-        """Pooling weights [len(lengths), max_len] for each set size in `lengths` (zeros on padding)."""
+        """Pooling weights [len(lengths), max_len] for each set size in `lengths` (zeros on padding).
+
+        The same numbers as the reference's packed BiGRU (`weights_packed`) without packing, whose per-time-step
+        copies dominate a CUDA step: the forward direction at position k sees positions <= k only, so one
+        sequence of max_len serves every size; the backward direction of size N reads positions N-1 .. 0,
+        so it runs over each size's reversed prefix, padding last (never read).
+        """
+        device = self.linear.weight.device
+        g = self.gru
+        n = lengths.detach().to(device, torch.int64).clamp(min=1)
+        pe = positional_encoding_1d(self.d_pe, max_len, device=device)
+        h = g.hidden_size
+        fw = [g.weight_ih_l0, g.weight_hh_l0, g.bias_ih_l0, g.bias_hh_l0]
+        bw = [g.weight_ih_l0_reverse, g.weight_hh_l0_reverse, g.bias_ih_l0_reverse, g.bias_hh_l0_reverse]
+        rev = (n[:, None] - 1 - torch.arange(max_len, device=device)[None, :]).clamp(min=0)  # [U, L]
+        with warnings.catch_warnings():  # cuDNN notes that these weights are not one flat buffer
+            warnings.simplefilter("ignore", UserWarning)
+            out_f, _ = torch.gru(pe.unsqueeze(0), pe.new_zeros(1, 1, h), fw, True, 1, 0.0, self.training, False, True)
+            out_b, _ = torch.gru(pe[rev], pe.new_zeros(1, len(n), h), bw, True, 1, 0.0, self.training, False, True)
+        hidden = (out_f + out_b.gather(1, rev.unsqueeze(-1).expand(-1, -1, h))) / 2
+        mask = length_mask(n, max_len)
+        scores = self.linear(hidden).squeeze(-1).masked_fill(~mask, -10000.0)
+        return torch.softmax(scores / self.temperature, dim=1)
+
+    def weights_packed(self, lengths: torch.Tensor, max_len: int) -> torch.Tensor:
+        """`weights_for_lengths` as the reference computes it (masked positions, packed BiGRU)."""
         device = self.linear.weight.device
         lengths_cpu = lengths.detach().to("cpu", torch.int64).clamp(min=1)
         pe = positional_encoding_1d(self.d_pe, max_len, device=device)

@@ -10,6 +10,7 @@ INDEX_DIR/
   images.gN.faiss            inner-product index over the pictures' proxy vectors (generation N)
   captions.gN.faiss          the same over the captions
   .work/JOB/chunk_*.npz      finished encoding chunks of an interrupted run; reused on restart, then removed
+  .lock                      held (flock) by the one `vse index` writing here
 
 A reader that opens index.json sees a consistent set of files: new files get new names, index.json is
 replaced in one rename, and the old files are deleted only after that. Picture paths are stored relative
@@ -25,7 +26,8 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,7 @@ from vsekit.utils.io import atomic_save_npy, atomic_write_bytes, atomic_write_js
 
 INDEX_FORMAT = "vsekit-index/1"
 INDEX_KINDS = ("flat", "ivf", "hnsw")
+LOCK_NAME = ".lock"
 
 
 class IndexFormatError(ValueError):
@@ -455,6 +458,29 @@ def _check_same_model(meta: dict, fingerprint: dict, out_dir: Path) -> None:
         )
 
 
+@contextmanager
+def writer_lock(out_dir: Path) -> Iterator[None]:
+    """One writer per index directory: two `vse index` runs adding to the same index at once would both write
+    segment N and one would be lost, so the second fails fast instead (an advisory lock, released on exit
+    or crash; on systems without fcntl, e.g. Windows, running one writer at a time is up to the user)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / LOCK_NAME, "a+b") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise IndexFormatError(f"{out_dir / LOCK_NAME}: another `vse index` is writing to this index right now; "
+                                   "wait for it to finish") from None  # fmt: skip
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
 def build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, checkpoint: str = "best",
                 params: FaissParams | None = None, device: str | torch.device = "cpu", batch_size: int = 16,
                 chunk_size: int = 256, pixels: bool = False, strict: bool = False,
@@ -465,6 +491,15 @@ def build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, checkp
     Pictures already in the index are skipped, so rerunning after new files arrive only adds those. A run
     that is interrupted resumes from its last finished chunk. Returns the new index.json contents.
     """
+    with writer_lock(Path(out_dir)):
+        return _build_index(run_dir, source, out_dir, checkpoint=checkpoint, params=params, device=device,
+                            batch_size=batch_size, chunk_size=chunk_size, pixels=pixels, strict=strict,
+                            captions_file=captions_file, progress=progress, log=log)  # fmt: skip
+
+
+def _build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, checkpoint: str, params: FaissParams | None,
+                 device: str | torch.device, batch_size: int, chunk_size: int, pixels: bool, strict: bool,
+                 captions_file: str | Path | None, progress: bool, log: Callable[[str], None]) -> dict:  # fmt: skip
     from vsekit.training.checkpoint import load_run
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
@@ -486,7 +521,7 @@ def build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, checkp
         params = old.params
     params = params or FaissParams()
     params.validate()
-    if out_dir.exists() and old is None and any(p for p in out_dir.iterdir() if p.name != ".work"):
+    if out_dir.exists() and old is None and any(p for p in out_dir.iterdir() if p.name not in (".work", LOCK_NAME)):
         raise IndexFormatError(f"{out_dir}: exists, is not empty and holds no index.json; choose an empty or new --out")
 
     src = resolve_source(source, model.recipe.data.captions_per_image)

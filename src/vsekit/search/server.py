@@ -134,10 +134,10 @@ def _parse_k(raw, limits: ServerLimits) -> int:
     if raw is None or raw == "":
         return min(10, limits.max_k)
     try:
-        k = int(raw)
-        if isinstance(raw, float) or isinstance(raw, bool):
+        if isinstance(raw, (float, bool)) or (isinstance(raw, str) and not (raw.isascii() and len(raw) <= 20)):
             raise ValueError
-    except (TypeError, ValueError):
+        k = int(raw)
+    except (TypeError, ValueError, OverflowError):
         raise HTTPException(422, f"k must be an integer between 1 and {limits.max_k}, got {str(raw)[:20]!r}") from None
     if not 1 <= k <= limits.max_k:
         raise HTTPException(422, f"k must be between 1 and {limits.max_k}, got {k}")
@@ -154,6 +154,10 @@ def _check_query(q, limits: ServerLimits) -> str:
         raise HTTPException(422, f"the query is {len(q)} characters long; the limit is {limits.max_query_chars}")
     if any(ord(ch) < 32 for ch in q):
         raise HTTPException(422, "the query contains control characters")
+    try:
+        q.encode("utf-8")
+    except UnicodeEncodeError:
+        raise HTTPException(422, "the query is not valid Unicode text (lone surrogate)") from None
     return q
 
 
@@ -219,7 +223,7 @@ def create_app(index_dir: str | Path | SearchEngine, *, device: str = "cpu", run
         """Text -> pictures with a JSON body {"q": str, "k": int}."""
         try:
             body = json.loads(await request.body() or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # bad JSON or UTF-8, > 4300-digit ints, deep nesting
             raise HTTPException(400, 'the body must be JSON: {"q": "a red apple", "k": 10}') from None
         if not isinstance(body, dict):
             raise HTTPException(400, 'the body must be a JSON object: {"q": "a red apple", "k": 10}')
@@ -258,7 +262,7 @@ def create_app(index_dir: str | Path | SearchEngine, *, device: str = "cpu", run
     @app.get("/thumb/{pid}")
     def thumb(pid: str) -> Response:
         """A picture's thumbnail by id (never by path)."""
-        if not pid.isdigit() or int(pid) >= engine.index.n_pictures:
+        if not (pid.isascii() and pid.isdigit()) or len(pid) > 18 or int(pid) >= engine.index.n_pictures:
             raise HTTPException(404, f"no picture with id {pid[:20]!r}")
         i = int(pid)
         with thumbs_lock:

@@ -7,11 +7,18 @@ RUN_DIR/
   best.safetensors       weights with the best dev rsum (never selected on test); best.json its metrics
   metrics.jsonl          one JSON line per log interval / validation;  tb/  TensorBoard events
 Every file is written atomically (temp + fsync + rename), so a crash leaves the previous good copy.
+
+Checkpoint sets (`last`: weights + optimizer + state; `best`: weights + metrics) are written as versioned
+files under ckpt/ and committed by `{tag}.manifest.json` (sizes and sha256 of each file), written last:
+a SIGKILL at any moment leaves the previous set or the new one complete, never a mix of two steps. The
+`{tag}.*` names above are hard links to the committed files (for tools that read them directly).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +31,7 @@ from vsekit.models.vse import DataSpec, VSEModel
 from vsekit.utils.io import atomic_write_bytes, atomic_write_json
 
 RUN_FORMAT = "vsekit-run/1"
+CHECKPOINT_FORMAT = "vsekit-checkpoint/1"
 
 
 class CheckpointError(ValueError):
@@ -33,6 +41,11 @@ class CheckpointError(ValueError):
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
     data = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     atomic_write_bytes(path, save(data, metadata=metadata))
+
+
+def tensor_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    """A safetensors file's bytes (CPU copies), for `write_checkpoint_set`."""
+    return save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata=metadata)
 
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -56,7 +69,8 @@ def write_run_config(run_dir: Path, recipe: Recipe, spec: DataSpec, extra: dict[
         atomic_write_json(run_dir / "vocab.json", {"words": spec.vocab_words})
 
 
-def read_run_config(run_dir: Path) -> tuple[Recipe, DataSpec, dict]:
+def read_run_config(run_dir: str | Path) -> tuple[Recipe, DataSpec, dict]:
+    run_dir = Path(run_dir)
     path = run_dir / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{run_dir}: not a vsekit run directory (no config.json)")
@@ -103,9 +117,12 @@ def load_run(run_dir: str | Path, which: str = "best", device: str | torch.devic
     """Rebuild a trained model from its run directory (`which` = best | last)."""
     run_dir = Path(run_dir)
     recipe, spec, cfg = read_run_config(run_dir)
+    if which == "best" and not (run_dir / "best.safetensors").is_file() and not _manifest_path(run_dir, "best").is_file():
+        which = "last"
     weights = run_dir / f"{which}.safetensors"
-    if not weights.is_file() and which == "best":
-        weights = run_dir / "last.safetensors"
+    verified = read_checkpoint_set(run_dir, which, (".safetensors",))  # sha256-checked against the manifest
+    if verified:
+        weights = verified[".safetensors"]
     model = VSEModel(recipe, spec)
     load_weights(model, weights)
     return model.to(device).eval(), cfg
@@ -132,3 +149,126 @@ def optimizer_from_files(optimizer: torch.optim.Optimizer, tensors: dict[str, to
     for pid, st in meta.get("scalars", {}).items():
         state.setdefault(int(pid), {}).update(st)
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+# ------------------------------------------------------------------------------ checkpoint sets
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _manifest_path(run_dir: Path, tag: str) -> Path:
+    return run_dir / f"{tag}.manifest.json"
+
+
+def _publish(run_dir: Path, versioned: Path, name: str) -> None:
+    """Point `run_dir/name` at a committed file atomically (hard link + rename; a copy where links fail)."""
+    target = run_dir / name
+    tmp = run_dir / f".{name}.link.tmp"
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(versioned, tmp)
+        os.replace(tmp, target)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        atomic_write_bytes(target, versioned.read_bytes())
+
+
+def write_checkpoint_set(run_dir: Path, tag: str, parts: dict[str, bytes], info: dict[str, Any] | None = None) -> Path:
+    """Write one consistent set of files (`parts`: name suffix -> bytes, e.g. ".safetensors") and commit it.
+
+    Order: every versioned file (atomic each), then the manifest with their sha256 (the commit point), then
+    the `{tag}{suffix}` links, then the files of older sets are removed. Returns the manifest's path.
+    """
+    run_dir = Path(run_dir)
+    manifest = _manifest_path(run_dir, tag)
+    seq = 0
+    if manifest.is_file():
+        try:
+            seq = int(json.loads(manifest.read_text(encoding="utf-8")).get("seq", 0)) + 1
+        except (OSError, ValueError, AttributeError):
+            seq = 0
+    ckpt = run_dir / "ckpt"
+    files = {}
+    for suffix, data in parts.items():
+        rel = f"ckpt/{tag}-{seq:06d}{suffix}"
+        atomic_write_bytes(run_dir / rel, data)
+        files[suffix] = {"path": rel, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    atomic_write_json(manifest, {"format": CHECKPOINT_FORMAT, "tag": tag, "seq": seq, **(info or {}), "files": files})
+    for suffix, f in files.items():
+        _publish(run_dir, run_dir / f["path"], f"{tag}{suffix}")
+    keep = {Path(f["path"]).name for f in files.values()}
+    for old in [*ckpt.glob(f"{tag}-*"), *ckpt.glob(f".{tag}-*.tmp")]:  # older sets, temp files of killed writes
+        if old.name not in keep:
+            old.unlink(missing_ok=True)
+    return manifest
+
+
+def read_checkpoint_set(run_dir: Path, tag: str, suffixes: tuple[str, ...]) -> dict[str, Path] | None:
+    """The verified files of the last committed `tag` set (suffix -> path), or None when there is none.
+
+    Every file is checked against the manifest's size and sha256; a mismatch is a CheckpointError that names
+    the file (nothing is loaded from it). Runs written before manifests existed are read from `{tag}{suffix}`.
+    """
+    run_dir = Path(run_dir)
+    manifest = _manifest_path(run_dir, tag)
+    if not manifest.is_file():
+        legacy = {s: run_dir / f"{tag}{s}" for s in suffixes}
+        return legacy if all(p.is_file() for p in legacy.values()) else None
+    try:
+        meta = json.loads(manifest.read_text(encoding="utf-8"))
+        files = meta["files"]
+        if meta.get("format") != CHECKPOINT_FORMAT:
+            raise CheckpointError(f"{manifest}: format {meta.get('format')!r}; this vsekit reads {CHECKPOINT_FORMAT}")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{manifest}: not a readable checkpoint manifest ({e!r})") from e
+    out = {}
+    for suffix in suffixes:
+        entry = files.get(suffix) if isinstance(files, dict) else None
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+            raise CheckpointError(f"{manifest}: lists no {tag}{suffix} file")
+        path = (run_dir / entry["path"]).resolve()
+        if not path.is_relative_to(run_dir.resolve()):
+            raise CheckpointError(f"{manifest}: file {entry['path']!r} lies outside the run directory")
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing; {manifest.name} (written last) lists it, so it was deleted afterwards")
+        if path.stat().st_size != entry.get("bytes") or sha256_file(path) != entry.get("sha256"):
+            raise CheckpointError(
+                f"{path}: size or sha256 differs from {manifest.name}; the file is corrupt or truncated, or was "
+                f"changed after it was saved (nothing was loaded from it)"
+            )
+        out[suffix] = path
+    ckpt_files = [p for p in (run_dir / "ckpt").glob(f"{tag}-*") if p.is_file()]
+    for suffix, path in list(out.items()):
+        named = run_dir / f"{tag}{suffix}"
+        if not named.is_file() or any(_same(named, p) for p in ckpt_files):
+            continue  # a link to the committed set, or to an older one left by a crash before publishing
+        digest = sha256_file(named)
+        older = {sha256_file(p) for p in ckpt_files if p.name.endswith(suffix) and p != path}
+        if digest != files[suffix].get("sha256") and digest not in older:
+            # not a link to any set (a copied run directory, or weights the user put there on purpose) and not
+            # the committed bytes: the user's file wins, it is what they see and expect to be used
+            out[suffix] = named
+    for suffix, path in out.items():  # the convenience names follow the committed set
+        if path.parent == run_dir:
+            continue
+        try:
+            if not (run_dir / f"{tag}{suffix}").is_file() or not os.path.samefile(path, run_dir / f"{tag}{suffix}"):
+                _publish(run_dir, path, f"{tag}{suffix}")
+        except OSError:
+            pass  # a read-only run directory (e.g. shared): the verified files are used directly
+    return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -53,11 +54,12 @@ from vsekit.training.checkpoint import (
     load_weights,
     optimizer_from_files,
     optimizer_to_files,
+    read_checkpoint_set,
     read_run_config,
-    save_tensors,
+    tensor_bytes,
+    write_checkpoint_set,
     write_run_config,
 )
-from vsekit.utils.io import atomic_write_json
 from vsekit.utils.runtime import derived_seed, resolve_device, seed_everything
 
 
@@ -245,12 +247,14 @@ class Trainer:
             self.progress, self.log = False, _quiet
         seed_everything(recipe.train.seed)
         cfg = recipe.data
+        from vsekit.data.validate import check_dataset
+
+        report = check_dataset(self.data_dir, [cfg.train_split, cfg.val_split], cfg.captions_per_image)
+        report.raise_for_errors()  # every problem of both splits in one message, before any training
+        for problem in report.warnings:
+            self.log(f"warning: {problem}")
         self.train_split = load_precomp_split(self.data_dir, cfg.train_split, cfg.captions_per_image)
         self.val_split = load_precomp_split(self.data_dir, cfg.val_split, cfg.captions_per_image).truncate(cfg.val_max_images)
-        from vsekit.data.validate import check_split_features
-
-        check_split_features(self.train_split)
-        check_split_features(self.val_split)
         if self.train_split.feature_shape[1] != self.val_split.feature_shape[1]:
             raise DataFormatError(
                 f"{self.data_dir}: feature size differs between {cfg.train_split} ({self.train_split.feature_shape[1]}) "
@@ -281,10 +285,13 @@ class Trainer:
             manifest = self._dataset_manifest()
             write_run_config(self.run_dir, recipe, spec, {
                 "data_dir": str(self.data_dir.resolve()),
-                "extractor": manifest.get("extractor") or manifest.get("feature_extractor"),
+                "extractor": manifest.get("extractor") or manifest.get("feature_extractor")
+                or (manifest.get("features") if isinstance(manifest.get("features"), dict) else None),
                 "dataset_format": manifest.get("format"),
             })  # fmt: skip
         self.step_fn = TrainStep(recipe, self.model, self.loss_fn, self.optimizer, self.device, self.dist)
+        # scalars a loss wants recorded at every iteration, whatever train.log_every is (ADOPT's K)
+        self._step_keys: tuple[str, ...] = tuple(getattr(self.loss_fn, "step_log_keys", ()))
         self._first_bad: torch.Tensor | None = None  # global step of the first non-finite loss, on the device
         self._build_loader()
         self._tb = None
@@ -315,6 +322,10 @@ class Trainer:
             for name in ("last.safetensors", "last_optim.safetensors", "last_state.json", "best.safetensors",
                          "best.json", "metrics.jsonl", "config.json", "vocab.json"):  # fmt: skip
                 (self.run_dir / name).unlink(missing_ok=True)
+            for name in ("last.manifest.json", "best.manifest.json"):
+                (self.run_dir / name).unlink(missing_ok=True)
+            for old in (self.run_dir / "ckpt").glob("*"):
+                old.unlink(missing_ok=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
 
     def _image_source(self, split, train: bool):
@@ -345,19 +356,28 @@ class Trainer:
     def _save_state(self, tag: str = "last") -> None:
         if not self.dist.is_main:
             return
-        save_tensors(self.run_dir / f"{tag}.safetensors", self.model.state_dict())
         tensors, meta = optimizer_to_files(self.optimizer)
         tensors["__torch_rng__"] = torch.get_rng_state()
-        save_tensors(self.run_dir / f"{tag}_optim.safetensors", tensors)
-        atomic_write_json(self.run_dir / f"{tag}_state.json", {
-            "train_state": self.state.__dict__, "optimizer": meta, "history": self.history,
-        })  # fmt: skip
+        metrics = self.run_dir / "metrics.jsonl"
+        state = {"train_state": self.state.__dict__, "optimizer": meta, "history": self.history,
+                 "metrics_bytes": metrics.stat().st_size if metrics.is_file() else 0}  # fmt: skip
+        # one committed set (manifest with sha256 written last): a kill never mixes two steps
+        write_checkpoint_set(self.run_dir, tag, {
+            ".safetensors": tensor_bytes(self.model.state_dict()),
+            "_optim.safetensors": tensor_bytes(tensors),
+            "_state.json": (json.dumps(state, indent=2) + "\n").encode("utf-8"),
+        }, {"epoch": self.state.epoch, "step_in_epoch": self.state.step_in_epoch, "global_step": self.state.global_step})  # fmt: skip
 
     def _load_state(self) -> None:
-        load_weights(self.model, self.run_dir / "last.safetensors")
-        tensors = load_tensors(self.run_dir / "last_optim.safetensors")
+        files = read_checkpoint_set(self.run_dir, "last", (".safetensors", "_optim.safetensors", "_state.json"))
+        if files is None:  # killed before the first checkpoint: start over (same seed, same result)
+            self._truncate_metrics(0)
+            self.log(f"{self.run_dir}: no complete checkpoint yet; training from the start")
+            return
+        load_weights(self.model, files[".safetensors"])
+        tensors = load_tensors(files["_optim.safetensors"])
         rng = tensors.pop("__torch_rng__", None)
-        path = self.run_dir / "last_state.json"
+        path = files["_state.json"]
         try:
             saved = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as e:
@@ -367,7 +387,14 @@ class Trainer:
             torch.set_rng_state(rng)
         self.state = TrainState(**saved["train_state"])
         self.history = saved.get("history", [])
+        self._truncate_metrics(saved.get("metrics_bytes"))
         self.log(f"resumed {self.run_dir} at epoch {self.state.epoch} step {self.state.step_in_epoch}")
+
+    def _truncate_metrics(self, size: int | None) -> None:
+        """Drop metrics.jsonl lines written after the checkpoint (they are replayed), torn last line included."""
+        path = self.run_dir / "metrics.jsonl"
+        if size is not None and self.dist.is_main and path.is_file() and path.stat().st_size > size:
+            os.truncate(path, size)
 
     # ------------------------------------------------------------------------------------- logging
     def _emit(self, record: dict) -> None:
@@ -450,6 +477,9 @@ class Trainer:
                 sizes = shard_sizes(len(epoch_batches[step]), self.dist.world_size) if self.dist.enabled else None
                 out = self.train_step(batch, epoch, step, steps_in_epoch, loss_warmup, sizes)
                 self._track_finite(out["loss"])  # no float(loss) here: that would sync with the GPU every step
+                if self._step_keys:
+                    self._emit({"kind": "step", "epoch": epoch, "step": self.state.global_step + 1,
+                                **{k: float(out[k]) for k in self._step_keys if k in out}})  # fmt: skip
                 step_time = time.perf_counter() - t0  # host time; the device may still be working
                 self.state.step_in_epoch += 1
                 self.state.global_step += 1
@@ -502,8 +532,11 @@ class Trainer:
             if improved:
                 self.state.best_rsum, self.state.best_epoch = metrics["rsum"], epoch
             if improved and self.dist.is_main:
-                save_tensors(self.run_dir / "best.safetensors", self.model.state_dict())
-                atomic_write_json(self.run_dir / "best.json", {"epoch": epoch, "split": r.data.val_split, **metrics})
+                best = {"epoch": epoch, "split": r.data.val_split, **metrics}
+                write_checkpoint_set(self.run_dir, "best", {
+                    ".safetensors": tensor_bytes(self.model.state_dict()),
+                    ".json": (json.dumps(best, indent=2) + "\n").encode("utf-8"),
+                }, {"epoch": epoch})  # fmt: skip
             self._save_state()
         if self._tb:
             self._tb.flush()

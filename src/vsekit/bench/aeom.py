@@ -1,0 +1,136 @@
+"""AEOM vs cosine: time to score every image against every caption, and then to evaluate the matrix.
+
+AVSE claims its block matching stays within a small factor of a global (cosine) method's inference time.
+This times, on the same machine and thread settings, with the two interleaved repeat by repeat so that
+load from other processes hits both alike:
+
+- `cosine_s`: `all_pairs` with the inner product of [n_images, dim] and [n_captions, dim] embeddings;
+- `aeom_s`: `all_pairs` with AEOM on [n_images, views*dim] image embeddings (c Sinkhorn iterations);
+- `aeom_nosinkhorn_s`: the released code's block max-sum (no Sinkhorn);
+- `*_e2e_s`: the same plus the retrieval metrics (`evaluate_sims`), i.e. embeddings -> R@K.
+
+Medians over `repeats`; `ratio` = aeom_s / cosine_s, `ratio_end_to_end` = aeom_e2e_s / cosine_e2e_s.
+`max_abs_diff_vs_log_space` checks the fast scoring path against the differentiable log-space one on
+the first few images.
+
+    from vsekit.bench.aeom import bench_aeom
+    bench_aeom(1000, 5000, 1024, "cpu", 3)
+
+or `python -m vsekit.bench.aeom --images 1000 --captions 5000 --dim 1024`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from vsekit.config import SimilarityConfig
+from vsekit.metrics import evaluate_sims
+from vsekit.similarity import CosineSimilarity, all_pairs
+from vsekit.similarity.aeom import AEOMSimilarity
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device) -> tuple[float, np.ndarray]:
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - t0, out
+
+
+def bench_aeom(n_images: int = 1000, n_captions: int = 5000, dim: int = 1024, device: str = "cpu", repeats: int = 3,
+               *, views: int = 2, block_dim: int = 512, iters: int = 20, dustbin: float = 1.0,
+               seed: int = 0) -> dict:  # fmt: skip
+    """Median wall-clock seconds of cosine vs AEOM all-pairs scoring (and + metrics); see module doc."""
+    if min(n_images, n_captions, dim, repeats, views, block_dim, iters) < 1:
+        raise ValueError("n_images, n_captions, dim, repeats, views, block_dim and iters must be positive")
+    if dim % block_dim:
+        raise ValueError(f"dim={dim} must be a multiple of block_dim={block_dim}")
+    dev = torch.device(device)
+    g = torch.Generator().manual_seed(seed)
+    img = torch.nn.functional.normalize(torch.randn(n_images, views, dim, generator=g), dim=-1).reshape(
+        n_images, -1
+    )
+    txt = torch.nn.functional.normalize(torch.randn(n_captions, dim, generator=g), dim=-1)
+    img_single = img[:, :dim].contiguous()  # a global method's image embedding has the caption's size
+    cap2img = np.arange(n_captions) % n_images  # every image has a caption
+    cosine = CosineSimilarity()
+    cfg = SimilarityConfig(
+        name="aeom", block_dim=block_dim, sinkhorn_iters=iters, use_sinkhorn=True, dustbin_init=dustbin
+    )
+    aeom = AEOMSimilarity(dim, views, cfg).to(dev)
+    plain = AEOMSimilarity(
+        dim, views, SimilarityConfig(name="aeom", block_dim=block_dim, use_sinkhorn=False)
+    ).to(dev)
+    img, txt, img_single = img.to(dev), txt.to(dev), img_single.to(dev)
+
+    def score(sim, im):
+        return lambda: all_pairs(sim, im, txt, dev)
+
+    times: dict[str, list[float]] = {
+        k: [] for k in ("cosine", "aeom", "aeom_nosinkhorn", "cosine_e2e", "aeom_e2e")
+    }
+    score(cosine, img_single)()  # warm-up (allocator, thread pool)
+    score(aeom, img[: min(n_images, 8)])()
+    for _ in range(repeats):
+        for name, sim, im in (
+            ("cosine", cosine, img_single),
+            ("aeom", aeom, img),
+            ("aeom_nosinkhorn", plain, img),
+        ):
+            t, sims = _timed(score(sim, im), dev)
+            times[name].append(t)
+            if name in ("cosine", "aeom"):
+                t0 = time.perf_counter()
+                evaluate_sims(sims, cap2img)
+                times[f"{name}_e2e"].append(t + time.perf_counter() - t0)
+    with torch.enable_grad():
+        k = min(n_images, 4)
+        ref = aeom(img[:k], txt.requires_grad_(True)).detach()
+        txt.requires_grad_(False)
+    fast = aeom.score_no_grad(img[:k], txt)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "n_images": n_images, "n_captions": n_captions, "dim": dim, "views": views, "block_dim": block_dim,
+        "p": aeom.p, "q": aeom.q, "iters": iters, "device": str(dev), "threads": torch.get_num_threads(),
+        "repeats": repeats,
+        **{f"{k}_s": v for k, v in med.items()},
+        "ratio": med["aeom"] / med["cosine"],
+        "ratio_nosinkhorn": med["aeom_nosinkhorn"] / med["cosine"],
+        "ratio_end_to_end": med["aeom_e2e"] / med["cosine_e2e"],
+        "max_abs_diff_vs_log_space": float((fast - ref).abs().max()),
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--images", type=int, default=1000)
+    ap.add_argument("--captions", type=int, default=5000)
+    ap.add_argument("--dim", type=int, default=1024, help="caption embedding size d1 (images: views x d1)")
+    ap.add_argument("--views", type=int, default=2)
+    ap.add_argument("--block-dim", type=int, default=512)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = bench_aeom(args.images, args.captions, args.dim, args.device, args.repeats,
+                     views=args.views, block_dim=args.block_dim, iters=args.iters)  # fmt: skip
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,167 @@
+"""Time one training step (forward + backward + AdamW) on synthetic data with the issue's shapes.
+
+The reference point (issue 9): VSE∞'s BUTD-region + BiGRU step — batch 128, 36 x 2048 regions, embed 1024,
+a 10k-word vocabulary, captions of 8-25 tokens, hardest negatives — takes 52.3 ms (2,447 samples/s) on one
+H100 in the reference code. `bench_train_step` times exactly the step the trainer runs (`TrainStep`, with
+the recipe's AMP / TF32 / compile settings) on random tensors of those shapes: `warmup` untimed steps,
+then the median of `steps` timed ones, each ended by a device synchronisation.
+
+    from vsekit.bench.train_step import bench_train_step
+    row = bench_train_step("vse_infty", batch=128, device="cuda", overrides=["train.amp=bf16"])
+
+The transformer-text variant (`text="transformer"`) uses `text_model`: a local Hugging Face directory, or
+`"bert-base"` / `"tiny"` for a randomly initialised BERT of that shape written to a temporary directory
+(the timing does not depend on the weights, and no download is needed).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from vsekit.config import load_recipe
+from vsekit.losses import create_loss
+from vsekit.models.vse import DataSpec, VSEModel
+from vsekit.training.trainer import TrainStep
+
+BERT_SHAPES = {
+    "bert-base": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072},
+    "tiny": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64},
+}
+
+
+def synthetic_batch(batch: int, regions: int, img_dim: int, vocab: int, min_tokens: int, max_tokens: int,
+                    seed: int = 0, first_token: int = 1) -> dict:  # fmt: skip
+    """A collated training batch of random features and captions (full region sets, 8-25 token captions)."""
+    if batch < 2:
+        raise ValueError(f"a training step needs at least 2 samples (negatives), got batch={batch}")
+    if not 1 <= min_tokens <= max_tokens:
+        raise ValueError(f"need 1 <= min_tokens <= max_tokens, got {min_tokens}, {max_tokens}")
+    g = torch.Generator().manual_seed(seed)
+    tok_len = torch.randint(min_tokens, max_tokens + 1, (batch,), generator=g)
+    tok_len[0] = max_tokens  # the collate function pads to the longest caption
+    tokens = torch.randint(first_token, vocab, (batch, max_tokens), generator=g)
+    tokens[torch.arange(max_tokens)[None, :] >= tok_len[:, None]] = 0
+    return {
+        "images": torch.randn(batch, regions, img_dim, generator=g),
+        "image_lengths": torch.full((batch,), regions, dtype=torch.long),
+        "tokens": tokens, "token_lengths": tok_len,
+        "image_index": torch.arange(batch), "caption_index": torch.arange(batch),
+    }  # fmt: skip
+
+
+def random_bert_dir(shape: str, vocab: int = 30522) -> str:
+    """Write a randomly initialised BERT of a named shape (`BERT_SHAPES`) to a temporary directory."""
+    from transformers import BertConfig, BertModel
+
+    if shape not in BERT_SHAPES:
+        raise ValueError(f"unknown BERT shape {shape!r}; choose from {', '.join(BERT_SHAPES)} or give a directory")
+    out = Path(tempfile.mkdtemp(prefix=f"vsekit-bench-{shape}-"))
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=vocab, **BERT_SHAPES[shape])).save_pretrained(out)
+    return str(out)
+
+
+def _peak_bytes(device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "CUDA max allocated"
+    try:
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return rss * (1 if sys.platform == "darwin" else 1024), "process peak RSS"
+    except ImportError:  # Windows
+        return 0, "unavailable"
+
+
+def build_train_step(recipe: str = "vse_infty", batch: int = 128, device: str = "cpu",
+                     overrides: list[str] | tuple[str, ...] = (), text: str = "bigru", text_model: str = "bert-base",
+                     regions: int = 36, img_dim: int = 2048, embed_dim: int = 1024, vocab: int = 10_000,
+                     min_tokens: int = 8, max_tokens: int = 25, seed: int = 0) -> tuple[TrainStep, dict, int]:  # fmt: skip
+    """The trainer's `TrainStep` for `recipe` on a model of the given shapes, a synthetic batch (pinned on
+    CUDA) and the epoch to call it with (past the loss warm-up: hardest negatives). For profiling."""
+    if text not in ("bigru", "transformer"):
+        raise ValueError(f"text must be 'bigru' or 'transformer', got {text!r}")
+    dev = torch.device(device)
+    sets = [f"model.embed_dim={embed_dim}", f"model.text.kind={text}", *overrides]
+    spec = DataSpec(img_dim=img_dim)
+    first_token = 1
+    if text == "transformer":
+        path = text_model if Path(text_model).is_dir() else random_bert_dir(text_model)
+        spec.text_model_path = path
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(path, local_files_only=True).vocab_size
+        first_token = min(1000, vocab - 1)  # skip the special tokens
+    else:
+        spec.vocab_words = ["<pad>", "<start>", "<end>", "<unk>"] + [f"w{i}" for i in range(vocab - 4)]
+    r = load_recipe(recipe, sets)
+    torch.manual_seed(seed)
+    model = VSEModel(r, spec).to(dev)
+    loss_fn = create_loss(r.loss).to(dev)
+    if hasattr(loss_fn, "set_caption_embeddings"):  # ladder losses look relevance up by caption id
+        g = torch.Generator().manual_seed(seed)
+        loss_fn.set_caption_embeddings(torch.randn(batch, 384, generator=g))
+    opt = torch.optim.AdamW(model.parameter_groups(r.optim.lr), lr=r.optim.lr, weight_decay=r.optim.weight_decay)
+    step_fn = TrainStep(r, model, loss_fn, opt, dev)
+    data = synthetic_batch(batch, regions, img_dim, vocab, min_tokens, max_tokens, seed, first_token)
+    if dev.type == "cuda":
+        data = {k: v.pin_memory() for k, v in data.items()}
+    return step_fn, data, r.loss.warmup_epochs
+
+
+def bench_train_step(recipe: str = "vse_infty", batch: int = 128, device: str = "cpu", steps: int = 10,
+                     warmup: int = 3, overrides: list[str] | tuple[str, ...] = (), text: str = "bigru",
+                     text_model: str = "bert-base", regions: int = 36, img_dim: int = 2048, embed_dim: int = 1024,
+                     vocab: int = 10_000, min_tokens: int = 8, max_tokens: int = 25, seed: int = 0) -> dict:  # fmt: skip
+    """ms per training step (median), samples/s and peak memory for `recipe` on synthetic data.
+
+    Hardest negatives: the loss runs as after its warm-up epochs. `overrides` are recipe `--set` strings
+    (e.g. `train.amp=bf16`, `train.tf32=true`, `train.compile=true`).
+    """
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"steps must be >= 1 and warmup >= 0, got {steps}, {warmup}")
+    step_fn, data, epoch = build_train_step(recipe, batch, device, overrides, text, text_model, regions, img_dim,
+                                            embed_dim, vocab, min_tokens, max_tokens, seed)  # fmt: skip
+    dev, r, model = step_fn.device, step_fn.recipe, step_fn.model
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def one(i: int) -> float:
+        on_dev = {k: v if k == "token_lengths" else v.to(dev, non_blocking=True) for k, v in data.items()}
+        sync()
+        t0 = time.perf_counter()
+        out = step_fn(on_dev, epoch=epoch, step=i)
+        sync()
+        dt = time.perf_counter() - t0
+        if not torch.isfinite(out["loss"]):
+            raise FloatingPointError(f"the benchmark's loss is not finite at step {i}")
+        return dt * 1e3
+
+    for i in range(warmup):
+        one(i)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    times = [one(warmup + i) for i in range(steps)]
+    peak, peak_kind = _peak_bytes(dev)
+    ms = statistics.median(times)
+    return {
+        "recipe": recipe, "text": text if text == "bigru" else f"transformer ({Path(text_model).name})",
+        "batch": batch, "device": str(dev),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "threads": torch.get_num_threads(), "amp": r.train.amp, "tf32": r.train.tf32, "compile": r.train.compile,
+        "shapes": f"{regions}x{img_dim} {r.model.image.feature_type}, embed {embed_dim}, "
+                  f"vocab {len(model.spec.vocab_words) if model.spec.vocab_words else 'of the transformer'}, "
+                  f"{min_tokens}-{max_tokens} tokens",
+        "steps": steps, "warmup": warmup, "ms_median": ms, "ms_min": min(times),
+        "ms_std": statistics.stdev(times) if len(times) > 1 else 0.0,
+        "samples_per_s": batch / (ms / 1e3), "peak_gib": peak / 2**30, "peak_kind": peak_kind,
+        "params": sum(p.numel() for p in model.parameters()),
+    }  # fmt: skip

@@ -1,0 +1,280 @@
+"""`vse bench …`: timing benchmarks. Each prints Markdown table rows that carry the machine, the date and
+the exact command, and `--append FILE` adds them to that file's section for the benchmark (docs/benchmarks.md),
+so every figure in the docs can be re-measured with the command written next to it."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import shlex
+from pathlib import Path
+
+SECTIONS = {
+    "train-step": "Training step (`vse bench train-step`)",
+    "eval": "Evaluation: `vse eval-sims` (`vse bench eval`)",
+    "pool": "Pooling cost (`vse bench pool`)",
+    "ladder": "Ladder loss step cost (`vse bench ladder`)",
+    "search": "FAISS search (`vse bench search`)",
+    "aeom": "AEOM similarity (`vse bench aeom`)",
+}
+
+
+# ------------------------------------------------------------------------------------------- rows
+def machine_description(device: str = "cpu") -> str:
+    """CPU model, cores, torch threads and the 1-minute load (the machine may be shared), or the GPU."""
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(torch.device(device))}, torch {torch.__version__}"
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = f", load {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads{load}, torch {torch.__version__}"
+
+
+def _fmt(v) -> str:
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "–"
+        return f"{v:.3g}" if abs(v) < 10 else f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.1f}"
+    return str(v).replace("|", "\\|")
+
+
+def markdown_rows(columns: list[tuple[str, str]], rows: list[dict], context: dict) -> list[str]:
+    """Header, separator and one line per row; `columns` = (key, title); context columns appended."""
+    titles = [t for _, t in columns] + ["machine", "date", "command"]
+    lines = ["| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
+    for r in rows:
+        cells = [_fmt(r.get(k, "")) for k, _ in columns]
+        cells += [_fmt(context["machine"]), context["date"], f"`{context['command']}`"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def append_markdown(path: str | Path, section: str, lines: list[str]) -> None:
+    """Add the table rows under `## section` of `path` (after that section's table when the header matches,
+    else as a new table at the section's end; a missing section goes at the end of the file)."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8") if path.is_file() else "# Benchmarks\n"
+    doc = text.rstrip("\n").split("\n")
+    heading = f"## {section}"
+    header, rows = lines[:2], lines[2:]
+    if heading not in doc:
+        doc += ["", heading, "", *header, *rows]
+    else:
+        start = doc.index(heading)
+        end = next((i for i in range(start + 1, len(doc)) if doc[i].startswith("## ")), len(doc))
+        tables = [i for i in range(start, end) if doc[i] == header[0] and i + 1 < end and doc[i + 1] == header[1]]
+        if tables:
+            last = tables[-1] + 2
+            while last < end and doc[last].startswith("|"):
+                last += 1
+            doc[last:last] = rows
+        else:
+            while end > start + 1 and not doc[end - 1].strip():
+                end -= 1
+            doc[end:end] = ["", *header, *rows]
+    path.write_text("\n".join(doc) + "\n", encoding="utf-8")
+
+
+def command_line(parser: argparse.ArgumentParser, args: argparse.Namespace, name: str) -> str:
+    """The command as typed, reconstructed from the options that differ from their defaults."""
+    parts = ["vse", "bench", name]
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help", "append"):
+            continue
+        value = getattr(args, action.dest, None)
+        if value == action.default or value is None:
+            continue
+        flag = action.option_strings[-1]
+        if value is True:
+            parts.append(flag)
+        elif isinstance(value, list) and isinstance(action, argparse._AppendAction):
+            for v in value:
+                parts += [flag, str(v)]
+        elif isinstance(value, list):
+            parts += [flag, *map(str, value)]
+        else:
+            parts += [flag, str(value)]
+    return shlex.join(parts)
+
+
+def emit(args: argparse.Namespace, columns: list[tuple[str, str]], rows: list[dict], device: str = "cpu") -> None:
+    context = {"machine": machine_description(device),
+               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+               "command": args._command}  # fmt: skip
+    lines = markdown_rows(columns, rows, context)
+    print("\n".join(lines))
+    if args.append:
+        append_markdown(args.append, SECTIONS[args.bench], lines)
+        print(f"appended to {args.append}")
+
+
+# ------------------------------------------------------------------------------------------- runs
+def run_train_step(args: argparse.Namespace) -> int:
+    from vsekit.bench.train_step import bench_train_step
+
+    sets = list(args.set)
+    if args.amp:
+        sets.append(f"train.amp={args.amp}")
+    if args.tf32:
+        sets.append("train.tf32=true")
+    if args.compile:
+        sets.append("train.compile=true")
+    row = bench_train_step(args.recipe, batch=args.batch, device=args.device, steps=args.steps, warmup=args.warmup,
+                           overrides=sets, text=args.text, text_model=args.text_model, regions=args.regions,
+                           img_dim=args.img_dim, embed_dim=args.embed_dim, vocab=args.vocab)  # fmt: skip
+    row["peak"] = f"{row['peak_gib']:.2f} GiB ({row['peak_kind']})"
+    row["precision"] = f"{row['amp']}{', tf32' if row['tf32'] else ''}{', compiled' if row['compile'] else ''}"
+    emit(args, [("recipe", "recipe"), ("text", "text"), ("shapes", "shapes"), ("device_name", "device"),
+                ("precision", "precision"), ("batch", "batch"), ("ms_median", "ms/step (median)"),
+                ("samples_per_s", "samples/s"), ("peak", "peak memory")], [row], args.device)  # fmt: skip
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from vsekit.bench.eval import bench_eval
+
+    row = bench_eval(args.images, args.captions_per_image, repeats=args.repeats, reference=not args.no_reference)
+    row["shape"] = f"{row['images']:,} x {row['captions']:,}"
+    emit(args, [("shape", "images x captions"), ("eval_sims_s", "`vse eval-sims` (s, median, load included)"),
+                ("in_memory_s", "evaluate_sims in memory (s)"), ("reference_s", "reference argsort loop (s)"),
+                ("speedup", "speed-up"), ("max_abs_diff", "max metric difference")], [row])  # fmt: skip
+    return 0
+
+
+def run_pool(args: argparse.Namespace) -> int:
+    from vsekit.bench.pool import POOLINGS, bench_pool
+
+    rows = bench_pool(batch=args.batch, n=args.n, dim=args.dim, device=args.device, repeats=args.repeats,
+                      poolings=tuple(args.poolings or POOLINGS), variable_lengths=args.variable_lengths)  # fmt: skip
+    for r in rows:
+        r["shape"] = f"{r['batch']}x{r['n']}x{r['dim']}" + (" (variable sizes)" if r["variable_lengths"] else "")
+    emit(args, [("pooling", "pooling"), ("shape", "B x N x D"), ("params", "params"),
+                ("ms_median", "fwd+bwd ms (median)"), ("ms_std", "std"), ("vs_avg", "x avg")], rows, args.device)  # fmt: skip
+    return 0
+
+
+def run_ladder(args: argparse.Namespace) -> int:
+    from vsekit.bench.ladder import bench_ladder_step
+
+    row = bench_ladder_step(batch=args.batch, device=args.device, repeats=args.repeats, embed_dim=args.embed_dim,
+                            regions=args.regions, img_dim=args.img_dim, vocab=args.vocab)  # fmt: skip
+    emit(args, [("batch", "batch"), ("vsepp_step_ms", "VSE++ step ms"), ("ladder_step_ms", "ladder step ms"),
+                ("ladder_auto_step_ms", "adaptive ladder step ms"), ("ratio_fixed", "ladder / VSE++"),
+                ("ratio_auto", "adaptive / VSE++")], [row], args.device)  # fmt: skip
+    return 0
+
+
+def run_search(args: argparse.Namespace) -> int:
+    from vsekit.bench.search import bench_search
+
+    res = bench_search(n=args.n, dim=args.dim, queries=args.queries, clusters=args.clusters, nlist=args.nlist,
+                       nprobes=tuple(args.nprobe), sq8=not args.no_sq8, threads=args.threads,
+                       log=lambda *_: None)  # fmt: skip
+    s = res["setup"]
+    for r in res["rows"]:
+        r["setup"] = f"{s['n']:,} x {s['dim']}, {s['clusters']:,} clusters, k={s['k']}"
+    emit(args, [("setup", "vectors"), ("index", "index"), ("params", "params"), ("build_s", "build s"),
+                ("p50_ms", "p50 ms"), ("p99_ms", "p99 ms"), ("recall_at_k", "recall@k")], res["rows"])  # fmt: skip
+    return 0
+
+
+def run_aeom(args: argparse.Namespace) -> int:
+    try:
+        from vsekit.bench.aeom import bench_aeom
+    except ImportError as e:
+        raise RuntimeError(f"`vse bench aeom` needs vsekit.bench.aeom (the AVSE/AEOM benchmark), which this "
+                           f"installation does not have ({e})") from e  # fmt: skip
+    result = bench_aeom(batch=args.batch, device=args.device, repeats=args.repeats)
+    rows = result if isinstance(result, list) else result.get("rows", [result]) if isinstance(result, dict) else []
+    if not rows:
+        raise RuntimeError("vsekit.bench.aeom.bench_aeom returned no rows")
+    keys = [k for k, v in rows[0].items() if isinstance(v, (int, float, str, bool))]
+    emit(args, [(k, k) for k in keys], rows, args.device)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- parser
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="timing benchmarks that print Markdown rows (machine, date, command)")
+    bs = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
+
+    def add(name: str, help_: str, func) -> argparse.ArgumentParser:
+        q = bs.add_parser(name, help=help_)
+        q.add_argument("--append", metavar="FILE", help="also add the rows to FILE (e.g. docs/benchmarks.md)")
+
+        def run(args: argparse.Namespace) -> int:
+            args._command = command_line(q, args, name)
+            return func(args)
+
+        q.set_defaults(func=run)
+        return q
+
+    t = add("train-step", "one training step (forward+backward+AdamW) on synthetic data", run_train_step)
+    t.add_argument("--recipe", default="vse_infty")
+    t.add_argument("--batch", type=int, default=128)
+    t.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 …")
+    t.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    t.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    t.add_argument("--text", choices=("bigru", "transformer"), default="bigru")
+    t.add_argument("--text-model", default="bert-base",
+                   help="transformer text: a local HF directory, or bert-base / tiny (random weights)")
+    t.add_argument("--regions", type=int, default=36)
+    t.add_argument("--img-dim", type=int, default=2048)
+    t.add_argument("--embed-dim", type=int, default=1024)
+    t.add_argument("--vocab", type=int, default=10_000)
+    t.add_argument("--amp", choices=("none", "bf16"), help="override train.amp")
+    t.add_argument("--tf32", action="store_true", help="TF32 matmuls (CUDA)")
+    t.add_argument("--compile", action="store_true", help="torch.compile the encoders")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any recipe key")
+
+    e = add("eval", "`vse eval-sims` on an N x 5N random matrix vs the reference argsort loop", run_eval)
+    e.add_argument("--images", type=int, default=5000)
+    e.add_argument("--captions-per-image", type=int, default=5)
+    e.add_argument("--repeats", type=int, default=3)
+    e.add_argument("--no-reference", action="store_true", help="skip the (slow) reference loop")
+
+    po = add("pool", "forward+backward time of each pooling", run_pool)
+    po.add_argument("--batch", type=int, default=128)
+    po.add_argument("--n", type=int, default=36)
+    po.add_argument("--dim", type=int, default=1024)
+    po.add_argument("--device", default="cpu")
+    po.add_argument("--repeats", type=int, default=20)
+    po.add_argument("--poolings", nargs="+")
+    po.add_argument("--variable-lengths", action="store_true")
+
+    la = add("ladder", "training step with the (adaptive) ladder loss vs VSE++", run_ladder)
+    la.add_argument("--batch", type=int, default=128)
+    la.add_argument("--device", default="cpu")
+    la.add_argument("--repeats", type=int, default=10)
+    la.add_argument("--embed-dim", type=int, default=1024)
+    la.add_argument("--regions", type=int, default=36)
+    la.add_argument("--img-dim", type=int, default=2048)
+    la.add_argument("--vocab", type=int, default=10_000)
+
+    se = add("search", "FAISS exact vs IVF latency and recall on synthetic vectors", run_search)
+    se.add_argument("--n", type=int, default=100_000)
+    se.add_argument("--dim", type=int, default=1024)
+    se.add_argument("--queries", type=int, default=200)
+    se.add_argument("--clusters", type=int, default=1000)
+    se.add_argument("--nlist", type=int, default=256)
+    se.add_argument("--nprobe", type=int, nargs="+", default=[4, 8, 16, 32])
+    se.add_argument("--no-sq8", action="store_true")
+    se.add_argument("--threads", type=int, default=1)
+
+    ae = add("aeom", "AVSE's asymmetric embedding optimal matching (vsekit.bench.aeom)", run_aeom)
+    ae.add_argument("--batch", type=int, default=128)
+    ae.add_argument("--device", default="cpu")
+    ae.add_argument("--repeats", type=int, default=10)

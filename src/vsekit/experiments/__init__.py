@@ -1,0 +1,1 @@
+"""Self-contained experiments that need no dataset (`vse experiment …`)."""

@@ -1,0 +1,156 @@
+"""AEOM similarity: dustbin Sinkhorn properties, the released variant, the fast no-grad path, the bench."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from vsekit.config import SimilarityConfig
+from vsekit.similarity import all_pairs, create_similarity
+from vsekit.similarity.aeom import (
+    AEOMSimilarity,
+    augment_with_dustbin,
+    block_affinity,
+    log_sinkhorn_dustbin,
+)
+
+
+def make_sim(embed_dim=16, views=2, block_dim=8, iters=20, use_sinkhorn=True, dustbin=1.0) -> AEOMSimilarity:
+    cfg = SimilarityConfig(name="aeom", block_dim=block_dim, sinkhorn_iters=iters, use_sinkhorn=use_sinkhorn,
+                           dustbin_init=dustbin)  # fmt: skip
+    return AEOMSimilarity(embed_dim, views, cfg)
+
+
+@pytest.mark.parametrize("p,q", [(4, 2), (2, 1), (3, 3), (1, 5)])
+def test_sinkhorn_meets_the_paper_marginals(p, q):
+    g = torch.Generator().manual_seed(p * 10 + q)
+    scores = torch.rand(6, p, q, generator=g) * 2 - 1
+    plan = log_sinkhorn_dustbin(scores, torch.tensor(0.3), iters=300).exp()
+    assert plan.shape == (6, p + 1, q + 1)
+    a = torch.tensor([1.0] * p + [q])  # rows: 1 per image block, q for the dustbin row
+    b = torch.tensor([1.0] * q + [p])  # columns: 1 per caption block, p for the dustbin column
+    torch.testing.assert_close(plan.sum(-1), a.expand(6, -1), atol=1e-4, rtol=0)
+    torch.testing.assert_close(plan.sum(-2), b.expand(6, -1), atol=1e-4, rtol=0)
+    # after only one iteration the rows are visibly off: the test above measures convergence
+    one = log_sinkhorn_dustbin(scores, torch.tensor(0.3), iters=1).exp()
+    assert (one.sum(-1) - a).abs().max() > 1e-3
+
+
+def test_constant_shift_of_scores_and_dustbin_leaves_plan_unchanged():
+    g = torch.Generator().manual_seed(1)
+    scores = torch.randn(5, 4, 2, generator=g)
+    z = torch.tensor(0.7)
+    base = log_sinkhorn_dustbin(scores, z, iters=20)
+    for c in (3.0, -2.5, 10.0):
+        shifted = log_sinkhorn_dustbin(scores + c, z + c, iters=20)
+        torch.testing.assert_close(shifted.exp(), base.exp(), atol=1e-5, rtol=1e-5)
+    # shifting the scores but not the dustbin is a different problem (the test can fail)
+    moved = log_sinkhorn_dustbin(scores + 3.0, z, iters=20)
+    assert (moved.exp() - base.exp()).abs().max() > 1e-2
+
+
+def test_one_view_full_block_reduces_to_a_monotone_function_of_cosine():
+    """p = q = 1: the 2x2 plan [[x, 1-x], [1-x, x]] has x/(1-x) = exp((cos - z)/2), so S = sigmoid((cos - z)/2)."""
+    d, z = 16, 0.4
+    g = torch.Generator().manual_seed(2)
+    img, txt = torch.randn(9, d, generator=g), torch.randn(13, d, generator=g)
+    cos = nn_normalize(img) @ nn_normalize(txt).t()
+    plain = make_sim(d, 1, d, use_sinkhorn=False)
+    torch.testing.assert_close(plain(img, txt), cos, atol=1e-6, rtol=0)
+    sink = make_sim(d, 1, d, iters=20, dustbin=z)
+    s = sink(img, txt)
+    torch.testing.assert_close(s, torch.sigmoid((cos - z) / 2), atol=1e-5, rtol=0)
+    # same ranking as the cosine in both directions
+    assert (s.argsort(1) == cos.argsort(1)).all() and (s.argsort(0) == cos.argsort(0)).all()
+
+
+def nn_normalize(x):
+    return torch.nn.functional.normalize(x, dim=-1)
+
+
+def test_gradients_reach_the_dustbin_and_both_embeddings():
+    sim = make_sim()
+    img = torch.randn(6, 32, requires_grad=True)
+    txt = torch.randn(6, 16, requires_grad=True)
+    s = sim(img, txt)
+    loss = (0.2 + s - s.diagonal().unsqueeze(1)).clamp_min(0).sum()
+    loss.backward()
+    assert sim.dustbin.grad is not None and torch.isfinite(sim.dustbin.grad) and sim.dustbin.grad.abs() > 0
+    assert img.grad.abs().sum() > 0 and txt.grad.abs().sum() > 0
+
+
+def test_released_variant_is_block_max_sum_of_cosines():
+    sim = make_sim(use_sinkhorn=False)
+    g = torch.Generator().manual_seed(3)
+    img, txt = torch.randn(4, 32, generator=g), torch.randn(5, 16, generator=g)
+    expected = torch.empty(4, 5)
+    for a in range(4):
+        for b in range(5):
+            ib = nn_normalize(img[a].view(4, 8))
+            tb = nn_normalize(txt[b].view(2, 8))
+            expected[a, b] = (ib @ tb.t()).max(0).values.sum()
+    torch.testing.assert_close(sim(img, txt), expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(sim.score_no_grad(img, txt), expected, atol=1e-6, rtol=0)
+
+
+def test_block_affinity_and_dustbin_layout():
+    g = torch.Generator().manual_seed(4)
+    img, txt = torch.randn(2, 24, generator=g), torch.randn(3, 8, generator=g)
+    a = block_affinity(img, txt, 4)
+    assert a.shape == (2, 3, 6, 2)
+    torch.testing.assert_close(
+        a[1, 2, 5, 1], torch.nn.functional.cosine_similarity(img[1, 20:24], txt[2, 4:8], dim=0)
+    )
+    aug = augment_with_dustbin(a, torch.tensor(0.5))
+    assert aug.shape == (2, 3, 7, 3)
+    assert (aug[..., -1, :] == 0.5).all() and (aug[..., :, -1] == 0.5).all()
+
+
+@pytest.mark.parametrize("z", [1.0, -3.0, 45.0, -45.0])
+def test_fast_no_grad_path_matches_log_space(z):
+    sim = make_sim(dustbin=z)
+    g = torch.Generator().manual_seed(5)
+    img, txt = torch.randn(7, 32, generator=g), torch.randn(11, 16, generator=g)
+    with torch.enable_grad():
+        ref = sim(img, txt.requires_grad_())
+    assert ref.requires_grad
+    for chunk in (8, 100, 1 << 20):  # 1, a few, or all images per chunk
+        fast = sim.score_no_grad(img, txt.detach(), chunk_elems=chunk)
+        torch.testing.assert_close(fast, ref.detach(), atol=2e-6, rtol=1e-5)
+
+
+def test_all_pairs_shards_and_create_similarity():
+    from vsekit.config import SimilarityConfig
+
+    sim = create_similarity(SimilarityConfig(name="aeom", block_dim=8, sinkhorn_iters=5), 16, views=2)
+    assert isinstance(sim, AEOMSimilarity) and (sim.p, sim.q) == (4, 2)
+    g = torch.Generator().manual_seed(6)
+    img, txt = torch.randn(10, 32, generator=g), torch.randn(23, 16, generator=g)
+    full = sim(img, txt).detach().numpy()
+    sharded = all_pairs(sim, img, txt, image_shard=3, text_shard=7)
+    np.testing.assert_allclose(sharded, full, atol=1e-6)
+
+
+def test_bad_shapes_and_configs_are_clear_errors():
+    sim = make_sim()
+    with pytest.raises(ValueError, match=r"image embeddings \[N, 32\]"):
+        sim(torch.randn(3, 16), torch.randn(3, 16))
+    with pytest.raises(ValueError, match=r"caption embeddings \[N, 16\]"):
+        sim(torch.randn(3, 32), torch.randn(3, 32))
+    with pytest.raises(ValueError, match="multiple of"):
+        make_sim(embed_dim=12, block_dim=8)
+    with pytest.raises(ValueError, match="sinkhorn_iters"):
+        make_sim(iters=0)
+    with pytest.raises(ValueError, match="need model.similarity.name=aeom"):
+        create_similarity(SimilarityConfig(name="cosine"), 16, views=2)
+
+
+def test_bench_aeom_runs_and_reports_ratio():
+    from vsekit.bench.aeom import bench_aeom
+
+    out = bench_aeom(n_images=20, n_captions=100, dim=32, device="cpu", repeats=1, block_dim=16)
+    assert out["n_images"] == 20 and out["p"] == 4 and out["q"] == 2
+    for key in ("cosine_s", "aeom_s", "aeom_nosinkhorn_s", "ratio", "ratio_end_to_end"):
+        assert out[key] > 0 and math.isfinite(out[key])
+    assert out["max_abs_diff_vs_log_space"] < 1e-4

@@ -1,0 +1,118 @@
+"""`vse bench`: every benchmark runs tiny and returns sane numbers; rows carry machine, date and command;
+`--append` adds rows under the benchmark's section without touching other sections."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+
+import numpy as np
+import pytest
+
+from vsekit.bench.eval import bench_eval, planted_sims, reference_loop_metrics
+from vsekit.bench.train_step import bench_train_step, synthetic_batch
+from vsekit.cli import main
+from vsekit.commands.bench import SECTIONS, append_markdown
+from vsekit.metrics import cap2img_for_k, evaluate_sims
+
+TINY = dict(regions=5, img_dim=12, embed_dim=16, vocab=60, min_tokens=3, max_tokens=7, steps=1, warmup=1)
+
+
+def test_synthetic_batch_has_the_requested_shapes():
+    b = synthetic_batch(6, 36, 20, 100, 8, 25, seed=1)
+    assert b["images"].shape == (6, 36, 20) and (b["image_lengths"] == 36).all()
+    assert b["tokens"].shape == (6, 25) and int(b["token_lengths"].max()) == 25
+    assert int(b["token_lengths"].min()) >= 8 and int(b["tokens"].max()) < 100
+    for i, n in enumerate(b["token_lengths"].tolist()):  # padding after each caption's length, none before
+        assert (b["tokens"][i, n:] == 0).all() and (b["tokens"][i, :n] > 0).all()
+    with pytest.raises(ValueError, match="at least 2"):
+        synthetic_batch(1, 36, 20, 100, 8, 25)
+
+
+def test_train_step_bench_times_real_steps():
+    row = bench_train_step("vse_infty", batch=6, overrides=["model.text.word_dim=8"], **TINY)
+    assert row["ms_median"] > 0 and row["ms_min"] <= row["ms_median"]
+    assert row["samples_per_s"] == pytest.approx(6 / (row["ms_median"] / 1e3))
+    assert row["peak_gib"] > 0 and row["params"] > 0 and row["amp"] == "none"
+    amp = bench_train_step("vse_infty", batch=6, overrides=["model.text.word_dim=8", "train.amp=bf16"], **TINY)
+    assert amp["amp"] == "bf16"
+
+
+def test_train_step_bench_transformer_variant_with_random_bert():
+    row = bench_train_step("vse_infty", batch=4, text="transformer", text_model="tiny", **TINY)
+    assert row["text"].startswith("transformer") and row["ms_median"] > 0
+    with pytest.raises(ValueError, match="unknown BERT shape"):
+        bench_train_step("vse_infty", batch=4, text="transformer", text_model="no-such-shape", **TINY)
+
+
+def test_reference_loop_matches_the_metrics_module():
+    sims = planted_sims(40, 5, signal=2.0, seed=3)
+    ours = evaluate_sims(sims, cap2img_for_k(40, 200, 5))
+    ref = reference_loop_metrics(sims, 5)
+    for k, v in ref.items():
+        assert ours[k] == pytest.approx(v), k
+    assert 0 < ours["rsum"] < 600  # the planted signal makes recalls neither 0 nor 100
+    perfect = reference_loop_metrics(np.kron(np.eye(4), np.ones((1, 5))).astype(np.float32) + 0.0, 5)
+    assert perfect["i2t_r1"] == 100
+
+
+def test_eval_bench_times_eval_sims_and_the_reference():
+    row = bench_eval(n_images=50, repeats=2)
+    assert row["eval_sims_s"] > 0 and row["reference_s"] > 0 and row["max_abs_diff"] < 1e-9
+    assert row["speedup"] == pytest.approx(row["reference_s"] / row["eval_sims_s"])
+    fast = bench_eval(n_images=20, repeats=1, reference=False)
+    assert math.isnan(fast["reference_s"])
+
+
+def test_bench_pool_cli_prints_and_appends_rows(tmp_path, capsys):
+    out = tmp_path / "bench.md"
+    args = ["bench", "pool", "--batch", "4", "--n", "5", "--dim", "8", "--repeats", "2", "--poolings", "avg", "gpo"]
+    assert main([*args, "--append", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| avg |" in printed and "| gpo |" in printed
+    assert "`vse bench pool --batch 4 --n 5 --dim 8 --repeats 2 --poolings avg gpo`" in printed
+    assert main([*args, "--append", str(out)]) == 0
+    text = out.read_text()
+    assert text.count(f"## {SECTIONS['pool']}") == 1
+    assert text.count("| pooling |") == 1 and text.count("| gpo |") == 2  # second run: rows under the same table
+    assert "UTC" in text and "cores" in text
+
+
+def test_append_keeps_other_sections(tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\n## AVSE scoring\n\ntheirs\n\n## Search\n\n| a |\n|---|\n| 1 |\n")
+    lines = ["| x | y |", "|---|---|", "| 1 | 2 |"]
+    append_markdown(doc, "AVSE scoring", lines)
+    append_markdown(doc, "AVSE scoring", ["| x | y |", "|---|---|", "| 3 | 4 |"])
+    append_markdown(doc, "New", lines)
+    text = doc.read_text()
+    assert text.index("theirs") < text.index("| 1 | 2 |") < text.index("| 3 | 4 |") < text.index("## Search")
+    assert text.count("| x | y |") == 2 and "| a |\n|---|\n| 1 |" in text
+    assert text.rstrip().endswith("| 1 | 2 |") and "## New" in text
+
+
+def test_bench_eval_and_ladder_cli(capsys):
+    assert main(["bench", "eval", "--images", "30", "--repeats", "1"]) == 0
+    assert main(["bench", "ladder", "--batch", "4", "--repeats", "1", "--embed-dim", "16", "--regions", "4",
+                 "--img-dim", "16", "--vocab", "100"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "| 30 x 150 |" in out and "adaptive / VSE++" in out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("faiss") is None, reason="needs faiss-cpu")
+def test_bench_search_cli(capsys):
+    args = ["bench", "search", "--n", "3000", "--dim", "16", "--queries", "40", "--clusters", "20", "--nlist", "8",
+            "--nprobe", "8", "--no-sq8"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| 3,000 x 16")]
+    assert len(rows) == 2  # exact + IVF
+    recall = [float(r.split("|")[7]) for r in rows]
+    assert recall[0] == 1.0 and recall[1] == 1.0  # nprobe = nlist searches every list: exact
+
+
+def test_bench_aeom_missing_module_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "vsekit.bench.aeom", None)  # import fails as if the file were absent
+    assert main(["bench", "aeom", "--batch", "4"]) == 2
+    assert "vsekit.bench.aeom" in capsys.readouterr().err
