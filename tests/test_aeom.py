@@ -154,3 +154,18 @@ def test_bench_aeom_runs_and_reports_ratio():
     for key in ("cosine_s", "aeom_s", "aeom_nosinkhorn_s", "ratio", "ratio_end_to_end"):
         assert out[key] > 0 and math.isfinite(out[key])
     assert out["max_abs_diff_vs_log_space"] < 1e-4
+
+
+def test_converged_stop_matches_running_every_iteration():
+    """No-grad scoring may stop at the Sinkhorn fixed point; the scores equal those of all `iters` iterations."""
+    from vsekit.similarity.aeom import _scaled_sinkhorn_scores
+
+    sim = make_sim(dustbin=1.0)
+    sim.iters = 50
+    g = torch.Generator().manual_seed(9)
+    img, txt = torch.randn(9, 32, generator=g), torch.randn(13, 16, generator=g)
+    early = sim.score_no_grad(img, txt)
+    sim.converged_tol = 0.0
+    torch.testing.assert_close(early, sim.score_no_grad(img, txt), atol=1e-6, rtol=1e-6)
+    k = torch.rand(4, 2, 50, generator=g).exp()  # the stop is real: 2 iterations from a fixed point differ
+    assert not torch.allclose(_scaled_sinkhorn_scores(k.clone(), 1.0, 4, 2, 1), _scaled_sinkhorn_scores(k.clone(), 1.0, 4, 2, 50, 1e-6))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import sys
 
 import numpy as np
 import pytest
@@ -112,7 +111,21 @@ def test_bench_search_cli(capsys):
     assert recall[0] == 1.0 and recall[1] == 1.0  # nprobe = nlist searches every list: exact
 
 
-def test_bench_aeom_missing_module_is_a_clear_error(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "vsekit.bench.aeom", None)  # import fails as if the file were absent
-    assert main(["bench", "aeom", "--batch", "4"]) == 2
-    assert "vsekit.bench.aeom" in capsys.readouterr().err
+def test_bench_aeom_cli_prints_rows_and_appends(tmp_path, capsys):
+    doc = tmp_path / "b.md"
+    assert main(["bench", "aeom", "--images", "6", "--captions", "30", "--dim", "16", "--block-dim", "8",
+                 "--repeats", "1", "--append", str(doc)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "| AEOM (s) |" in out and "vse bench aeom --images 6" in out
+    assert "## AEOM similarity" in doc.read_text()
+
+
+@pytest.mark.slow
+def test_bench_aeom_model_eval_times_both_recipes():
+    from vsekit.bench.aeom import bench_aeom_eval
+
+    row = bench_aeom_eval(8, 2, repeats=1, regions=3, img_dim=16,
+                          overrides=["model.embed_dim=32", "model.similarity.block_dim=16"])  # fmt: skip
+    assert row["n_captions"] == 16 and row["views"] == 2 and row["block_dim"] == 16
+    assert row["aeom_eval_s"] > 0 and row["cosine_eval_s"] > 0
+    assert row["ratio_eval"] == pytest.approx(row["aeom_eval_s"] / row["cosine_eval_s"])

@@ -16,7 +16,8 @@ the first few images.
     from vsekit.bench.aeom import bench_aeom
     bench_aeom(1000, 5000, 1024, "cpu", 3)
 
-or `python -m vsekit.bench.aeom --images 1000 --captions 5000 --dim 1024`.
+or `python -m vsekit.bench.aeom --images 1000 --captions 5000 --dim 1024`. `bench_aeom_eval` (`--model-eval`)
+times the whole `vse eval` path instead: encoders + scoring + metrics, AVSE recipe vs VSE∞ recipe.
 """
 
 from __future__ import annotations
@@ -112,6 +113,55 @@ def bench_aeom(n_images: int = 1000, n_captions: int = 5000, dim: int = 1024, de
     }  # fmt: skip
 
 
+def bench_aeom_eval(n_images: int = 1000, captions_per_image: int = 5, device: str = "cpu", repeats: int = 3, *,
+                    regions: int = 36, img_dim: int = 2048, overrides: list[str] | None = None,
+                    seed: int = 0) -> dict:  # fmt: skip
+    """`vse eval` end to end (encode images and captions, score all pairs, metrics) under recipe `avse`
+    (2 views, AEOM) and `vse_infty` (cosine), both at their default sizes, on one synthetic precomp split of
+    `n_images` x `n_images*captions_per_image`; timed through `evaluate_model`, the path `vse eval` takes.
+    Weights are random: the time does not depend on them."""
+    import tempfile
+
+    from vsekit.config import load_recipe
+    from vsekit.data.precomp import load_precomp_split
+    from vsekit.data.synthetic import ATTRIBUTES, FILLERS, make_synthetic_precomp
+    from vsekit.data.text import SPECIALS
+    from vsekit.evaluation import evaluate_model
+    from vsekit.models.vse import DataSpec, VSEModel
+
+    if min(n_images, captions_per_image, repeats, regions, img_dim) < 1:
+        raise ValueError("n_images, captions_per_image, repeats, regions and img_dim must be positive")
+    dev = torch.device(device)
+    with tempfile.TemporaryDirectory(prefix="vse-bench-aeom-") as tmp:
+        make_synthetic_precomp(tmp, n_train=1, n_dev=1, n_test=n_images, regions=regions, dim=img_dim,
+                               captions_per_image=captions_per_image, seed=seed)  # fmt: skip
+        n_caps = len(load_precomp_split(tmp, "test", captions_per_image).captions)
+        spec = DataSpec(img_dim=img_dim, vocab_words=[*SPECIALS, *sorted(set(ATTRIBUTES) | set(FILLERS))])
+        models = {}
+        for name in ("vse_infty", "avse"):
+            recipe = load_recipe(name, [f"data.captions_per_image={captions_per_image}", *(overrides or [])])
+            torch.manual_seed(seed)
+            models[name] = VSEModel(recipe, spec).to(dev).eval()
+        times: dict[str, list[float]] = {name: [] for name in models}
+        for model in models.values():  # warm-up
+            evaluate_model(model, tmp, "test", device=dev, progress=False, max_images=min(n_images, 16))
+        for _ in range(repeats):
+            for name, model in models.items():
+                _sync(dev)
+                t0 = time.perf_counter()
+                evaluate_model(model, tmp, "test", device=dev, progress=False)
+                _sync(dev)
+                times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    sim = models["avse"].sim
+    return {
+        "n_images": n_images, "n_captions": n_caps, "regions": regions, "img_dim": img_dim,
+        "embed_dim": models["avse"].recipe.model.embed_dim, "views": sim.views, "block_dim": sim.block_dim,
+        "iters": sim.iters, "device": str(dev), "threads": torch.get_num_threads(), "repeats": repeats,
+        "cosine_eval_s": med["vse_infty"], "aeom_eval_s": med["avse"], "ratio_eval": med["avse"] / med["vse_infty"],
+    }  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--images", type=int, default=1000)
@@ -123,9 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
+    ap.add_argument("--model-eval", action="store_true",
+                    help="time `vse eval` end to end with the avse and vse_infty recipes instead (bench_aeom_eval)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.model_eval:
+        print(json.dumps(bench_aeom_eval(args.images, max(1, args.captions // args.images), args.device,
+                                         args.repeats), indent=2))  # fmt: skip
+        return 0
     out = bench_aeom(args.images, args.captions, args.dim, args.device, args.repeats,
                      views=args.views, block_dim=args.block_dim, iters=args.iters)  # fmt: skip
     print(json.dumps(out, indent=2))

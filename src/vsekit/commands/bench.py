@@ -192,17 +192,21 @@ def run_search(args: argparse.Namespace) -> int:
 
 
 def run_aeom(args: argparse.Namespace) -> int:
-    try:
-        from vsekit.bench.aeom import bench_aeom
-    except ImportError as e:
-        raise RuntimeError(f"`vse bench aeom` needs vsekit.bench.aeom (the AVSE/AEOM benchmark), which this "
-                           f"installation does not have ({e})") from e  # fmt: skip
-    result = bench_aeom(batch=args.batch, device=args.device, repeats=args.repeats)
-    rows = result if isinstance(result, list) else result.get("rows", [result]) if isinstance(result, dict) else []
-    if not rows:
-        raise RuntimeError("vsekit.bench.aeom.bench_aeom returned no rows")
-    keys = [k for k, v in rows[0].items() if isinstance(v, (int, float, str, bool))]
-    emit(args, [(k, k) for k in keys], rows, args.device)
+    from vsekit.bench.aeom import bench_aeom, bench_aeom_eval
+
+    if args.model_eval:
+        row = bench_aeom_eval(args.images, max(1, args.captions // args.images), args.device, args.repeats)
+        emit(args, [("n_images", "images"), ("n_captions", "captions"), ("views", "views"),
+                    ("block_dim", "d2"), ("iters", "c"), ("cosine_eval_s", "vse_infty eval (s)"),
+                    ("aeom_eval_s", "avse eval (s)"), ("ratio_eval", "ratio")], [row], args.device)  # fmt: skip
+        return 0
+    row = bench_aeom(args.images, args.captions, args.dim, args.device, args.repeats, views=args.views,
+                     block_dim=args.block_dim, iters=args.iters)  # fmt: skip
+    emit(args, [("n_images", "images"), ("n_captions", "captions"), ("dim", "d1"), ("views", "views"),
+                ("block_dim", "d2"), ("iters", "c"), ("cosine_s", "cosine (s)"), ("aeom_s", "AEOM (s)"),
+                ("aeom_nosinkhorn_s", "AEOM no Sinkhorn (s)"), ("ratio", "ratio"),
+                ("cosine_e2e_s", "cosine + metrics (s)"), ("aeom_e2e_s", "AEOM + metrics (s)"),
+                ("ratio_end_to_end", "ratio + metrics")], [row], args.device)  # fmt: skip
     return 0
 
 
@@ -275,6 +279,13 @@ def register(sub) -> None:
     se.add_argument("--threads", type=int, default=1)
 
     ae = add("aeom", "AVSE's asymmetric embedding optimal matching (vsekit.bench.aeom)", run_aeom)
-    ae.add_argument("--batch", type=int, default=128)
+    ae.add_argument("--images", type=int, default=1000)
+    ae.add_argument("--captions", type=int, default=5000)
+    ae.add_argument("--dim", type=int, default=1024, help="caption embedding size d1 (images: views x d1)")
+    ae.add_argument("--views", type=int, default=2)
+    ae.add_argument("--block-dim", type=int, default=512)
+    ae.add_argument("--iters", type=int, default=20)
     ae.add_argument("--device", default="cpu")
-    ae.add_argument("--repeats", type=int, default=10)
+    ae.add_argument("--repeats", type=int, default=3)
+    ae.add_argument("--model-eval", action="store_true",
+                    help="time `vse eval` end to end (encoders + scoring + metrics), avse vs vse_infty recipe")
