@@ -194,3 +194,13 @@ def test_bench_serve_runs_a_bounded_load_test_against_vse_serve(index_dir):
     assert res["requests_per_s"] > 0 and res["p50_ms"] <= res["p99_ms"]
     with pytest.raises(ValueError, match="must be positive"):
         bench_serve(index_dir, requests=0)
+
+
+@pytest.mark.slow
+def test_vse_bench_serve_prints_a_row_with_zero_errors(index_dir, capsys):
+    pytest.importorskip("uvicorn")
+    from vsekit.cli import main
+
+    assert main(["bench", "serve", str(index_dir), "--requests", "30", "--concurrency", "3"]) == 0
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {index_dir} |")]
+    assert len(row) == 1 and row[0].split(" | ")[1:4] == ["30", "3", "0"]  # requests, concurrency, errors

@@ -145,3 +145,40 @@ def test_unrepresentable_k_is_4xx(client, raw):
 def test_lone_surrogate_query_is_4xx(client):
     r = client.post("/search", content=b'{"q": "\\ud800"}')  # valid JSON, not encodable as UTF-8
     assert 400 <= r.status_code < 500
+
+
+def test_rate_limit_answers_429_with_retry_after_and_refills(engine):
+    from vsekit.search.server import RateLimiter
+
+    limits = ServerLimits(max_k=20, rate_per_s=1.0, rate_burst=3)
+    app = create_app(engine, limits=limits, logger=logging.getLogger("vsekit.test.hardening"))
+    with TestClient(app, base_url=BASE, raise_server_exceptions=False) as c:
+        codes = [c.get("/search", params={"q": "a cat"}).status_code for _ in range(5)]
+        assert codes == [200, 200, 200, 429, 429]
+        r = c.get("/healthz")
+        assert r.status_code == 429 and r.headers["retry-after"] == "1" and "too many requests" in r.json()["detail"]
+    assert len(engine.asked) == 3  # refused requests never reach the engine
+    now = [0.0]
+    bucket = RateLimiter(rate=2.0, burst=2, max_clients=2, clock=lambda: now[0])
+    assert [bucket.allow("a") for _ in range(3)] == [0.0, 0.0, 0.5]
+    now[0] = 0.5  # one token back after 1 / rate seconds
+    assert bucket.allow("a") == 0.0 and bucket.allow("a") > 0
+    bucket.allow("b"), bucket.allow("c")
+    assert list(bucket.buckets) == ["b", "c"]  # bounded memory: the oldest client was dropped
+    assert RateLimiter(rate=0, burst=1).allow("x") == 0.0  # 0 = no limit
+
+
+def test_slow_request_is_answered_504(engine):
+    import time as _time
+
+    def slow_search(query, k=10):
+        _time.sleep(1.0)
+        return []
+
+    engine.search_text = slow_search
+    limits = ServerLimits(max_k=20, timeout_s=0.2)
+    app = create_app(engine, limits=limits, logger=logging.getLogger("vsekit.test.hardening"))
+    with TestClient(app, base_url=BASE, raise_server_exceptions=False) as c:
+        r = c.get("/search", params={"q": "a cat"})
+        assert r.status_code == 504 and "0.2 s limit" in r.json()["detail"]
+        assert c.get("/healthz").status_code == 200  # the server keeps answering

@@ -197,7 +197,8 @@ def bench_serve(index_dir: str | Path, requests: int = 2000, concurrency: int = 
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "vsekit.cli", "serve", str(index_dir), "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning", "--device", device, "--max-connections", str(max(64, 4 * concurrency))]  # fmt: skip
+           "--log-level", "warning", "--device", device, "--max-connections", str(max(64, 4 * concurrency)),
+           "--rate-limit", "0"]  # measures capacity: one loopback client would otherwise hit the rate limit  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + startup_timeout

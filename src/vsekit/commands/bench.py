@@ -19,6 +19,7 @@ SECTIONS = {
     "ladder": "Ladder loss step cost (`vse bench ladder`)",
     "search": "FAISS search (`vse bench search`)",
     "aeom": "AEOM similarity (`vse bench aeom`)",
+    "serve": "Server load test (`vse bench serve`)",
 }
 
 
@@ -191,6 +192,17 @@ def run_search(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_serve_load(args: argparse.Namespace) -> int:
+    from vsekit.bench.search import bench_serve
+
+    row = bench_serve(args.index, requests=args.requests, concurrency=args.concurrency,
+                      max_seconds=args.max_seconds, k=args.k)  # fmt: skip
+    row["index"] = args.index
+    emit(args, [("index", "index"), ("n", "requests"), ("concurrency", "concurrency"), ("errors", "errors"),
+                ("requests_per_s", "requests/s"), ("p50_ms", "p50 ms"), ("p99_ms", "p99 ms")], [row])  # fmt: skip
+    return 0 if row["errors"] == 0 else 1
+
+
 def run_aeom(args: argparse.Namespace) -> int:
     from vsekit.bench.aeom import bench_aeom, bench_aeom_eval
 
@@ -277,6 +289,14 @@ def register(sub) -> None:
     se.add_argument("--nprobe", type=int, nargs="+", default=[4, 8, 16, 32])
     se.add_argument("--no-sq8", action="store_true")
     se.add_argument("--threads", type=int, default=1)
+
+    sv = add("serve", "bounded loopback load test of `vse serve INDEX` (GET /search from N client threads)",
+             run_serve_load)  # fmt: skip
+    sv.add_argument("index", metavar="INDEX_DIR")
+    sv.add_argument("--requests", type=int, default=2000)
+    sv.add_argument("--concurrency", type=int, default=32)
+    sv.add_argument("--max-seconds", type=float, default=120.0, help="stop sending after this long")
+    sv.add_argument("-k", type=int, default=10)
 
     ae = add("aeom", "AVSE's asymmetric embedding optimal matching (vsekit.bench.aeom)", run_aeom)
     ae.add_argument("--images", type=int, default=1000)

@@ -80,7 +80,8 @@ def run_serve(args: argparse.Namespace) -> int:
     logger.setLevel(args.log_level.upper())
     if not logger.handlers:
         logger.addHandler(json_log_handler())
-    limits = ServerLimits(max_k=args.max_k, max_query_chars=args.max_query_chars, max_body_bytes=args.max_body_mb << 20)
+    limits = ServerLimits(max_k=args.max_k, max_query_chars=args.max_query_chars, max_body_bytes=args.max_body_mb << 20,
+                          rate_per_s=args.rate_limit, rate_burst=args.rate_burst, timeout_s=args.timeout)  # fmt: skip
     app = create_app(args.index, device=resolve_device(args.device), run_dir=args.run, limits=limits,
                      cors_origins=args.cors_origin, allowed_hosts=allowed, logger=logger)  # fmt: skip
     print(f"serving {args.index} on http://{args.host}:{args.port}  (Ctrl-C stops)", file=sys.stderr)
@@ -133,6 +134,10 @@ def register(sub) -> None:
     v.add_argument("--max-query-chars", type=int, default=256)
     v.add_argument("--max-body-mb", type=int, default=8, help="largest request body (picture uploads)")
     v.add_argument("--max-connections", type=int, default=64, help="concurrent connections before 503")
+    v.add_argument("--rate-limit", type=float, default=100.0,
+                   help="requests per second per client address, then 429 (0 = no limit)")
+    v.add_argument("--rate-burst", type=int, default=200, help="requests a client may send at once")
+    v.add_argument("--timeout", type=float, default=30.0, help="seconds before a request is answered 504 (0 = none)")
     v.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="allow cross-origin requests from ORIGIN (repeatable; CORS is off by default)")
     v.add_argument("--allowed-host", action="append", metavar="HOST",

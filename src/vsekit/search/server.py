@@ -10,6 +10,7 @@ request is logged as one JSON line (method, path, status, ms — never the query
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -53,6 +54,35 @@ class ServerLimits:
     max_body_bytes: int = 8 << 20  # picture uploads
     thumb_px: int = 256
     thumb_cache: int = 512  # thumbnails kept in memory
+    rate_per_s: float = 100.0  # sustained requests per second per client address (0 = no limit)
+    rate_burst: int = 200  # requests a client may send at once before the rate applies
+    timeout_s: float = 30.0  # a request that takes longer is answered 504 (0 = no timeout)
+
+
+class RateLimiter:
+    """Token bucket per client address: `burst` requests at once, then `rate` per second; thread-safe.
+
+    Keeps at most `max_clients` buckets (the least recently seen are dropped), so a flood of addresses
+    cannot grow memory without bound."""
+
+    def __init__(self, rate: float, burst: int, max_clients: int = 10_000, clock=time.monotonic) -> None:
+        self.rate, self.burst, self.max_clients, self.clock = rate, max(1, burst), max_clients, clock
+        self.buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def allow(self, client: str) -> float:
+        """0 when the request may go ahead, else the seconds until it could."""
+        if self.rate <= 0:
+            return 0.0
+        with self.lock:
+            now = self.clock()
+            tokens, last = self.buckets.pop(client, (float(self.burst), now))
+            tokens = min(float(self.burst), tokens + (now - last) * self.rate)
+            wait = 0.0 if tokens >= 1.0 else (1.0 - tokens) / self.rate
+            self.buckets[client] = (tokens - 1.0 if wait == 0.0 else tokens, now)
+            while len(self.buckets) > self.max_clients:
+                self.buckets.popitem(last=False)
+            return wait
 
 
 class _BodyTooLarge(Exception):
@@ -60,12 +90,16 @@ class _BodyTooLarge(Exception):
 
 
 class Guard:
-    """Outermost ASGI layer: body-size cap, security headers and one structured log line per request."""
+    """Outermost ASGI layer: rate limit, body-size cap, timeout, security headers and one structured log line
+    per request."""
 
-    def __init__(self, app, max_body_bytes: int, logger: logging.Logger) -> None:
+    def __init__(self, app, max_body_bytes: int, logger: logging.Logger, rate_per_s: float = 0.0,
+                 rate_burst: int = 1, timeout_s: float = 0.0) -> None:  # fmt: skip
         self.app = app
         self.max_body = max_body_bytes
         self.logger = logger
+        self.limiter = RateLimiter(rate_per_s, rate_burst)
+        self.timeout = timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -93,17 +127,28 @@ class Guard:
             return message
 
         too_large = JSONResponse({"detail": f"request body is larger than the {self.max_body} byte limit"}, 413)
+        client = scope.get("client")
         try:
             length = dict(scope.get("headers") or []).get(b"content-length")
-            if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            wait = self.limiter.allow(client[0] if client else "?")
+            if wait > 0:
+                retry = str(max(1, int(wait + 0.999)))
+                await JSONResponse({"detail": f"too many requests from this address; retry in {retry} s"}, 429,
+                                   headers={"retry-after": retry})(scope, receive, send_wrapper)  # fmt: skip
+            elif length is not None and (not length.isdigit() or int(length) > self.max_body):
                 await too_large(scope, receive, send_wrapper)
+            elif self.timeout > 0:
+                await asyncio.wait_for(self.app(scope, limited_receive, send_wrapper), self.timeout)
             else:
                 await self.app(scope, limited_receive, send_wrapper)
         except _BodyTooLarge:
             if not state["started"]:
                 await too_large(scope, receive, send_wrapper)
+        except asyncio.TimeoutError:
+            if not state["started"]:
+                await JSONResponse({"detail": f"the request took longer than the {self.timeout:g} s limit"},
+                                   504)(scope, receive, send_wrapper)  # fmt: skip
         finally:
-            client = scope.get("client")
             self.logger.info(json.dumps({
                 "ts": round(time.time(), 3), "event": "request", "method": scope.get("method"),
                 "path": scope.get("path"), "status": state["status"],
@@ -301,7 +346,8 @@ def create_app(index_dir: str | Path | SearchEngine, *, device: str = "cpu", run
         from starlette.middleware.trustedhost import TrustedHostMiddleware
 
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))
-    app.add_middleware(Guard, max_body_bytes=limits.max_body_bytes, logger=logger)
+    app.add_middleware(Guard, max_body_bytes=limits.max_body_bytes, logger=logger, rate_per_s=limits.rate_per_s,
+                       rate_burst=limits.rate_burst, timeout_s=limits.timeout_s)  # fmt: skip
     app.state.engine = engine
     app.state.limits = limits
     return app
