@@ -4,4 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check src tests
+# screenshots and other test artefacts (e.g. the search page in headless Chromium) land here
+export VSE_ARTIFACTS="${VSE_ARTIFACTS:-artifacts}"
+mkdir -p "$VSE_ARTIFACTS"
 .venv/bin/python -m pytest -q "$@"
