@@ -204,3 +204,4 @@ def test_vse_bench_serve_prints_a_row_with_zero_errors(index_dir, capsys):
     assert main(["bench", "serve", str(index_dir), "--requests", "30", "--concurrency", "3"]) == 0
     row = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {index_dir} |")]
     assert len(row) == 1 and row[0].split(" | ")[1:4] == ["30", "3", "0"]  # requests, concurrency, errors
+    assert f"`vse bench serve {index_dir} --requests 30 --concurrency 3`" in row[0]

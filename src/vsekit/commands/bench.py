@@ -93,7 +93,12 @@ def command_line(parser: argparse.ArgumentParser, args: argparse.Namespace, name
     """The command as typed, reconstructed from the options that differ from their defaults."""
     parts = ["vse", "bench", name]
     for action in parser._actions:
-        if not action.option_strings or action.dest in ("help", "append"):
+        if action.dest in ("help", "append"):
+            continue
+        if not action.option_strings:  # a positional (e.g. the index of `vse bench serve`)
+            value = getattr(args, action.dest, None)
+            if value is not None:
+                parts.append(str(value))
             continue
         value = getattr(args, action.dest, None)
         if value == action.default or value is None:
