@@ -111,6 +111,37 @@ def test_bench_search_cli(capsys):
     assert recall[0] == 1.0 and recall[1] == 1.0  # nprobe = nlist searches every list: exact
 
 
+@pytest.mark.skipif(importlib.util.find_spec("faiss") is None, reason="needs faiss-cpu")
+def test_bench_search_on_own_vectors_holds_out_queries(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    db = tmp_path / "db.npy"
+    np.save(db, rng.standard_normal((500, 8)).astype(np.float32) * 3)  # not unit: the bench normalises
+    args = ["bench", "search", "--vectors", str(db), "--queries", "50", "--nlist", "4", "--nprobe", "4", "--no-sq8"]
+    assert main(args) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 450 x 8, db.npy")]
+    assert len(rows) == 2 and float(rows[1].split("|")[7]) == 1.0  # 450 = 500 minus the held-out queries
+
+
+def test_bench_search_own_vectors_bad_input_names_the_file(tmp_path):
+    from vsekit.bench.search import NpyVectors
+
+    bad = tmp_path / "bad.npy"
+    np.save(bad, np.ones((10, 4, 2), np.float32))
+    with pytest.raises(ValueError, match=r"bad\.npy: expected a non-empty \(N, D\) array"):
+        NpyVectors(bad)
+    db, q = tmp_path / "db.npy", tmp_path / "q.npy"
+    x = np.ones((300, 4), np.float32)
+    x[7, 1] = np.nan
+    np.save(db, x)
+    np.save(q, np.ones((5, 3), np.float32))
+    with pytest.raises(ValueError, match="queries are 3-d but .*db.npy holds 4-d"):
+        NpyVectors(db, q)
+    with pytest.raises(ValueError, match=r"db\.npy: non-finite values in rows 0\.\.99"):
+        next(NpyVectors(db, holdout=5).chunks(300, 100))
+    with pytest.raises(FileNotFoundError, match="missing.npy"):
+        NpyVectors(tmp_path / "missing.npy")
+
+
 def test_bench_aeom_cli_prints_rows_and_appends(tmp_path, capsys):
     doc = tmp_path / "b.md"
     assert main(["bench", "aeom", "--images", "6", "--captions", "30", "--dim", "16", "--block-dim", "8",

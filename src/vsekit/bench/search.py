@@ -57,9 +57,65 @@ class ClusteredVectors:
         noise /= np.linalg.norm(noise, axis=1, keepdims=True)
         return noise
 
+    def queries(self, m: int) -> np.ndarray:
+        return self.draw(m, stream=0)
+
     def chunks(self, n: int, chunk: int):
         for c, start in enumerate(range(0, n, chunk)):
             yield self.draw(min(chunk, n - start), stream=c + 1)
+
+
+class NpyVectors:
+    """Your own embeddings from a (N, D) `.npy` file, rows L2-normalised as `vse index` stores them.
+
+    Queries come from `query_path` (e.g. caption embeddings against image embeddings) or, without one, are the
+    last `holdout` rows of the file, which are then left out of the database so no query finds itself.
+    """
+
+    def __init__(self, path: str | Path, query_path: str | Path | None = None, holdout: int = 200) -> None:
+        self.path = Path(path)
+        self.base = self._open(self.path)
+        self.dim = self.base.shape[1]
+        if query_path is not None:
+            q = self._open(Path(query_path))
+            if q.shape[1] != self.dim:
+                raise ValueError(f"{query_path}: queries are {q.shape[1]}-d but {self.path} holds {self.dim}-d vectors")
+            self._queries, self.size = q, len(self.base)
+        else:
+            if len(self.base) <= holdout:
+                raise ValueError(f"{self.path}: {len(self.base)} rows leave nothing after holding out {holdout} queries")
+            self._queries, self.size = self.base[len(self.base) - holdout:], len(self.base) - holdout
+
+    @staticmethod
+    def _open(path: Path) -> np.ndarray:
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such file")
+        try:
+            a = np.load(path, mmap_mode="r", allow_pickle=False)
+        except ValueError as e:
+            raise ValueError(f"{path}: not a plain .npy array ({e})") from None
+        if a.ndim != 2 or a.shape[0] == 0 or a.shape[1] == 0:
+            raise ValueError(f"{path}: expected a non-empty (N, D) array, got shape {a.shape}")
+        if not np.issubdtype(a.dtype, np.floating):
+            raise ValueError(f"{path}: expected float vectors, got dtype {a.dtype}")
+        return a
+
+    def _normalise(self, x: np.ndarray, where: str) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if not np.isfinite(x).all():
+            raise ValueError(f"{self.path}: non-finite values in {where}")
+        norm = np.linalg.norm(x, axis=1, keepdims=True)
+        if (norm == 0).any():
+            raise ValueError(f"{self.path}: all-zero vectors in {where} (cosine is undefined)")
+        return x / norm
+
+    def queries(self, m: int) -> np.ndarray:
+        return self._normalise(self._queries[:m], "the queries")
+
+    def chunks(self, n: int, chunk: int):
+        n = min(n, self.size)
+        for start in range(0, n, chunk):
+            yield self._normalise(self.base[start:min(n, start + chunk)], f"rows {start}..{min(n, start + chunk) - 1}")
 
 
 def _time_single(index, queries: np.ndarray, k: int, warmup: int = 3) -> tuple[list[float], np.ndarray]:
@@ -83,8 +139,12 @@ def bench_search(n: int = 1_000_000, dim: int = 1024, k: int = 10, queries: int 
                  clusters: int = 10_000, spread: float = 1.0, nlist: int = 0, nprobes: tuple[int, ...] = (4, 8, 16, 32),
                  sq8: bool = True, hnsw_m: int = 0, ef_searches: tuple[int, ...] = (32, 64, 128),
                  train_size: int = 0, kmeans_iters: int = 10, threads: int = 1, chunk: int = 50_000,
-                 seed: int = 0, log=print) -> dict:  # fmt: skip
+                 seed: int = 0, vectors: str | Path | None = None, query_vectors: str | Path | None = None,
+                 log=print) -> dict:  # fmt: skip
     """Exact (flat) vs IVF (and optionally IVF-SQ8 / HNSW) on `n` synthetic `dim`-d unit vectors.
+
+    With `vectors` (a (N, D) .npy of your own embeddings) the database is that file's first min(n, N) rows
+    instead (minus held-out queries when no `query_vectors` file is given; see `NpyVectors`).
 
     Returns {"setup": ..., "rows": [{"index", "params", "build_s", "bytes_per_vector", "p50_ms", "p99_ms",
     "recall_at_k"}, ...]}; recall is against the exact top-k of the same queries. `nlist=0` picks the
@@ -95,17 +155,22 @@ def bench_search(n: int = 1_000_000, dim: int = 1024, k: int = 10, queries: int 
     if n < 1 or dim < 1 or k < 1 or queries < 1:
         raise ValueError("n, dim, k and queries must be positive")
     faiss.omp_set_num_threads(threads)
+    if vectors is not None:
+        data = NpyVectors(vectors, query_vectors, holdout=queries)
+        n, dim, clusters, spread = min(n, data.size), data.dim, 0, 0.0
+    else:
+        data = ClusteredVectors(dim, clusters, spread, seed)
     if nlist <= 0:
         from vsekit.search.index import auto_nlist
 
         nlist = auto_nlist(n)
     train_size = min(n, train_size if train_size > 0 else max(65_536, 40 * nlist))
-    data = ClusteredVectors(dim, clusters, spread, seed)
-    q = data.draw(queries, stream=0)
+    q = data.queries(queries)
+    queries = len(q)
     rows = []
     setup = {"n": n, "dim": dim, "k": k, "queries": queries, "clusters": clusters, "spread": spread,
              "threads": threads, "seed": seed, "faiss": faiss.__version__, "nlist": nlist, "train_size": train_size,
-             "kmeans_iters": kmeans_iters}  # fmt: skip
+             "kmeans_iters": kmeans_iters, "vectors": str(vectors) if vectors is not None else None}  # fmt: skip
 
     t0 = time.perf_counter()
     flat = faiss.IndexFlatIP(dim)
@@ -160,7 +225,8 @@ def bench_search(n: int = 1_000_000, dim: int = 1024, k: int = 10, queries: int 
 
 def format_search_table(result: dict) -> str:
     s = result["setup"]
-    head = (f"{s['n']:,} x {s['dim']}-d unit vectors ({s['clusters']:,} clusters, spread {s['spread']}), "
+    source = f"from {s['vectors']}" if s.get("vectors") else f"({s['clusters']:,} clusters, spread {s['spread']})"
+    head = (f"{s['n']:,} x {s['dim']}-d unit vectors {source}, "
             f"{s['queries']} single queries, k={s['k']}, {s['threads']} FAISS thread(s), faiss {s['faiss']}\n\n")  # fmt: skip
     lines = ["| index | params | build (s) | bytes/vector | p50 (ms) | p99 (ms) | recall@k vs exact |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -279,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--no-sq8", action="store_true")
     a.add_argument("--hnsw-m", type=int, default=0, help="also build HNSW with this M (slow to build at 1M)")
     a.add_argument("--threads", type=int, default=1)
+    a.add_argument("--vectors", help="(N, D) .npy of your own embeddings instead of synthetic ones")
+    a.add_argument("--query-vectors", help="(M, D) .npy of queries (default: hold out the last --queries rows)")
     a.add_argument("--json", help="write the result here")
     s = sub.add_parser("serve", help="bounded loopback load test of `vse serve`")
     s.add_argument("index")
@@ -291,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         res = bench_search(n=args.n, dim=args.dim, queries=args.queries, exact_queries=args.exact_queries,
                            clusters=args.clusters, spread=args.spread, nlist=args.nlist, nprobes=tuple(args.nprobe),
                            train_size=args.train_size, kmeans_iters=args.kmeans_iters, ef_searches=tuple(args.ef_search),
-                           sq8=not args.no_sq8, hnsw_m=args.hnsw_m, threads=args.threads)  # fmt: skip
+                           sq8=not args.no_sq8, hnsw_m=args.hnsw_m, threads=args.threads,
+                           vectors=args.vectors, query_vectors=args.query_vectors)  # fmt: skip
         print(format_search_table(res))
     else:
         res = bench_serve(args.index, requests=args.requests, concurrency=args.concurrency, max_seconds=args.max_seconds)

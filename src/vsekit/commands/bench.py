@@ -188,10 +188,11 @@ def run_search(args: argparse.Namespace) -> int:
 
     res = bench_search(n=args.n, dim=args.dim, queries=args.queries, clusters=args.clusters, nlist=args.nlist,
                        nprobes=tuple(args.nprobe), sq8=not args.no_sq8, threads=args.threads,
-                       log=lambda *_: None)  # fmt: skip
+                       vectors=args.vectors, query_vectors=args.query_vectors, log=lambda *_: None)  # fmt: skip
     s = res["setup"]
+    source = Path(s["vectors"]).name if s["vectors"] else f"{s['clusters']:,} clusters"
     for r in res["rows"]:
-        r["setup"] = f"{s['n']:,} x {s['dim']}, {s['clusters']:,} clusters, k={s['k']}"
+        r["setup"] = f"{s['n']:,} x {s['dim']}, {source}, k={s['k']}"
     emit(args, [("setup", "vectors"), ("index", "index"), ("params", "params"), ("build_s", "build s"),
                 ("p50_ms", "p50 ms"), ("p99_ms", "p99 ms"), ("recall_at_k", "recall@k")], res["rows"])  # fmt: skip
     return 0
@@ -285,7 +286,8 @@ def register(sub) -> None:
     la.add_argument("--img-dim", type=int, default=2048)
     la.add_argument("--vocab", type=int, default=10_000)
 
-    se = add("search", "FAISS exact vs IVF latency and recall on synthetic vectors", run_search)
+    se = add("search", "FAISS exact vs IVF latency and recall on synthetic vectors or your own (--vectors)",
+             run_search)  # fmt: skip
     se.add_argument("--n", type=int, default=100_000)
     se.add_argument("--dim", type=int, default=1024)
     se.add_argument("--queries", type=int, default=200)
@@ -294,6 +296,10 @@ def register(sub) -> None:
     se.add_argument("--nprobe", type=int, nargs="+", default=[4, 8, 16, 32])
     se.add_argument("--no-sq8", action="store_true")
     se.add_argument("--threads", type=int, default=1)
+    se.add_argument("--vectors", metavar="DB.npy", help="(N, D) embeddings to index instead of synthetic vectors "
+                    "(--n caps the rows used)")  # fmt: skip
+    se.add_argument("--query-vectors", metavar="Q.npy",
+                    help="(M, D) query embeddings; default: hold out the last --queries rows of --vectors")
 
     sv = add("serve", "bounded loopback load test of `vse serve INDEX` (GET /search from N client threads)",
              run_serve_load)  # fmt: skip
