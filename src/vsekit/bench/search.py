@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from vsekit.utils.io import open_npy
+
 
 def _faiss():
     try:
@@ -90,10 +92,7 @@ class NpyVectors:
     def _open(path: Path) -> np.ndarray:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such file")
-        try:
-            a = np.load(path, mmap_mode="r", allow_pickle=False)
-        except ValueError as e:
-            raise ValueError(f"{path}: not a plain .npy array ({e})") from None
+        a = open_npy(path)
         if a.ndim != 2 or a.shape[0] == 0 or a.shape[1] == 0:
             raise ValueError(f"{path}: expected a non-empty (N, D) array, got shape {a.shape}")
         if not np.issubdtype(a.dtype, np.floating):

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from vsekit.metrics import MetricsInputError, cap2img_for_k, evaluate_sims, format_table
+from vsekit.utils.io import open_npy
 
 
 def load_sims(paths: list[str]) -> np.ndarray:
@@ -17,10 +18,7 @@ def load_sims(paths: list[str]) -> np.ndarray:
         path = Path(p)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: similarity file does not exist")
-        try:
-            arr = np.load(path, mmap_mode="r", allow_pickle=False)
-        except ValueError as e:
-            raise MetricsInputError(f"{path}: not a plain numeric .npy array ({e})") from e
+        arr = open_npy(path, MetricsInputError)
         if arr.ndim != 2:
             raise MetricsInputError(f"{path}: expected a 2-D (images x captions) matrix, got shape {arr.shape}")
         if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):

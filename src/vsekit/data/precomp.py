@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from vsekit.utils.io import open_npy
+
 
 class DataFormatError(ValueError):
     """A dataset file that does not fit the layout; the message names the file and the problem."""
@@ -108,12 +110,7 @@ class PrecompSplit:
 def _load_features(path: Path) -> np.ndarray:
     if not path.is_file():
         raise DataFormatError(f"{path}: missing (expected the (N, R, D) feature array of this split)")
-    try:
-        feats = np.load(path, mmap_mode="r", allow_pickle=False)
-    except ValueError as e:
-        raise DataFormatError(f"{path}: not a plain .npy array ({e})") from e
-    except OSError as e:
-        raise DataFormatError(f"{path}: cannot be read as .npy ({e})") from e
+    feats = open_npy(path, DataFormatError)
     if feats.ndim != 3:
         raise DataFormatError(f"{path}: expected shape (images, regions, dim), got {feats.shape}")
     if feats.dtype not in (np.float16, np.float32):

@@ -26,6 +26,7 @@ import numpy as np
 
 from vsekit.data.relevance import check_relevance, image_caption_relevance
 from vsekit.metrics.retrieval import MetricsInputError, check_inputs
+from vsekit.utils.io import open_npy
 
 
 def kendall_tau_b(x: np.ndarray, y: np.ndarray, chunk_elems: int = 1 << 23) -> np.ndarray:
@@ -104,11 +105,7 @@ def _as_relevance(relevance: np.ndarray | str | Path, n_cap: int) -> np.ndarray:
         path = Path(relevance)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: relevance file does not exist")
-        try:
-            relevance = np.load(path, mmap_mode="r", allow_pickle=False)
-        except ValueError as e:
-            raise MetricsInputError(f"{path}: not a plain numeric .npy array ({e})") from e
-        return check_relevance(relevance, n_cap, str(path))
+        return check_relevance(open_npy(path, MetricsInputError), n_cap, str(path))
     return check_relevance(relevance, n_cap)
 
 

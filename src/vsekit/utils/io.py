@@ -1,4 +1,5 @@
-"""Crash-safe file writes: a reader sees the old file or the new one, never half of one."""
+"""File I/O: crash-safe writes (a reader sees the old file or the new one, never half of one) and .npy reads
+that never unpickle and name the file when it cannot be read."""
 
 from __future__ import annotations
 
@@ -49,3 +50,16 @@ def atomic_save_npy(path: str | Path, array: np.ndarray) -> None:
     buf = io.BytesIO()
     np.save(buf, np.asarray(array), allow_pickle=False)
     atomic_write_bytes(path, buf.getvalue())
+
+
+def open_npy(path: Path, error: type[Exception] = ValueError) -> np.ndarray:
+    """Memory-map a .npy without unpickling; an unreadable or non-array file raises `error` naming it.
+
+    Existence is the caller's check, so each can say what the missing file should have held.
+    """
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as e:
+        raise error(f"{path}: not a plain numeric .npy array ({e})") from e
+    except OSError as e:
+        raise error(f"{path}: cannot be read as .npy ({e})") from e
