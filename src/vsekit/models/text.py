@@ -74,6 +74,7 @@ class TransformerTextEncoder(nn.Module):
         self.pool = create_pooling(cfg.pooling, embed_dim)
         self.normalize = normalize
         self.freeze = cfg.freeze
+        self.length_sorted_chunk = cfg.length_sorted_chunk
         if cfg.freeze:
             for p in self.body.parameters():
                 p.requires_grad = False
@@ -81,9 +82,28 @@ class TransformerTextEncoder(nn.Module):
     def body_parameters(self) -> list[nn.Parameter]:
         return list(self.body.parameters())
 
+    def token_states(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Body states [B, T, H]; positions past a caption's length carry nothing (every pooling masks them).
+
+        With `length_sorted_chunk`, captions run shortest-first in chunks padded to their own longest:
+        attention is masked, so a caption's states do not depend on how far its batch is padded, and a batch
+        of short captions with one long one no longer pays for the long one B times. Unlike
+        `train.length_bucketing` it leaves the batch (and so its negatives) as it is.
+        """
+        lengths = lengths.to(tokens.device)
+        mask = length_mask(lengths, tokens.shape[1]).long()
+        if self.length_sorted_chunk <= 0 or len(tokens) <= self.length_sorted_chunk:
+            return self.body(input_ids=tokens, attention_mask=mask).last_hidden_state
+        order = torch.argsort(lengths)
+        chunks = []
+        for rows in order.split(self.length_sorted_chunk):
+            n = int(lengths[rows].max().clamp(min=1))
+            states = self.body(input_ids=tokens[rows, :n], attention_mask=mask[rows, :n]).last_hidden_state
+            chunks.append(nn.functional.pad(states, (0, 0, 0, tokens.shape[1] - n)))
+        return torch.cat(chunks)[torch.argsort(order)]
+
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        mask = length_mask(lengths.to(tokens.device), tokens.shape[1])
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.freeze):
-            hidden = self.body(input_ids=tokens, attention_mask=mask.long()).last_hidden_state
+            hidden = self.token_states(tokens, lengths)
         x = self.pool(self.proj(hidden), lengths.to(tokens.device))
         return nn.functional.normalize(x, dim=-1) if self.normalize else x
