@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from vsekit.pooling import GPO, AvgPool, KMaxPool, MaxPool
@@ -89,3 +90,25 @@ def test_simple_poolings_ignore_padding():
     assert torch.allclose(AvgPool()(x, lengths)[1], x[1, :5].mean(0))
     assert torch.allclose(KMaxPool(3)(x, lengths)[1], x[1, :5].topk(3, dim=0).values.mean(0))
     assert torch.allclose(KMaxPool(3)(x, lengths)[2], x[2, 0])  # k clipped to the set size 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_fast_cpu_sort_matches_torch_sort_values_and_gradients(dtype):
+    """The numpy-argsort CPU path must be a drop-in for `sort(dim=1, descending=True).values`."""
+    from vsekit.pooling.basic import sort_values_desc
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 7, 5, generator=g).to(dtype)
+    x[0, 2, 1] = x[0, 4, 1]  # a tie: equal values, so the sorted values do not depend on who goes first
+    upstream = torch.randn(3, 7, 5, generator=g).to(dtype)
+    a = x.clone().requires_grad_()
+    b = x.clone().requires_grad_()
+    fast = sort_values_desc(a)
+    ref = b.sort(dim=1, descending=True).values
+    assert torch.equal(fast, ref)
+    (fast * upstream).sum().backward()
+    (ref * upstream).sum().backward()
+    untied = torch.ones_like(x, dtype=torch.bool)
+    untied[0, [2, 4], 1] = False  # the two tied entries may swap their upstream gradients
+    assert torch.equal(a.grad[untied], b.grad[untied])
+    assert torch.allclose(a.grad[0, [2, 4], 1].sum().float(), b.grad[0, [2, 4], 1].sum().float())

@@ -5,6 +5,7 @@ Rows at positions >= length are padding and never influence the result.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -15,10 +16,26 @@ def length_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
     return positions.unsqueeze(0) < lengths.to(positions.device).unsqueeze(1)
 
 
+def sort_values_desc(values: torch.Tensor) -> torch.Tensor:
+    """`values` [B, N, D] sorted along N, largest first, differentiable (like `sort(dim=1).values`).
+
+    On CPU, torch.sort over a short middle dimension is slow (a [128, 49, 512] batch: ~220 ms forward and
+    backward, most of a GPO training step on 2 cores). numpy's argsort over the transposed, contiguous copy
+    finds the same order (up to ties, which hold equal values, so the values are identical) and a gather
+    along the last dimension carries the gradient: about 2x faster. Other devices and dtypes use torch.sort.
+    """
+    if values.device.type != "cpu" or values.dtype not in (torch.float32, torch.float64) or values.numel() == 0:
+        return values.sort(dim=1, descending=True).values
+    by_dim = values.transpose(1, 2).contiguous()  # [B, D, N]
+    keys = np.negative(by_dim.detach().numpy())
+    order = torch.from_numpy(np.argsort(keys, axis=-1))
+    return by_dim.gather(2, order).transpose(1, 2)
+
+
 def sort_desc_per_dim(features: torch.Tensor, lengths: torch.Tensor, fill: float = -1e4) -> torch.Tensor:
     """Sort each dimension independently, largest first; padded rows come out as zeros at the end."""
     mask = length_mask(lengths, features.shape[1]).unsqueeze(-1)
-    ordered = features.masked_fill(~mask, fill).sort(dim=1, descending=True).values
+    ordered = sort_values_desc(features.masked_fill(~mask, fill))
     return ordered.masked_fill(~mask, 0.0)
 
 
