@@ -66,7 +66,11 @@ class TextEncoderConfig:
     vocab_path: str = ""  # a vocab JSON; empty = built from the train split's captions
     model_path: str = ""  # transformer: a local HF directory; empty = packaged all-MiniLM-L6-v2
     lr_mult: float = 0.1  # transformer body learning-rate multiplier
-    freeze: bool = False  # transformer body frozen (projection and pooling still train)
+    # transformer body frozen: a fixed feature extractor in eval mode (no dropout); projection and pooling train
+    freeze: bool = False
+    # frozen body only: keep each distinct caption's token states (they never change) up to this many MB, so
+    # every epoch after the first skips the body for captions it has seen; 0 = run the body every step
+    frozen_cache_mb: int = 1024
     max_tokens: int = 64
     # transformer: run the body on length-sorted chunks of this many captions, each padded only to its own
     # longest (same states up to float rounding; 2-3x faster on short captions); 0 = one padded batch

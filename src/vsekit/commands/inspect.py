@@ -73,11 +73,11 @@ def plot_profiles(rows: list[dict], out_png: Path) -> None:
 
 def register(sub) -> None:
     p = sub.add_parser("pooling", help="the pooling weights trained GPO runs learned (table, --png plot)")
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="training run folders (vse train --out); one row per GPO")
     p.add_argument("--image-len", type=int, default=0,
                    help="image set size (default: 49 for grid features, 36 for regions)")  # fmt: skip
     p.add_argument("--text-len", type=int, default=12, help="caption length in tokens (default 12)")
-    p.add_argument("--which", choices=["best", "last"], default="best")
+    p.add_argument("--which", choices=["best", "last"], default="best", help="checkpoint to read (default: best on dev)")
     p.add_argument("--png", help="plot weight against sorted position")
     p.add_argument("--json", help="write every weight here")
     p.set_defaults(func=run_pooling)

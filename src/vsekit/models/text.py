@@ -58,6 +58,43 @@ def load_tokenizer(model_path: str):
     return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
 
 
+class FrozenStateCache:
+    """Token states of a frozen text body, keyed by a caption's token ids, up to a memory budget.
+
+    Entries are only added, never evicted: once the budget is spent, new captions are computed every time
+    (a training set that fits is read from memory after its first epoch; one that does not still trains).
+    """
+
+    def __init__(self, capacity_mb: int) -> None:
+        self.capacity_bytes = max(0, int(capacity_mb)) * 2**20
+        self.used_bytes = 0
+        self._states: dict[bytes, torch.Tensor] = {}
+
+    @staticmethod
+    def keys(tokens: torch.Tensor, lengths_cpu: torch.Tensor) -> list[bytes]:
+        ids = tokens.detach().cpu().numpy()
+        return [ids[i, : int(n)].tobytes() for i, n in enumerate(lengths_cpu)]
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._states
+
+    def __getitem__(self, key: bytes) -> torch.Tensor:
+        return self._states[key]
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def put(self, key: bytes, states: torch.Tensor) -> None:
+        size = states.numel() * states.element_size()
+        if self.used_bytes + size <= self.capacity_bytes:
+            self._states[key] = states.detach().clone()
+            self.used_bytes += size
+
+    def clear(self) -> None:
+        self._states.clear()
+        self.used_bytes = 0
+
+
 class TransformerTextEncoder(nn.Module):
     def __init__(self, embed_dim: int, cfg: TextEncoderConfig, normalize: bool = True, model_path: str = "") -> None:
         super().__init__()
@@ -75,9 +112,24 @@ class TransformerTextEncoder(nn.Module):
         self.normalize = normalize
         self.freeze = cfg.freeze
         self.length_sorted_chunk = cfg.length_sorted_chunk
+        self.frozen_cache = FrozenStateCache(cfg.frozen_cache_mb if cfg.freeze else 0)
         if cfg.freeze:
             for p in self.body.parameters():
                 p.requires_grad = False
+            self.body.eval()
+        # new body weights (a checkpoint, a resumed run) make every cached state stale
+        self.body.register_load_state_dict_post_hook(self._drop_cached_states)
+
+    def _drop_cached_states(self, module: nn.Module, incompatible_keys: object) -> None:
+        self.frozen_cache.clear()
+
+    def train(self, mode: bool = True) -> TransformerTextEncoder:
+        """A frozen body stays in eval mode: it is a fixed feature extractor, so dropout there would only add
+        noise the trainable layers cannot undo, and its states could not be cached."""
+        super().train(mode)
+        if self.freeze:
+            self.body.eval()
+        return self
 
     def body_parameters(self) -> list[nn.Parameter]:
         return list(self.body.parameters())
@@ -102,8 +154,29 @@ class TransformerTextEncoder(nn.Module):
             chunks.append(nn.functional.pad(states, (0, 0, 0, tokens.shape[1] - n)))
         return torch.cat(chunks)[torch.argsort(order)]
 
+    def cached_token_states(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """`token_states` for a frozen body, running it only on captions the cache does not hold yet."""
+        lengths_cpu = lengths.detach().cpu().clamp(min=1)
+        keys = self.frozen_cache.keys(tokens, lengths_cpu)
+        missing = [i for i, key in enumerate(keys) if key not in self.frozen_cache]
+        fresh: dict[int, torch.Tensor] = {}
+        if missing:
+            rows = torch.tensor(missing, device=tokens.device)
+            states = self.token_states(tokens[rows], lengths[rows])
+            for j, i in enumerate(missing):
+                fresh[i] = states[j, : int(lengths_cpu[i])]
+                self.frozen_cache.put(keys[i], fresh[i])
+        out = tokens.new_zeros((*tokens.shape, self.body.config.hidden_size), dtype=self.proj.weight.dtype)
+        for i, key in enumerate(keys):
+            state = fresh[i] if i in fresh else self.frozen_cache[key]
+            out[i, : len(state)] = state.to(out.device)
+        return out
+
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.freeze):
-            hidden = self.token_states(tokens, lengths)
+            if self.freeze and self.frozen_cache.capacity_bytes > 0:
+                hidden = self.cached_token_states(tokens, lengths)
+            else:
+                hidden = self.token_states(tokens, lengths)
         x = self.pool(self.proj(hidden), lengths.to(tokens.device))
         return nn.functional.normalize(x, dim=-1) if self.normalize else x
