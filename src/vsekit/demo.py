@@ -38,8 +38,8 @@ class Variant:
 
     def overrides(self) -> list[str]:
         if self.text == "minilm":
-            # MiniLM body frozen: on 2 CPU cores fine-tuning it would triple the step time; the projection
-            # and the pooling on top of its token states still train.
+            # MiniLM body frozen: on 2 CPU cores fine-tuning it would triple the step time. A frozen body's
+            # token states are cached, so it runs once per caption; the projection and pooling still train.
             return ["model.text.kind=transformer", "model.text.freeze=true"]
         return ["model.text.kind=bigru", "model.text.word_dim=300"]
 

@@ -39,6 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from vsekit.utils.progress import progress_bar
+
 log = logging.getLogger(__name__)
 
 DEFAULT_SVG_ROOT = "/usr/share/openclipart/svg"
@@ -205,9 +207,7 @@ def _key(text: str) -> str:
 
 
 def _bar(progress: bool, **kw):
-    from tqdm import tqdm
-
-    return tqdm(disable=not progress, **kw)
+    return progress_bar(enabled=progress, **kw)
 
 
 # --------------------------------------------------------------------------------------------- source

@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
-from tqdm import tqdm
 
 from vsekit.data.datasets import CaptionDataset, Collate, FeatureSource, ImageDataset
 from vsekit.data.precomp import load_precomp_split
@@ -17,6 +16,7 @@ from vsekit.metrics import evaluate_sims
 from vsekit.models.text import load_tokenizer
 from vsekit.models.vse import VSEModel
 from vsekit.similarity import all_pairs
+from vsekit.utils.progress import progress_bar
 
 
 def text_processor_for(model: VSEModel):
@@ -43,7 +43,7 @@ def encode_images(model: VSEModel, source, batch_size: int = 256, device: str | 
                         collate_fn=Collate().images, num_workers=num_workers)  # fmt: skip
     model.eval()
     out = []
-    for batch in tqdm(loader, desc="encode images", disable=not progress, leave=False):
+    for batch in progress_bar(loader, desc="encode images", enabled=progress, leave=False):
         out.append(model.encode_images(batch["images"].to(device), batch["image_lengths"].to(device)).float().cpu())
     return torch.cat(out)
 
@@ -55,7 +55,7 @@ def encode_captions(model: VSEModel, captions: list[str], text, batch_size: int 
                         collate_fn=Collate(pad_id_for(text)).captions)  # fmt: skip
     model.eval()
     out = []
-    for batch in tqdm(loader, desc="encode captions", disable=not progress, leave=False):
+    for batch in progress_bar(loader, desc="encode captions", enabled=progress, leave=False):
         out.append(model.encode_texts(batch["tokens"].to(device), batch["token_lengths"].to(device)).float().cpu())
     return torch.cat(out)
 

@@ -254,13 +254,13 @@ def encode_resumable(work_dir: Path, n: int, load: Callable[[int], Any], embed: 
     Returns (embeddings flattened to [kept, F], kept item indices, problems, per-item embedding shape).
     An item whose `load` raises DataFormatError is skipped and reported (with `strict`, it stops the run).
     """
-    from tqdm import tqdm
+    from vsekit.utils.progress import progress_bar
 
     work_dir.mkdir(parents=True, exist_ok=True)
     n_chunks = (n + chunk_size - 1) // chunk_size
     done = [c for c in range(n_chunks) if (work_dir / f"chunk_{c:06d}.npz").is_file()]
     start_count = sum(min(chunk_size, n - c * chunk_size) for c in done)
-    bar = tqdm(total=n, initial=start_count, desc=desc, unit="img", disable=not progress)
+    bar = progress_bar(total=n, initial=start_count, desc=desc, unit="img", enabled=progress)
     for c in range(n_chunks):
         path = work_dir / f"chunk_{c:06d}.npz"
         if path.is_file():

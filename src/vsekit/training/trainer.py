@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
-from tqdm import tqdm
 
 from vsekit.config import Recipe, to_dict
 from vsekit.data.datasets import AugmentConfig, Collate, FeatureSource, PairDataset
@@ -60,6 +59,7 @@ from vsekit.training.checkpoint import (
     write_checkpoint_set,
     write_run_config,
 )
+from vsekit.utils.progress import progress_bar
 from vsekit.utils.runtime import derived_seed, resolve_device, seed_everything
 
 
@@ -468,8 +468,8 @@ class Trainer:
             t_epoch = time.perf_counter()
             t_data = t_log = time.perf_counter()
             meter = {"loss": 0.0, "data_time": 0.0, "step_time": 0.0, "n": 0}
-            bar = tqdm(total=steps_in_epoch, initial=self.state.step_in_epoch, desc=f"epoch {epoch + 1}/{total_epochs}",
-                       disable=not self.progress, leave=False, dynamic_ncols=True)  # fmt: skip
+            bar = progress_bar(total=steps_in_epoch, initial=self.state.step_in_epoch, desc=f"epoch {epoch + 1}/{total_epochs}",
+                               enabled=self.progress, leave=False, dynamic_ncols=True)  # fmt: skip
             for batch in device_batches(self.loader, self.device):
                 data_time = time.perf_counter() - t_data
                 t0 = time.perf_counter()
