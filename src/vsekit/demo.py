@@ -57,6 +57,26 @@ def dataset_ready(data_dir: Path) -> bool:
     return all((data_dir / f"{s}_caps.txt").is_file() and (data_dir / f"{s}_ims.npy").is_file() for s in ("train", "dev", "test"))
 
 
+def dataset_outdated(data_dir: Path) -> str | None:
+    """Why an existing openclipart set differs from what this vsekit builds (None when current or unknown).
+
+    The demo reuses a built set; one built by an older vsekit (other caption rules or rendering) still
+    trains, but its numbers will not match the README's table, so the user is told how to refresh it.
+    """
+    from vsekit.data.openclipart import CAPTION_RULES, RENDER_VERSION
+
+    manifest_file = data_dir / "manifest.json"
+    try:
+        manifest = json.loads(manifest_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # not built by `vse data openclipart` (or unreadable): nothing to compare with
+    if manifest.get("caption_rules") != CAPTION_RULES:
+        return f"{manifest_file}: built with other caption rules than this vsekit's"
+    if manifest.get("build", {}).get("render") != RENDER_VERSION:
+        return f"{manifest_file}: rendered as {manifest.get('build', {}).get('render')!r}, this vsekit renders {RENDER_VERSION!r}"
+    return None
+
+
 def run_is_complete(run_dir: Path, epochs: int) -> bool:
     state = run_dir / "last_state.json"
     if not state.is_file() or not (run_dir / "best.safetensors").is_file():
@@ -161,6 +181,9 @@ def run_demo(data_dir: str | Path = "data/openclipart", out_dir: str | Path = "r
 
         print(f"building the openclipart set in {data_dir} (one time, a few minutes)…")
         build_openclipart(data_dir)
+    elif reason := dataset_outdated(data_dir):
+        print(f"warning: {reason}; results will differ from the README's table. Refresh the set (rendered "
+              f"pictures and features are reused) with:  vse data openclipart --out {data_dir}")  # fmt: skip
     results: dict[str, list[dict]] = {}
     for v in chosen:
         for seed in range(seeds):

@@ -47,7 +47,7 @@ DEFAULT_SVG_ROOT = "/usr/share/openclipart/svg"
 PACKAGE = "openclipart-svg"
 FORMAT = "vsekit-precomp/1"
 SPLITS = ("train", "dev", "test")
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # metadata cache: bump when parsing or text repair changes
 RENDER_VERSION = (
     "cairosvg512-crop-pad5-224-v1"  # part of the feature-cache key: change it when rendering changes
 )
