@@ -2,9 +2,10 @@ import json
 
 import pytest
 
+from vsekit.config import load_recipe
 from vsekit.data.openclipart import CAPTION_RULES, RENDER_VERSION
 from vsekit.data.synthetic import make_synthetic_precomp
-from vsekit.demo import dataset_outdated, results_table, run_demo
+from vsekit.demo import VARIANTS, dataset_outdated, demo_overrides, results_table, run_demo
 
 
 def _manifest(tmp_path, **changes):
@@ -29,6 +30,17 @@ def test_results_table_means_and_stds_over_seeds():
     row = table.splitlines()[2]
     assert row.startswith("| VSE++ (avg pool), BiGRU |") and "205.0 ± 7.1" in row and row.endswith("| 20 |")
     assert "±" not in results_table({"vsepp_bigru": [run(200, 10)]}, seeds=1)
+
+
+def test_demo_recipes_differ_only_in_pooling_and_decay_late():
+    recipes = {v.name: load_recipe(v.recipe, demo_overrides(v, 8)) for v in VARIANTS}
+    gpo, avg = recipes["vse_infty_bigru"], recipes["vsepp_bigru"]
+    assert (gpo.train.epochs, gpo.optim.lr_decay_epochs, gpo.model.text.kind) == (8, [6], "bigru")
+    assert (gpo.model.image.pooling.name, avg.model.image.pooling.name) == ("gpo", "avg")
+    avg.model.image.pooling = gpo.model.image.pooling
+    avg.model.text.pooling = gpo.model.text.pooling
+    assert avg.model == gpo.model and avg.loss == gpo.loss and avg.optim == gpo.optim
+    assert recipes["vse_infty_minilm"].model.text.freeze and recipes["vse_infty_minilm"].model.text.kind == "transformer"
 
 
 @pytest.mark.slow

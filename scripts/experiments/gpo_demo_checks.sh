@@ -8,19 +8,23 @@
 # Finished runs (test.json present) are skipped, so an interrupted run resumes.
 set -euo pipefail
 DATA=${1:?dataset dir}; DEMO=${2:?demo run dir}; OUT=${3:?output dir}
-VSE=${VSE:-vse}
+VSE=${VSE:-vse}; PYTHON=${PYTHON:-python}   # both from the environment vsekit is installed in
 mkdir -p "$OUT"
+# the demo's own overrides for its VSE∞ BiGRU run (8 epochs), as `--set` arguments
+mapfile -t DEMO_SETS < <("$PYTHON" -c '
+from vsekit.demo import VARIANTS, DEMO_EPOCHS, demo_overrides
+variant = next(v for v in VARIANTS if v.name == "vse_infty_bigru")
+for item in demo_overrides(variant, DEMO_EPOCHS):
+    print("--set"); print(item)')
+[ ${#DEMO_SETS[@]} -gt 0 ] || { echo "gpo_demo_checks: cannot import vsekit with $PYTHON (set PYTHON=...)" >&2; exit 1; }
 for cfg in imggpo_txtavg:model.text.pooling.name=avg imgavg_txtgpo:model.image.pooling.name=avg; do
   name=${cfg%%:*}; override=${cfg#*:}
   mkdir -p "$OUT/$name"
   for seed in 0 1 2; do
     run="$OUT/$name/seed$seed"
     [ -f "$run/test.json" ] && continue
-    # the demo's overrides (src/vsekit/demo.py: DEMO_OVERRIDES + the BiGRU variant, 8 epochs, decay at 6)
-    "$VSE" train --recipe vse_infty --data "$DATA" --out "$run" --overwrite --no-progress --epochs 8 --seed "$seed" \
-      --set model.embed_dim=512 --set model.image.feature_type=grid --set model.text.vocab_min_count=1 \
-      --set train.batch_size=128 --set train.log_every=0 --set model.text.kind=bigru --set model.text.word_dim=300 \
-      --set "optim.lr_decay_epochs=[6]" --set "$override" > "$run.log" 2>&1
+    "$VSE" train --recipe vse_infty --data "$DATA" --out "$run" --overwrite --no-progress --seed "$seed" \
+      "${DEMO_SETS[@]}" --set "$override" > "$run.log" 2>&1
     "$VSE" eval "$run" --split test --json "$run/test.json" > /dev/null
   done
 done
@@ -30,7 +34,7 @@ for run in "$DEMO"/*/seed*; do
   "$VSE" eval "$run" --split train --json "$OUT/train_split/${variant}_${seed}.json" > /dev/null
 done
 "$VSE" pooling "$DEMO"/vse_infty_*/seed* --png "$OUT/gpo_weights.png"
-python3 - "$OUT" "$DEMO" <<'PY'
+"$PYTHON" - "$OUT" "$DEMO" <<'PY'
 import json, statistics, sys
 from pathlib import Path
 out, demo = Path(sys.argv[1]), Path(sys.argv[2])

@@ -87,16 +87,19 @@ def run_is_complete(run_dir: Path, epochs: int) -> bool:
         return False
 
 
+def demo_overrides(variant: Variant, epochs: int) -> list[str]:
+    """The recipe overrides of one demo run (seed and device aside), also used by the experiment scripts."""
+    decay = max(1, round(epochs * 0.75))
+    return DEMO_OVERRIDES + variant.overrides() + [f"train.epochs={epochs}", f"optim.lr_decay_epochs=[{decay}]"]
+
+
 def train_variant(variant: Variant, data_dir: Path, run_dir: Path, seed: int, epochs: int, device: str) -> dict:
     """Train (or reuse / resume) one run and evaluate its best-on-dev weights on test."""
     from vsekit.evaluation import evaluate_model
     from vsekit.training.checkpoint import load_run
     from vsekit.training.trainer import Trainer
 
-    decay = max(1, round(epochs * 0.75))
-    recipe = load_recipe(variant.recipe, DEMO_OVERRIDES + variant.overrides() + [
-        f"train.epochs={epochs}", f"optim.lr_decay_epochs=[{decay}]", f"train.seed={seed}", f"train.device={device}",
-    ])  # fmt: skip
+    recipe = load_recipe(variant.recipe, demo_overrides(variant, epochs) + [f"train.seed={seed}", f"train.device={device}"])
     timing_file = run_dir / "demo_timing.json"
     if not run_is_complete(run_dir, epochs):
         resume = (run_dir / "last_state.json").is_file()
