@@ -81,3 +81,22 @@ def test_nan_features_are_reported(tmp_path):
     write_precomp_split(tmp_path, "test", feats, caps)
     with pytest.raises(DataFormatError, match="image row 2 has NaN"):
         check_split_features(load_precomp_split(tmp_path, "test"))
+
+
+def test_set_sizes_file_trims_padding_rows(tmp_path):
+    feats, _ = _write(tmp_path)
+    (tmp_path / "test_ims_lengths.txt").write_text("3\n1\n2\n3\n")
+    s = load_precomp_split(tmp_path, "test")
+    assert [s.image_features(i).shape[0] for i in range(4)] == [3, 1, 2, 3]
+    assert np.allclose(s.image_features(2), feats[2, :2])
+    assert s.truncate(2).image_features(1).shape[0] == 1
+
+
+@pytest.mark.parametrize("text,message", [("3\n1\n2\n", "3 lines for 4 feature rows"), ("3\n0\n2\n3\n", ":2: set size 0"),
+                                          ("3\n1\n9\n3\n", ":3: set size 9 outside 1..3"), ("3\nx\n2\n3\n", ":2: expected one integer")])  # fmt: skip
+def test_bad_set_sizes_name_the_file_and_line(tmp_path, text, message):
+    _write(tmp_path)
+    (tmp_path / "test_ims_lengths.txt").write_text(text)
+    with pytest.raises(DataFormatError, match="test_ims_lengths.txt") as e:
+        load_precomp_split(tmp_path, "test")
+    assert message in str(e.value)

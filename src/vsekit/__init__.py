@@ -1,3 +1,19 @@
-"""vsekit: visual-semantic embedding toolkit (VSE++, VSE∞/GPO, VSE+2AD, ladder loss, AVSE)."""
+"""vsekit: visual-semantic embedding toolkit (VSE++, VSE∞/GPO, VSE+2AD, ladder loss, AVSE).
+
+    import vsekit
+    model = vsekit.load("runs/x")   # trained or imported (`vse import`) run -> encode_image / encode_text / similarity
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
+__all__ = ["load"]
+
+
+def load(run: Any, device: Any = "cpu", checkpoint: str = "best") -> Any:
+    """Load a run directory as a model in eval mode (see `vsekit.api`); torch is imported only here."""
+    from vsekit.api import load as load_run_model
+
+    return load_run_model(run, device, checkpoint)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from vsekit.config import ConfigError
 from vsekit.data.precomp import DataFormatError
+from vsekit.interop.checkpoint_reader import ReleasedCheckpointError
 from vsekit.metrics import MetricsInputError
 from vsekit.training.checkpoint import CheckpointError
 
@@ -12,6 +13,7 @@ EXPECTED_ERRORS: tuple[type[BaseException], ...] = (
     DataFormatError,
     MetricsInputError,
     CheckpointError,
+    ReleasedCheckpointError,
     FileNotFoundError,
     PermissionError,
     RuntimeError,

@@ -34,11 +34,15 @@ class PoolingConfig:
     token_level: bool = True  # adpool: use the token-level branch
     embedding_level: bool = True  # adpool: use the embedding-level branch
     adpool_variant: str = "paper"  # adpool: paper (one weight per rank) | reference (per rank and dimension)
+    # adpool: False = the released code's token-level softmax, which also runs over the padded positions of the
+    # batch (their features are 0, their weights are not), so a set's embedding depends on how far it is padded
+    adpool_mask_padding: bool = True
 
 
 @dataclass
 class ImageEncoderConfig:
-    # precomp: precomputed features from {split}_ims.npy; backbone: a CNN on raw pixels.
+    # precomp: precomputed features from {split}_ims.npy; backbone: a CNN on raw pixels;
+    # vit: a ViT patch encoder on raw pixels with AVSE's multi-view token sampling (imported AVSE runs)
     kind: str = "precomp"
     # region: linear + 2-layer residual MLP (BUTD regions); grid: one linear layer (VSE∞ supp.)
     feature_type: str = "region"
@@ -54,6 +58,7 @@ class ImageEncoderConfig:
     views: int = 1
     view_keep_train: float = 0.75
     view_keep_test: float = 0.9
+    view_alpha: float = 4.0  # vit: AVSE's view sampling weight exp(-alpha * distance to the view's centre patch)
     pooling: PoolingConfig = field(default_factory=PoolingConfig)
 
 
@@ -75,6 +80,11 @@ class TextEncoderConfig:
     # transformer: run the body on length-sorted chunks of this many captions, each padded only to its own
     # longest (same states up to float rounding; 2-3x faster on short captions); 0 = one padded batch
     length_sorted_chunk: int = 32
+    # transformer: linear (hidden -> embed) | residual_mlp (linear + the region encoder's residual MLP, AVSE)
+    head: str = "linear"
+    head_mlp_hidden: int = 512  # residual_mlp head: hidden size of the MLP
+    # transformer: LayerNorm on the pooled caption instead of L2 normalisation (AVSE's released text encoder)
+    final_layernorm: bool = False
     pooling: PoolingConfig = field(default_factory=PoolingConfig)
 
 
@@ -91,6 +101,8 @@ class SimilarityConfig:
 class ModelConfig:
     embed_dim: int = 1024
     normalize: bool = True
+    # clamp: x / max(|x|, 1e-12) (torch); add_eps: x / (|x| + 1e-8), the released VSE∞/2AD/AVSE code's form
+    l2_form: str = "clamp"
     image: ImageEncoderConfig = field(default_factory=ImageEncoderConfig)
     text: TextEncoderConfig = field(default_factory=TextEncoderConfig)
     similarity: SimilarityConfig = field(default_factory=SimilarityConfig)
@@ -106,6 +118,9 @@ class LossConfig:
     temperature: float = 0.05  # adopt / infonce
     adopt_variant: str = "paper"  # paper | reference
     adopt_scale: float = 1.25
+    # adopt reference only: pick negatives as the released code does (non-negatives set to 0 first, so the
+    # positive itself can be picked when few similarities are above 0); imported VSE+2AD runs set it
+    adopt_zero_fill_negatives: bool = False
     view_reg_weight: float = 0.0  # avse: lambda for the dimension-wise view regulariser
     view_reg_offdiag: float = 0.0051  # avse: lambda_1
     view_reg_variant: str = "paper"  # avse: paper (Eq. 3 cosine, diagonal can reach 0) | reference (released code, /B)
@@ -117,6 +132,9 @@ class LossConfig:
     ladder_levels_min: int = 2
     ladder_levels_max: int = 4
     ladder_variant: str = "paper"  # paper | reference (released code's hard-contrastive sets, see losses/ladder.py)
+    # auto-threshold ladder (released config.atl.py, e.g. 85): each query's one threshold is the given percentile
+    # of its relevance row; replaces ladder_thresholds (2 levels). None: fixed thresholds. Checked in losses/ladder.py
+    ladder_percentile: float | None = None
 
 
 @dataclass
@@ -329,7 +347,9 @@ def recipe_from_dict(data: dict) -> Recipe:
 
 
 _CHOICES = {
-    "model.image.kind": ("precomp", "backbone"),
+    "model.image.kind": ("precomp", "backbone", "vit"),
+    "model.l2_form": ("clamp", "add_eps"),
+    "model.text.head": ("linear", "residual_mlp"),
     "model.image.feature_type": ("region", "grid"),
     "model.text.kind": ("bigru", "transformer"),
     "model.similarity.name": ("cosine", "aeom"),
@@ -343,6 +363,8 @@ _POOLINGS = ("avg", "max", "kmax", "gpo", "adpool", "cls")
 def validate_recipe(r: Recipe) -> None:
     flat = {
         "model.image.kind": r.model.image.kind,
+        "model.l2_form": r.model.l2_form,
+        "model.text.head": r.model.text.head,
         "model.image.feature_type": r.model.image.feature_type,
         "model.text.kind": r.model.text.kind,
         "model.similarity.name": r.model.similarity.name,

@@ -62,6 +62,9 @@ class PrecompSplit:
     image_rows: np.ndarray  # image index -> row of `features`
     image_ids: list[str]
     image_paths: list[str] | None
+    # optional `{split}_ims_lengths.txt`: real rows per feature row (the rest is zero padding), for sets of
+    # different sizes (e.g. a variable number of detected regions); None = every row of R is real
+    set_sizes: np.ndarray | None = None
 
     @property
     def n_images(self) -> int:
@@ -88,7 +91,9 @@ class PrecompSplit:
             )
 
     def image_features(self, index: int) -> np.ndarray:
-        return np.asarray(self.features[self.image_rows[index]], dtype=np.float32)
+        row = self.image_rows[index]
+        feats = self.features[row] if self.set_sizes is None else self.features[row][: int(self.set_sizes[row])]
+        return np.asarray(feats, dtype=np.float32)
 
     def truncate(self, max_images: int) -> PrecompSplit:
         """The first `max_images` images and their captions (e.g. the 1,000-image dev set)."""
@@ -98,7 +103,7 @@ class PrecompSplit:
         return PrecompSplit(
             self.root, self.split, self.features, [self.captions[i] for i in keep], self.cap2img[keep],
             self.image_rows[:max_images], self.image_ids[:max_images],
-            self.image_paths[:max_images] if self.image_paths is not None else None,
+            self.image_paths[:max_images] if self.image_paths is not None else None, self.set_sizes,
         )  # fmt: skip
 
     def abs_image_path(self, index: int) -> Path:
@@ -197,7 +202,21 @@ def load_precomp_split(root: str | Path, split: str, captions_per_image: int = 5
         image_paths = [s.strip() for s in read_lines(paths_file)]
         if len(image_paths) != n_images:
             raise DataFormatError(f"{paths_file}: {len(image_paths)} paths for {n_images} images")
-    return PrecompSplit(root, split, feats, captions, cap2img, image_rows, image_ids, image_paths)
+    return PrecompSplit(root, split, feats, captions, cap2img, image_rows, image_ids, image_paths,
+                        read_set_sizes(root / f"{split}_ims_lengths.txt", feats.shape))  # fmt: skip
+
+
+def read_set_sizes(path: Path, shape: tuple[int, ...]) -> np.ndarray | None:
+    """`{split}_ims_lengths.txt`: one size in 1..R per row of `{split}_ims.npy`, or None when absent."""
+    if not path.is_file():
+        return None
+    sizes = read_int_lines(path)
+    if len(sizes) != shape[0]:
+        raise DataFormatError(f"{path}: {len(sizes)} lines for {shape[0]} feature rows in the .npy")
+    bad = np.nonzero((sizes < 1) | (sizes > shape[1]))[0]
+    if len(bad):
+        raise DataFormatError(f"{path}:{bad[0] + 1}: set size {sizes[bad[0]]} outside 1..{shape[1]}")
+    return sizes
 
 
 def write_precomp_split(

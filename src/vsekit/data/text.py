@@ -43,11 +43,12 @@ def augment_words(
 
 
 class Vocabulary:
-    """Word <-> index map for the BiGRU encoder; specials <pad>=0 <start>=1 <end>=2 <unk>=3 <mask>=4."""
+    """Word <-> index map for the BiGRU encoder; specials <pad>=0 <start>=1 <end>=2 <unk>=3, and <mask>
+    (4 in vocabularies vsekit builds; after the last word in SCAN vocabularies, as the released code adds it)."""
 
     def __init__(self, words: list[str]) -> None:
-        if list(words[: len(SPECIALS)]) != list(SPECIALS):
-            raise ValueError(f"vocabulary must start with the special tokens {SPECIALS}")
+        if list(words[:4]) != list(SPECIALS[:4]) or MASK not in words:
+            raise ValueError(f"vocabulary must start with {SPECIALS[:4]} and contain {MASK}")
         self.idx2word = list(words)
         self.word2idx = {w: i for i, w in enumerate(self.idx2word)}
 
@@ -67,11 +68,15 @@ class Vocabulary:
             raise ValueError(f"{path}: cannot read vocabulary JSON ({e})") from e
         if isinstance(data, dict) and "idx2word" in data:  # SCAN's vocab JSON
             i2w = data["idx2word"]
-            words = [i2w[str(i)] for i in range(len(i2w))] if isinstance(i2w, dict) else list(i2w)
-            mapping = {"<pad>": PAD, "<start>": START, "<end>": END, "<unk>": UNK}
-            words = [mapping.get(w, w) for w in words]
-            rest = [w for w in words if w not in SPECIALS]
-            return cls(list(SPECIALS) + rest)
+            try:
+                words = [i2w[str(i)] for i in range(len(i2w))] if isinstance(i2w, dict) else list(i2w)
+            except KeyError as e:
+                raise ValueError(f"{path}: idx2word has no entry for id {e}; ids must be 0..{len(i2w) - 1}") from e
+            # SCAN ids are kept as they are (a released model's embedding rows follow them); the released
+            # training and evaluation code append <mask> after the last word, and so do we
+            if MASK not in words:
+                words.append(MASK)
+            return cls(words)
         if isinstance(data, dict) and "words" in data:
             return cls(data["words"])
         raise ValueError(f"{path}: expected {{'words': [...]}} or SCAN's {{'idx2word': ...}}")

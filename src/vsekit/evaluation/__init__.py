@@ -31,7 +31,7 @@ def pad_id_for(text) -> int:
 
 
 def image_source_for(model: VSEModel, split):
-    if model.recipe.model.image.kind == "backbone":
+    if model.recipe.model.image.kind in ("backbone", "vit"):  # pixels: a CNN backbone or the ViT of imported AVSE
         return PixelSource(split, model.recipe.model.image.image_size, augment=False)
     return FeatureSource(split, aug=None)
 

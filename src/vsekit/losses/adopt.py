@@ -19,7 +19,9 @@ reference variant (`adopt_variant: reference`, the released code `losses.py` `Co
     t = gamma_align + gamma_uniform (clipped at 0),  K = min(max(trunc(cos(t ** scale) * B) + 1, 1), B - 1)
     every selected negative logit gets + margin (additive-margin InfoNCE); L = (L_i2t + L_t2i) / 2
     (The released code fills the diagonal with 0 before picking negatives, so the positive itself can be
-    picked as a "negative"; we do not copy that — the positive is never a negative in either variant.)
+    picked as a "negative" when fewer than K off-diagonal similarities are above 0; by default we do not
+    copy that — the positive is never a negative. `zero_fill_negatives=True` (reference variant only)
+    reproduces it, for number-for-number parity checks against that code.)
 
 K is computed from detached similarities (it is a count, not a differentiable quantity). Both directions
 see the same B x B matrix, so K_i2t == K_t2i (also true of the released code); both are logged. With
@@ -65,15 +67,27 @@ def adopt_k(align: float, uniform: float, batch: int, variant: str = "paper", sc
     return max(1, min(k, batch - 1))
 
 
+def zero_filled_topk(sims: torch.Tensor, negatives: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, k] similarities at the k largest entries of each row once non-negatives are set to 0 — the
+    released code's selection, which can pick the positive itself when few negatives are above 0."""
+    idx = sims.detach().masked_fill(~negatives, 0.0).topk(k, dim=1).indices
+    return sims.gather(1, idx)
+
+
 def topk_infonce(
-    sims: torch.Tensor, negatives: torch.Tensor, k: int | None, temperature: float, margin: float = 0.0
-) -> torch.Tensor:
+    sims: torch.Tensor, negatives: torch.Tensor, k: int | None, temperature: float, margin: float = 0.0,
+    zero_fill: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """Mean over rows of -log softmax of the positive (diagonal) against the row's k hardest valid
-    negatives (`k=None`: all of them); `negatives[i, j]` says whether column j may be a negative of row i."""
+    negatives (`k=None`: all of them); `negatives[i, j]` says whether column j may be a negative of row i.
+    `zero_fill`: pick them as `zero_filled_topk` does (the released code; needs a k below the width)."""
     pos = sims.diagonal().unsqueeze(1)
-    masked = sims.masked_fill(~negatives, float("-inf"))
-    if k is not None and k < sims.shape[1]:
-        masked = masked.topk(k, dim=1).values
+    if zero_fill and k is not None and k < sims.shape[1]:
+        masked = zero_filled_topk(sims, negatives, k)
+    else:
+        masked = sims.masked_fill(~negatives, float("-inf"))
+        if k is not None and k < sims.shape[1]:
+            masked = masked.topk(k, dim=1).values
     logits = torch.cat([pos, masked + margin], dim=1) / temperature
     return -torch.log_softmax(logits, dim=1)[:, 0].mean()
 
@@ -89,10 +103,13 @@ class ADOPTLoss(nn.Module):
     step_log_keys: tuple[str, ...] = ("K_i2t", "K_t2i", "align", "uniform")
 
     def __init__(self, temperature: float = 0.05, variant: str = "paper", scale: float = 1.25, margin: float = 0.2,
-                 mask_same_image: bool = True, adaptive: bool = True, fixed_k: int | None = None) -> None:  # fmt: skip
+                 mask_same_image: bool = True, adaptive: bool = True, fixed_k: int | None = None,
+                 zero_fill_negatives: bool = False) -> None:  # fmt: skip
         super().__init__()
         if variant not in ADOPT_VARIANTS:
             raise ValueError(f"ADOPT variant {variant!r}; choose one of {', '.join(ADOPT_VARIANTS)}")
+        if zero_fill_negatives and variant != "reference":
+            raise ValueError("zero_fill_negatives reproduces the released code; it needs variant='reference'")
         if temperature <= 0:
             raise ValueError(f"temperature must be positive, got {temperature}")
         if fixed_k is not None and fixed_k < 1:
@@ -104,6 +121,7 @@ class ADOPTLoss(nn.Module):
         self.mask_same_image = mask_same_image
         self.adaptive = adaptive
         self.fixed_k = fixed_k
+        self.zero_fill_negatives = zero_fill_negatives  # off by default: the positive is never a negative
 
     def forward(self, sims: torch.Tensor, image_ids: torch.Tensor | None = None, *, warmup: bool = False,
                 **_: object) -> tuple[torch.Tensor, dict]:  # fmt: skip
@@ -119,8 +137,9 @@ class ADOPTLoss(nn.Module):
             k = adopt_k(align, uniform, b, self.variant, self.scale)
         else:
             k = None
-        loss_i2t = topk_infonce(sims, ~positives, k, self.temperature, self.margin)
-        loss_t2i = topk_infonce(sims.t(), ~positives.t(), k, self.temperature, self.margin)
+        zf = self.zero_fill_negatives
+        loss_i2t = topk_infonce(sims, ~positives, k, self.temperature, self.margin, zf)
+        loss_t2i = topk_infonce(sims.t(), ~positives.t(), k, self.temperature, self.margin, zf)
         loss = loss_i2t + loss_t2i
         if self.variant == "reference":
             loss = loss / 2
@@ -136,4 +155,5 @@ def create_adopt_loss(cfg: LossConfig) -> ADOPTLoss:
         return ADOPTLoss(cfg.temperature, "paper", mask_same_image=cfg.mask_same_image, adaptive=False)
     if cfg.name != "adopt":
         raise ValueError(f"create_adopt_loss builds 'adopt' or 'infonce', not {cfg.name!r}")
-    return ADOPTLoss(cfg.temperature, cfg.adopt_variant, cfg.adopt_scale, cfg.margin, cfg.mask_same_image)
+    return ADOPTLoss(cfg.temperature, cfg.adopt_variant, cfg.adopt_scale, cfg.margin, cfg.mask_same_image,
+                     zero_fill_negatives=cfg.adopt_zero_fill_negatives)

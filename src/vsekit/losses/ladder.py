@@ -18,6 +18,8 @@ over images equal row j of the image-query levels; they are computed once for bo
 Levels:
 - fixed (`ladder`): thresholds θ_1 > θ_2 > …: level = 1 + #{l : R < θ_l}. Paper defaults for Sentence-BERT
   relevance: L = 2, θ_1 = 0.40, α = (0.2, 0.01), β = (1, 0.25).
+- percentile (`ladder` with `ladder_percentile`; the released code's `AutoThreshLadderLoss`, not in the
+  paper): 2 levels, level 1 = relevance at or above the query row's percentile (numpy linear interpolation).
 - adaptive (`ladder_auto`, Eq. 9–12): per query row, 1-D k-means of the non-positive relevances for every
   k in [L_min, L_max], k chosen by the largest mean silhouette, level 1 = the highest-centre cluster.
   Batched on the loss's device, no per-row Python loop: 1-D k-means is solved *exactly* by dynamic
@@ -29,13 +31,16 @@ Levels:
 
 `variant="reference"` reproduces the released code where it differs from the paper: the "near" set of
 ladder l is every candidate of level < l *including the positive* (so an empty N_{l−1} still yields the
-term [α_l − s(q, q) + max …]_+), the hardest far similarity is taken from S·mask and is therefore floored
-at 0 (and 0 when N_{l:L} is empty), and the adaptive clustering runs on the whole row including the
-positive (its cluster mates become level 1).
+term [α_l − s(q, q) + max …]_+) and its minimum is taken over S·near + 1·(not near); the hardest far
+similarity is taken from S·mask and is therefore floored at 0 (and 0 when N_{l:L} is empty), and the
+adaptive clustering runs on the whole row including the positive (its cluster mates become level 1).
+`reference_ladder_loss` is the same computation as a plain function of (sims, relevance) with the released
+code's options, checked number for number against its outputs in tests/test_parity_ladderloss.py.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -236,11 +241,75 @@ def fixed_levels(relevance: torch.Tensor, positives: torch.Tensor, thresholds: S
     return levels.masked_fill(positives, 0)
 
 
+def row_percentile(values: torch.Tensor, percentile: float) -> torch.Tensor:
+    """Per-row `numpy.percentile(row, percentile)` ([Q, N] -> [Q]) with numpy's default linear interpolation,
+    including its rounding: a + (b − a)·γ below γ = 0.5, b − (b − a)·(1 − γ) from there on."""
+    if not 0 <= percentile <= 100:
+        raise ValueError(f"percentile must be in [0, 100], got {percentile}")
+    n = values.shape[-1]
+    pos = (n - 1) * (float(percentile) / 100)
+    lo = math.floor(pos)
+    gamma = pos - lo
+    xs = values.sort(dim=-1).values
+    a, b = xs[..., lo], xs[..., min(lo + 1, n - 1)]
+    diff = b - a
+    return b - diff * (1 - gamma) if gamma >= 0.5 else a + diff * gamma
+
+
+def percentile_levels(relevance: torch.Tensor, positives: torch.Tensor, percentile: float) -> torch.Tensor:
+    """Auto-threshold levels (released `AutoThreshLadderLoss`): 1 where the relevance reaches its row's
+    percentile (positive included in the row), else 2; 0 for positives."""
+    theta = row_percentile(relevance, percentile)[..., None]
+    return (1 + (relevance < theta).long()).masked_fill(positives, 0)
+
+
+def reference_ladder_loss(sims: torch.Tensor, relevance: torch.Tensor | None, margins: Sequence[float],
+                          thresholds: Sequence[float] | None = None, betas: Sequence[float] = (),
+                          cumulative: bool = False, percentile: float | None = None) -> torch.Tensor:  # fmt: skip
+    """The ladder loss as the released code (cdluminate/ladderloss) computes it, for number-for-number parity.
+
+    Rung 0 is VSE++ (margin `margins[0]`, hardest negative). Rung l ≥ 1 (weight `betas[l − 1]`) splits each
+    query's candidates into "similar" (relevance ≥ `thresholds[l − 1]`, the query's own pair only if its
+    relevance reaches it) and "dissimilar"; with `percentile` there is one rung whose threshold is the row's
+    percentile and the query's own pair is always similar. Per query: [α_l − min(S·similar + 1·dissimilar)
+    + max(S·dissimilar)]_+, or [α_1 + … + α_l − s_qq + max(S·dissimilar)]_+ when `cumulative`. Image rows read
+    the relevance rows, caption columns read the rows of its transpose, so it need not be symmetric.
+    Training uses `LadderLoss(variant="reference")`, which equals this for symmetric relevance.
+    """
+    loss, _ = triplet_loss(sims, float(margins[0]), hardest=True)
+    if percentile is not None and thresholds:
+        raise ValueError("give thresholds or percentile, not both")
+    n_levels = 2 if percentile is not None else len(thresholds or ()) + 1
+    if n_levels < 2:
+        return loss
+    if relevance is None or relevance.shape != sims.shape:
+        raise ValueError(f"relevance must be {tuple(sims.shape)} like sims")
+    if len(margins) < n_levels or len(betas) < n_levels - 1:
+        raise ValueError(f"{n_levels - 1} rung(s) need {n_levels} margins and {n_levels - 1} betas")
+    rel = relevance.to(sims.device, sims.dtype)
+    levels = torch.stack([_reference_levels(rel, thresholds, percentile),
+                          _reference_levels(rel.T, thresholds, percentile)])  # fmt: skip
+    margin, weight = ladder_constants(margins, (1.0, *betas), n_levels, cumulative, sims.device, sims.dtype)
+    s = torch.stack([sims, sims.T])  # image rows, caption columns
+    extra, _ = _ladder_terms(s, levels, margin, weight, n_levels, cumulative, "reference")
+    return loss + extra
+
+
+def _reference_levels(relevance: torch.Tensor, thresholds: Sequence[float] | None,
+                      percentile: float | None) -> torch.Tensor:  # fmt: skip
+    """Released-code levels of each row: from the relevance alone (fixed thresholds) or with the diagonal
+    at 0 (percentile)."""
+    if percentile is not None:
+        eye = torch.eye(relevance.shape[0], dtype=torch.bool, device=relevance.device)
+        return percentile_levels(relevance, eye, percentile)
+    return fixed_levels(relevance, torch.zeros_like(relevance, dtype=torch.bool), thresholds or ())
+
+
 def ladder_terms(sims: torch.Tensor, levels: torch.Tensor, margins: Sequence[float], weights: Sequence[float],
                  n_levels: int, cumulative: bool = False, variant: str = "paper") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Σ_{l=2..n_levels} β_l Σ_q L^l(q) with hard contrastive sampling for the query rows of `sims` ([B, B],
-    diagonal = positives; or [D, B, B]: D directions sharing `levels`); also returns the fraction of rows of
-    the first direction where ladder 2 has a (possibly zero-cost) term.
+    diagonal = positives; or [D, B, B]: D directions sharing `levels` [B, B], or each with its own [D, B, B]);
+    also returns the fraction of rows of the first direction where ladder 2 has a (possibly zero-cost) term.
 
     Every ladder and direction is computed at once on [D, L − 1, B, B] masks: a handful of kernels instead
     of a loop, which is what bounds the step time on a GPU.
@@ -262,13 +331,14 @@ def ladder_constants(margins: Sequence[float], weights: Sequence[float], n_level
 def _ladder_terms(s: torch.Tensor, levels: torch.Tensor, margin: torch.Tensor, weight: torch.Tensor, n_levels: int,
                   cumulative: bool, variant: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     lvl = torch.arange(2, n_levels + 1, device=s.device)[:, None, None]  # [M, 1, 1], M = L − 1 ladders
-    lv = levels[None]
-    far = lv >= lvl  # [M, B, B]
+    lv = levels[None] if levels.dim() == 2 else levels[:, None]  # [1 or D, 1, B, B] against lvl [M, 1, 1]
+    far = lv >= lvl  # [M, B, B] or [D, M, B, B]
     diag = s.diagonal(dim1=-2, dim2=-1)[:, None, :]  # [D, 1, B]
     sm = s[:, None]  # [D, 1, B, B]
     if variant == "reference":
         hn = (sm * far).amax(-1)  # S·mask: floored at 0 (and 0 with no far candidate), as in the released code
-        hp = diag if cumulative else sm.masked_fill(~(lv <= lvl - 1), float("inf")).amin(-1)  # positive included
+        # near set: S·similar + 1·dissimilar (positive included when its level is 0)
+        hp = diag if cumulative else torch.where(lv <= lvl - 1, sm, 1.0).amin(-1)
         ok = torch.ones_like(hn, dtype=torch.bool)
     else:
         has_far = far.any(-1)  # [M, B]
@@ -286,7 +356,8 @@ def _ladder_terms(s: torch.Tensor, levels: torch.Tensor, margin: torch.Tensor, w
 
 
 class LadderLoss(nn.Module):
-    """CVSE++ ladder loss (fixed thresholds) or adaptive ladder loss (`adaptive=True`).
+    """CVSE++ ladder loss (fixed thresholds), adaptive ladder loss (`adaptive=True`) or the released code's
+    auto-threshold ladder (`percentile=p`: each query's threshold is the p-th percentile of its relevance row).
 
     Needs the batch's `caption_ids` (rows of the train split's captions) and a relevance source: the
     sentence embeddings loaded by `prepare` (the trainer calls it) or `set_caption_embeddings`, or an
@@ -296,15 +367,20 @@ class LadderLoss(nn.Module):
     def __init__(self, margins: Sequence[float], weights: Sequence[float], thresholds: Sequence[float] = (0.40,),
                  cumulative: bool = False, adaptive: bool = False, levels_min: int = 2, levels_max: int = 4,
                  max_violation: bool = True, mask_same_image: bool = True, variant: str = "paper",
-                 cuda_graphs: bool = True) -> None:  # fmt: skip
+                 cuda_graphs: bool = True, percentile: float | None = None) -> None:  # fmt: skip
         super().__init__()
         if variant not in VARIANTS:
             raise ValueError(f"loss.ladder_variant={variant!r}; choose one of {', '.join(VARIANTS)}")
+        if percentile is not None and (adaptive or not 0 <= percentile <= 100):
+            raise ValueError(f"loss.ladder_percentile={percentile!r} needs loss.name=ladder and a value "
+                             "in [0, 100]")  # fmt: skip
         if adaptive:
             if not 1 <= levels_min <= levels_max <= MAX_LEVELS:
                 raise ValueError(f"loss.ladder_levels_min/max must satisfy 1 <= min <= max <= {MAX_LEVELS}, "
                                  f"got ({levels_min}, {levels_max})")  # fmt: skip
             n_levels = levels_max
+        elif percentile is not None:  # one threshold per row: its percentile of the relevance
+            n_levels = 2
         else:
             th = list(thresholds)
             if any(b >= a for a, b in zip(th, th[1:])):
@@ -319,6 +395,7 @@ class LadderLoss(nn.Module):
         self.weights = [float(w) for w in weights[:n_levels]]
         self.thresholds = [float(t) for t in thresholds]
         self.cumulative = cumulative
+        self.percentile = None if percentile is None else float(percentile)
         self.adaptive = adaptive
         self.levels_min, self.levels_max = levels_min, levels_max
         self.n_levels = n_levels
@@ -361,6 +438,9 @@ class LadderLoss(nn.Module):
 
     def levels(self, relevance: torch.Tensor, positives: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, B] ladder level of every (query, candidate) pair and the number of levels per row."""
+        if self.percentile is not None:
+            lv = percentile_levels(relevance, positives, self.percentile)
+            return lv, lv.amax(1)
         if not self.adaptive:
             lv = fixed_levels(relevance, positives, self.thresholds)
             return lv, lv.amax(1)
@@ -439,11 +519,12 @@ class LadderLoss(nn.Module):
 
 
 def create_ladder_loss(cfg: LossConfig) -> LadderLoss:
-    """`ladder` (fixed thresholds) or `ladder_auto` (silhouette-chosen k-means levels) from a LossConfig."""
+    """`ladder` (fixed thresholds, or per-row percentile ones with `ladder_percentile`) or `ladder_auto`
+    (silhouette-chosen k-means levels) from a LossConfig."""
     return LadderLoss(
         margins=cfg.ladder_margins, weights=cfg.ladder_weights, thresholds=cfg.ladder_thresholds,
         cumulative=cfg.ladder_cumulative, adaptive=cfg.name == "ladder_auto",
         levels_min=cfg.ladder_levels_min, levels_max=cfg.ladder_levels_max,
         max_violation=cfg.max_violation, mask_same_image=cfg.mask_same_image,
-        variant=cfg.ladder_variant,
+        variant=cfg.ladder_variant, percentile=cfg.ladder_percentile,
     )  # fmt: skip

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from vsekit.config import ImageEncoderConfig
+from vsekit.models.norm import l2_normalize
 from vsekit.pooling import AvgPool, create_pooling, length_mask
 
 
@@ -59,9 +60,11 @@ def grid_size_augment(feats: torch.Tensor, lengths: torch.Tensor, generator: tor
 
 
 class PrecompImageEncoder(nn.Module):
-    def __init__(self, img_dim: int, embed_dim: int, cfg: ImageEncoderConfig, normalize: bool = True) -> None:
+    def __init__(self, img_dim: int, embed_dim: int, cfg: ImageEncoderConfig, normalize: bool = True,
+                 l2_form: str = "clamp") -> None:  # fmt: skip
         super().__init__()
         self.feature_type = cfg.feature_type
+        self.l2_form = l2_form
         self.fc = xavier_linear(img_dim, embed_dim)
         self.mlp = ResidualMLP(img_dim, cfg.mlp_hidden, embed_dim) if cfg.feature_type == "region" else None
         self.pool = create_pooling(cfg.pooling, embed_dim)
@@ -81,7 +84,7 @@ class PrecompImageEncoder(nn.Module):
             x = self.fc(self.pool(feats, lengths))
         else:
             x = self.pool(self.embed_set(feats, lengths), lengths)
-        return nn.functional.normalize(x, dim=-1) if self.normalize else x
+        return l2_normalize(x, self.l2_form) if self.normalize else x
 
 
 class BackboneImageEncoder(nn.Module):

@@ -19,6 +19,7 @@ from torch import nn
 
 from vsekit.config import ImageEncoderConfig
 from vsekit.models.image import PrecompImageEncoder
+from vsekit.models.norm import l2_normalize
 from vsekit.pooling import length_mask
 from vsekit.utils.runtime import derived_seed
 
@@ -65,7 +66,8 @@ def view_groups(lengths: torch.Tensor, views: int, keep: float, max_len: int,
 class MultiViewImageEncoder(nn.Module):
     """`views` random groups of the image's set -> shared encoder + pooling per group -> concatenation."""
 
-    def __init__(self, img_dim: int, embed_dim: int, cfg: ImageEncoderConfig, normalize: bool = True) -> None:
+    def __init__(self, img_dim: int, embed_dim: int, cfg: ImageEncoderConfig, normalize: bool = True,
+                 l2_form: str = "clamp") -> None:  # fmt: skip
         super().__init__()
         for name in ("view_keep_train", "view_keep_test"):
             keep = getattr(cfg, name)
@@ -79,6 +81,7 @@ class MultiViewImageEncoder(nn.Module):
         # the shared-weight encoder: exactly the single-view encoder, applied once per group
         self.shared = PrecompImageEncoder(img_dim, embed_dim, cfg, normalize=False)
         self.normalize = normalize
+        self.l2_form = l2_form
 
     def forward(
         self, feats: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None
@@ -96,7 +99,7 @@ class MultiViewImageEncoder(nn.Module):
         grouped = grouped.masked_fill(~length_mask(flat_counts, grouped.shape[1]).unsqueeze(-1), 0.0)
         x = self.shared.pool(grouped, flat_counts)  # [B*views, embed_dim]
         if self.normalize:
-            x = nn.functional.normalize(x, dim=-1)
+            x = l2_normalize(x, self.l2_form)
         return x.reshape(b, self.views * self.embed_dim)
 
     def split_views(self, emb: torch.Tensor) -> torch.Tensor:

@@ -14,12 +14,20 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from vsekit.config import TextEncoderConfig
+from vsekit.models.image import ResidualMLP
+from vsekit.models.norm import l2_normalize
 from vsekit.pooling import create_pooling, length_mask
+
+# a transformer directory holding any of these has weights; one with only config + tokenizer (an imported run)
+# gets a randomly initialised body whose weights come from the run's own safetensors
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 class BiGRUTextEncoder(nn.Module):
-    def __init__(self, vocab_size: int, embed_dim: int, cfg: TextEncoderConfig, normalize: bool = True) -> None:
+    def __init__(self, vocab_size: int, embed_dim: int, cfg: TextEncoderConfig, normalize: bool = True,
+                 l2_form: str = "clamp") -> None:  # fmt: skip
         super().__init__()
+        self.l2_form = l2_form
         self.embed = nn.Embedding(vocab_size, cfg.word_dim, padding_idx=0)
         nn.init.uniform_(self.embed.weight, -0.1, 0.1)
         self.gru = nn.GRU(cfg.word_dim, embed_dim, num_layers=cfg.num_layers, batch_first=True, bidirectional=True)
@@ -36,7 +44,7 @@ class BiGRUTextEncoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         x = self.pool(self.token_features(tokens, lengths), lengths.to(tokens.device))
-        return nn.functional.normalize(x, dim=-1) if self.normalize else x
+        return l2_normalize(x, self.l2_form) if self.normalize else x
 
 
 def default_transformer_path() -> str:
@@ -96,7 +104,8 @@ class FrozenStateCache:
 
 
 class TransformerTextEncoder(nn.Module):
-    def __init__(self, embed_dim: int, cfg: TextEncoderConfig, normalize: bool = True, model_path: str = "") -> None:
+    def __init__(self, embed_dim: int, cfg: TextEncoderConfig, normalize: bool = True, model_path: str = "",
+                 l2_form: str = "clamp") -> None:  # fmt: skip
         super().__init__()
         from transformers import AutoConfig, AutoModel
 
@@ -105,11 +114,18 @@ class TransformerTextEncoder(nn.Module):
             raise FileNotFoundError(f"{path}: text model directory does not exist")
         self.model_path = path
         config = AutoConfig.from_pretrained(path, local_files_only=True)
-        self.body = AutoModel.from_pretrained(path, config=config, local_files_only=True)
+        if any((Path(path) / name).is_file() for name in WEIGHT_FILES):
+            self.body = AutoModel.from_pretrained(path, config=config, local_files_only=True)
+        else:
+            self.body = AutoModel.from_config(config)
         hidden = config.hidden_size
         self.proj = nn.Linear(hidden, embed_dim)
+        # AVSE's caption head: the region encoder's residual MLP beside the linear layer, LayerNorm at the end
+        self.mlp = ResidualMLP(hidden, cfg.head_mlp_hidden, embed_dim) if cfg.head == "residual_mlp" else None
         self.pool = create_pooling(cfg.pooling, embed_dim)
+        self.final_norm = nn.LayerNorm(embed_dim) if cfg.final_layernorm else None
         self.normalize = normalize
+        self.l2_form = l2_form
         self.freeze = cfg.freeze
         self.length_sorted_chunk = cfg.length_sorted_chunk
         self.frozen_cache = FrozenStateCache(cfg.frozen_cache_mb if cfg.freeze else 0)
@@ -178,5 +194,11 @@ class TransformerTextEncoder(nn.Module):
                 hidden = self.cached_token_states(tokens, lengths)
             else:
                 hidden = self.token_states(tokens, lengths)
-        x = self.pool(self.proj(hidden), lengths.to(tokens.device))
-        return nn.functional.normalize(x, dim=-1) if self.normalize else x
+        lengths = lengths.to(tokens.device)
+        local = self.proj(hidden)
+        if self.mlp is not None:
+            local = local + self.mlp(hidden, length_mask(lengths, hidden.shape[1]))
+        x = self.pool(local, lengths)
+        if self.final_norm is not None:
+            return self.final_norm(x)
+        return l2_normalize(x, self.l2_form) if self.normalize else x

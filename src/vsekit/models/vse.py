@@ -24,6 +24,7 @@ class DataSpec:
     img_dim: int = 0  # feature size of precomputed features (0 for pixel backbones)
     vocab_words: list[str] = field(default_factory=list)  # BiGRU vocabulary
     text_model_path: str = ""  # transformer directory actually used
+    vision_config: dict = field(default_factory=dict)  # vit image encoder: the transformers ViTConfig fields
 
 
 class VSEModel(nn.Module):
@@ -33,15 +34,27 @@ class VSEModel(nn.Module):
         self.recipe = recipe
         self.spec = spec
         views = m.image.views
-        if m.image.kind == "precomp":
+        form = m.l2_form
+        if m.image.kind == "vit":
+            from vsekit.models.vit_views import ViTMultiViewImageEncoder
+
+            if not spec.vision_config:
+                raise ValueError("a vit image encoder needs the ViT configuration (DataSpec.vision_config)")
+            self.image_encoder = ViTMultiViewImageEncoder(
+                spec.vision_config, m.embed_dim, views=m.image.views, keep_train=m.image.view_keep_train,
+                keep_test=m.image.view_keep_test, sampling_alpha=m.image.view_alpha, pooling=m.image.pooling,
+                normalize=m.normalize, l2_eps_outside_sqrt=form == "add_eps", size_augment=recipe.data.size_augment,
+                grid_drop_max=recipe.data.grid_drop_max,
+            )
+        elif m.image.kind == "precomp":
             if spec.img_dim <= 0:
                 raise ValueError("a precomp image encoder needs the feature size (DataSpec.img_dim)")
             if views > 1:
                 from vsekit.models.multiview import MultiViewImageEncoder
 
-                self.image_encoder = MultiViewImageEncoder(spec.img_dim, m.embed_dim, m.image, m.normalize)
+                self.image_encoder = MultiViewImageEncoder(spec.img_dim, m.embed_dim, m.image, m.normalize, form)
             else:
-                self.image_encoder = PrecompImageEncoder(spec.img_dim, m.embed_dim, m.image, m.normalize)
+                self.image_encoder = PrecompImageEncoder(spec.img_dim, m.embed_dim, m.image, m.normalize, form)
         else:
             self.image_encoder = BackboneImageEncoder(
                 m.embed_dim, m.image, m.normalize, recipe.data.grid_drop_max, recipe.data.size_augment
@@ -49,9 +62,9 @@ class VSEModel(nn.Module):
         if m.text.kind == "bigru":
             if not spec.vocab_words:
                 raise ValueError("a BiGRU text encoder needs a vocabulary (DataSpec.vocab_words)")
-            self.text_encoder = BiGRUTextEncoder(len(spec.vocab_words), m.embed_dim, m.text, m.normalize)
+            self.text_encoder = BiGRUTextEncoder(len(spec.vocab_words), m.embed_dim, m.text, m.normalize, form)
         else:
-            self.text_encoder = TransformerTextEncoder(m.embed_dim, m.text, m.normalize, spec.text_model_path)
+            self.text_encoder = TransformerTextEncoder(m.embed_dim, m.text, m.normalize, spec.text_model_path, form)
             self.spec.text_model_path = self.text_encoder.model_path
         self.sim = create_similarity(m.similarity, m.embed_dim, views)
 
@@ -62,7 +75,33 @@ class VSEModel(nn.Module):
         return self.text_encoder(tokens, lengths)
 
     def similarity(self, image_emb: torch.Tensor, text_emb: torch.Tensor) -> torch.Tensor:
+        """[n_images, n_captions] under the run's own similarity (cosine, or AEOM for multi-view runs)."""
         return self.sim(image_emb, text_emb)
+
+    # the open_clip-style face (`vsekit.load(run)`); implemented in vsekit.api
+    def encode_image(self, images, lengths=None, **kwargs) -> torch.Tensor:
+        """Precomputed features [B, R, D] (+ lengths) or pixels [B, 3, S, S] -> image embeddings."""
+        from vsekit.api import encode_image
+
+        return encode_image(self, images, lengths, **kwargs)
+
+    def encode_text(self, text, lengths=None) -> torch.Tensor:
+        """A list of strings (tokenised with the run's vocabulary) or token ids [B, L] (+ lengths) -> [B, D]."""
+        from vsekit.api import encode_text
+
+        return encode_text(self, text, lengths)
+
+    def tokenize(self, texts) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token ids [B, L], lengths [B]) as the run's text encoder expects them."""
+        from vsekit.api import tokenize
+
+        return tokenize(self, texts)
+
+    def preprocess(self, image) -> torch.Tensor:
+        """A picture (path or PIL image) -> the pixel tensor [3, S, S] of a pixel run."""
+        from vsekit.api import preprocess
+
+        return preprocess(self, image)
 
     def parameter_groups(self, lr: float) -> list[dict]:
         """AdamW groups with the recipe's per-part learning-rate multipliers."""

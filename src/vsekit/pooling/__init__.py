@@ -40,5 +40,6 @@ def create_pooling(cfg: PoolingConfig, dim: int) -> nn.Module:
     if cfg.name == "adpool":
         from vsekit.pooling.adpool import ADPool
 
-        return ADPool(dim, token_level=cfg.token_level, embedding_level=cfg.embedding_level, variant=cfg.adpool_variant)
+        return ADPool(dim, token_level=cfg.token_level, embedding_level=cfg.embedding_level, variant=cfg.adpool_variant,
+                      mask_padding=cfg.adpool_mask_padding)
     raise ValueError(f"unknown pooling {cfg.name!r}")

@@ -13,10 +13,12 @@ Two simple poolings whose mixture is learned, for one set `x[B, N, D]` with `len
 
 `variant="reference"` swaps the token-level scorer for the one in the released code
 (`modules/adcap.py` cls `AP`): `theta = softmax_m(ReLU(u W + b))` with `W` a D×D layer, i.e. a separate
-weight per rank *and per dimension*. Both variants mask padding in every softmax (the released code
-lets padded ranks take token-level weight mass); padded rows never reach the output.
+weight per rank *and per dimension*. Both variants mask padding in every softmax by default; `mask_padding=False` reproduces the released
+code, whose token-level softmax also runs over the batch's padded ranks (their features are 0, their
+weights relu(b) are not), so an embedding there depends on how far its batch was padded.
 The scorers have no bias in the paper variant because a bias is constant over the softmax axis and
-cancels; the balance layer likewise.
+cancels; the balance layer likewise. The reference variant keeps the released layer shapes, balance bias
+included (it cancels too), so a released checkpoint loads strictly.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class ADPool(nn.Module):
     token-level weights `token[B, N]` (`[B, N, D]` for the reference variant; None when disabled).
     """
 
-    def __init__(self, dim: int, token_level: bool = True, embedding_level: bool = True, variant: str = "paper") -> None:
+    def __init__(self, dim: int, token_level: bool = True, embedding_level: bool = True, variant: str = "paper",
+                 mask_padding: bool = True) -> None:  # fmt: skip
         super().__init__()
         if not (token_level or embedding_level):
             raise ValueError("ADPool needs at least one branch: token_level and embedding_level are both False")
@@ -49,6 +52,7 @@ class ADPool(nn.Module):
         self.token_level = token_level
         self.embedding_level = embedding_level
         self.variant = variant
+        self.mask_padding = mask_padding
         self.token_scorer: nn.Linear | None = None
         self.balance: nn.Linear | None = None
         if token_level:
@@ -59,7 +63,15 @@ class ADPool(nn.Module):
                 nn.init.xavier_uniform_(self.token_scorer.weight)
                 nn.init.zeros_(self.token_scorer.bias)
         if token_level and embedding_level:
-            self.balance = nn.Linear(dim, 1, bias=False)  # W_bal in R^{d x 1}
+            self.balance = nn.Linear(dim, 1, bias=variant == "reference")  # W_bal in R^{d x 1}
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
+        """Runs saved before the reference variant kept the released balance bias load with bias 0 (it cancels)."""
+        key = f"{prefix}balance.bias"
+        if self.balance is not None and self.balance.bias is not None and key not in state_dict \
+                and f"{prefix}balance.weight" in state_dict:  # fmt: skip
+            state_dict[key] = torch.zeros_like(self.balance.bias)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, token_level={self.token_level}, embedding_level={self.embedding_level}, variant={self.variant}"
@@ -70,11 +82,13 @@ class ADPool(nn.Module):
         ordered = sort_desc_per_dim(x, lengths)  # [B, N, D], padded ranks are zeros at the end
         if self.variant == "paper":
             scores = self.token_scorer(ordered).squeeze(-1)  # [B, N]
-            scores = scores.masked_fill(~mask, float("-inf"))
+            if self.mask_padding:
+                scores = scores.masked_fill(~mask, float("-inf"))
             theta = torch.softmax(scores, dim=1)
             return (theta.unsqueeze(-1) * ordered).sum(1), theta
         scores = torch.relu(self.token_scorer(ordered))  # [B, N, D]
-        scores = scores.masked_fill(~mask.unsqueeze(-1), float("-inf"))
+        if self.mask_padding:
+            scores = scores.masked_fill(~mask.unsqueeze(-1), float("-inf"))
         theta = torch.softmax(scores, dim=1)
         return (theta * ordered).sum(1), theta
 
@@ -94,7 +108,8 @@ class ADPool(nn.Module):
             raise ValueError(f"lengths must be [B]={features.shape[0]}, got {tuple(lengths.shape)}")
         if int(lengths.min()) < 1:
             raise ValueError("ADPool: every set needs at least one element (a length is 0)")
-        max_len = int(lengths.max())
+        # the released code's softmax sees every padded position of the batch: keep them all then
+        max_len = int(lengths.max()) if self.mask_padding else features.shape[1]
         features = features[:, :max_len]
         mask = length_mask(lengths, max_len)
         x = features.masked_fill(~mask.unsqueeze(-1), 0.0)  # padding content (even NaN) can never leak

@@ -117,7 +117,7 @@ class ImageEmbedder:
         img_cfg = model.recipe.model.image
         self.extractor = None
         self.spec: dict[str, Any] | None = None
-        if img_cfg.kind == "backbone":
+        if img_cfg.kind in ("backbone", "vit"):  # pixels in: a CNN backbone, or the ViT of an imported AVSE run
             self.mode = "backbone"
             self.image_size = img_cfg.image_size
         else:

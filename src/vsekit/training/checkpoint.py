@@ -61,7 +61,8 @@ def write_run_config(run_dir: Path, recipe: Recipe, spec: DataSpec, extra: dict[
     cfg = {
         "format": RUN_FORMAT,
         "recipe": to_dict(recipe),
-        "data_spec": {"img_dim": spec.img_dim, "text_model_path": spec.text_model_path},
+        "data_spec": {"img_dim": spec.img_dim, "text_model_path": spec.text_model_path,
+                      **({"vision_config": spec.vision_config} if spec.vision_config else {})},
         **extra,
     }
     atomic_write_json(run_dir / "config.json", cfg)
@@ -89,7 +90,11 @@ def read_run_config(run_dir: str | Path) -> tuple[Recipe, DataSpec, dict]:
     vocab_path = run_dir / "vocab.json"
     if vocab_path.is_file():
         vocab = json.loads(vocab_path.read_text(encoding="utf-8"))["words"]
-    spec = DataSpec(img_dim=int(spec_d.get("img_dim", 0)), vocab_words=vocab, text_model_path=spec_d.get("text_model_path", ""))
+    text_path = spec_d.get("text_model_path", "")
+    if text_path and not Path(text_path).is_absolute():  # imported runs carry their text model config inside
+        text_path = str(run_dir / text_path)
+    spec = DataSpec(img_dim=int(spec_d.get("img_dim", 0)), vocab_words=vocab, text_model_path=text_path,
+                    vision_config=dict(spec_d.get("vision_config", {})))
     return recipe, spec, cfg
 
 

@@ -330,7 +330,7 @@ class Trainer:
 
     def _image_source(self, split, train: bool):
         img = self.recipe.model.image
-        if img.kind == "backbone":
+        if img.kind in ("backbone", "vit"):
             return PixelSource(split, img.image_size, augment=train)
         d = self.recipe.data
         aug = AugmentConfig(d.size_augment, img.feature_type, d.region_keep_prob, d.grid_drop_max, d.text_augment_prob)

@@ -1,0 +1,1 @@
+"""Interoperability with other code: importers for the released research checkpoints."""
