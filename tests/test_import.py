@@ -285,3 +285,20 @@ def test_packaged_wordpiece_vocabulary_is_bert_base_uncased():
     anchors = {0: "[PAD]", 1: "[unused0]", 100: "[UNK]", 101: "[CLS]", 102: "[SEP]", 103: "[MASK]",
                1037: "a", 1996: "the", 2088: "world", 7592: "hello"}  # fmt: skip
     assert len(words) == 30522 and {i: words[i] for i in anchors} == anchors
+
+
+def test_model_api_rejects_bad_input_clearly(imported):
+    item, model, inputs, _, _ = imported
+    if item == "avse":
+        with pytest.raises(ValueError, match=r"pixels \[batch, 3, height, width\]"):
+            model.encode_image(np.zeros((2, 5, 7), np.float32))
+        return
+    width = inputs["images"].shape[-1]
+    with pytest.raises(ValueError, match=f"features \\[batch, regions, {width}\\]"):
+        model.encode_image(np.zeros((2, 5, width + 1), np.float32))
+    with pytest.raises(ValueError, match="lengths must be"):
+        model.encode_image(inputs["images"], np.full(len(inputs["images"]), inputs["images"].shape[1] + 1))
+    with pytest.raises(ValueError, match="lengths must be"):
+        model.encode_text(inputs["captions"], np.zeros(len(inputs["captions"]), np.int64))
+    with pytest.raises(TypeError, match="torch.Tensor or numpy array"):
+        model.encode_image([[1.0]])

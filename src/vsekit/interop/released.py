@@ -202,6 +202,11 @@ def read_vocab(vocab_path: str | None, rows: int, options: dict[str, Any], path:
     return words
 
 
+def bert_positions(text_files: dict[str, bytes]) -> int:
+    """Captions are cut only where BERT's position table ends (the releases never truncate shorter)."""
+    return int(json.loads(text_files["config.json"])["max_position_embeddings"])
+
+
 def base_recipe(name: str, overrides: dict[str, Any]) -> Recipe:
     recipe = load_recipe(name)
     recipe.name = overrides.get("name", f"imported_{name}")
@@ -239,6 +244,7 @@ def import_vse_infty(ckpt: dict, path: Path, vocab: str | None, text_config: str
         recipe.model.text.head = "linear"
         recipe.model.text.freeze = False
         text_files, notes = bert_model_files(txt, "bert.", text_config, path)
+        recipe.model.text.max_tokens = bert_positions(text_files)
         rules_txt = BERT_TEXT_RULES
     else:
         rows = bigru_settings(recipe, txt, options, path)
@@ -324,6 +330,7 @@ def import_avse(ckpt: dict, path: Path, vocab: str | None, text_config: str | No
     recipe.model.text.freeze = False
     recipe.model.text.pooling = gpo_config(txt, "gpool.", path)
     text_files, notes = bert_model_files(txt, "bert.", text_config, path)
+    recipe.model.text.max_tokens = bert_positions(text_files)
     recipe.model.similarity.name = "aeom"
     recipe.model.similarity.use_sinkhorn = False  # the released code's Sinkhorn call is commented out
     recipe.model.similarity.block_dim = int(block_dim or embed // 4)  # released: 256 with embed_size 1024
