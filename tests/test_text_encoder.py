@@ -82,3 +82,16 @@ def test_frozen_state_cache_respects_its_budget_and_is_dropped_with_new_weights(
     assert enc.frozen_cache.used_bytes <= enc.frozen_cache.capacity_bytes
     enc.load_state_dict(enc.state_dict())
     assert len(enc.frozen_cache) == 0 and enc.frozen_cache.used_bytes == 0
+
+
+def test_nltk_tokenizer_gives_the_treebank_tokens_scan_vocabularies_hold():
+    from vsekit.data.text import Vocabulary, tokenize_words
+
+    caption = "A man's black-and-white T-shirt doesn't fit."
+    assert tokenize_words(caption, "nltk") == ["a", "man", "'s", "black-and-white", "t-shirt", "does", "n't", "fit", "."]
+    assert tokenize_words(caption, "regex") == ["a", "man's", "black", "-", "and", "-", "white", "t", "-", "shirt",
+                                                "doesn't", "fit", "."]  # fmt: skip
+    vocab = Vocabulary(["<pad>", "<start>", "<end>", "<unk>", "man", "'s", "t-shirt", "<mask>"], tokenizer="nltk")
+    assert vocab.encode("man's t-shirt") == [1, 4, 5, 6, 2]
+    with pytest.raises(ValueError, match="unknown tokenizer"):
+        Vocabulary(["<pad>", "<start>", "<end>", "<unk>", "<mask>"], tokenizer="spacy")

@@ -68,6 +68,8 @@ class TextEncoderConfig:
     word_dim: int = 300
     num_layers: int = 1
     vocab_min_count: int = 1
+    # bigru: regex (dependency-free) | nltk (the released code's Treebank tokens; imported BiGRU runs use it)
+    tokenizer: str = "regex"
     vocab_path: str = ""  # a vocab JSON; empty = built from the train split's captions
     model_path: str = ""  # transformer: a local HF directory; empty = packaged all-MiniLM-L6-v2
     lr_mult: float = 0.1  # transformer body learning-rate multiplier
@@ -350,6 +352,7 @@ _CHOICES = {
     "model.image.kind": ("precomp", "backbone", "vit"),
     "model.l2_form": ("clamp", "add_eps"),
     "model.text.head": ("linear", "residual_mlp"),
+    "model.text.tokenizer": ("regex", "nltk"),
     "model.image.feature_type": ("region", "grid"),
     "model.text.kind": ("bigru", "transformer"),
     "model.similarity.name": ("cosine", "aeom"),
@@ -365,6 +368,7 @@ def validate_recipe(r: Recipe) -> None:
         "model.image.kind": r.model.image.kind,
         "model.l2_form": r.model.l2_form,
         "model.text.head": r.model.text.head,
+        "model.text.tokenizer": r.model.text.tokenizer,
         "model.image.feature_type": r.model.image.feature_type,
         "model.text.kind": r.model.text.kind,
         "model.similarity.name": r.model.similarity.name,

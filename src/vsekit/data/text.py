@@ -18,9 +18,26 @@ SPECIALS = (PAD, START, END, UNK, MASK)
 _WORD_RE = re.compile(r"[a-z0-9]+(?:'[a-z]+)?|[^\sa-z0-9]")
 
 
-def tokenize_words(caption: str) -> list[str]:
-    """Lower-cased words and punctuation (a dependency-free stand-in for nltk's word_tokenize)."""
-    return _WORD_RE.findall(caption.lower())
+TOKENIZERS = ("regex", "nltk")
+
+
+def tokenize_words(caption: str, tokenizer: str = "regex") -> list[str]:
+    """Lower-cased words and punctuation.
+
+    `regex`: dependency-free (keeps "man's" whole, splits "t-shirt"). `nltk`: the Treebank-style tokens the
+    released VSE++/SCAN/VSE∞/VSE+2AD code gets from `nltk.word_tokenize` ("man" "'s", "t-shirt" whole), which
+    SCAN vocabularies were built with; run on the caption as one line (`preserve_line`), so no punkt data is
+    needed — it differs from the released call only on a period inside a multi-sentence caption.
+    """
+    if tokenizer == "regex":
+        return _WORD_RE.findall(caption.lower())
+    if tokenizer == "nltk":
+        try:
+            from nltk.tokenize import word_tokenize
+        except ImportError as e:
+            raise RuntimeError("model.text.tokenizer=nltk needs the nltk package: pip install nltk") from e
+        return word_tokenize(caption.lower(), preserve_line=True)
+    raise ValueError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
 
 
 def augment_words(
@@ -46,21 +63,24 @@ class Vocabulary:
     """Word <-> index map for the BiGRU encoder; specials <pad>=0 <start>=1 <end>=2 <unk>=3, and <mask>
     (4 in vocabularies vsekit builds; after the last word in SCAN vocabularies, as the released code adds it)."""
 
-    def __init__(self, words: list[str]) -> None:
+    def __init__(self, words: list[str], tokenizer: str = "regex") -> None:
         if list(words[:4]) != list(SPECIALS[:4]) or MASK not in words:
             raise ValueError(f"vocabulary must start with {SPECIALS[:4]} and contain {MASK}")
+        if tokenizer not in TOKENIZERS:
+            raise ValueError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
+        self.tokenizer = tokenizer
         self.idx2word = list(words)
         self.word2idx = {w: i for i, w in enumerate(self.idx2word)}
 
     @classmethod
-    def build(cls, captions: list[str], min_count: int = 1) -> Vocabulary:
+    def build(cls, captions: list[str], min_count: int = 1, tokenizer: str = "regex") -> Vocabulary:
         """From training captions only (never dev/test: vsepp#29 built its vocabulary with test captions)."""
-        counts = Counter(w for c in captions for w in tokenize_words(c))
+        counts = Counter(w for c in captions for w in tokenize_words(c, tokenizer))
         words = sorted(w for w, n in counts.items() if n >= min_count and w not in SPECIALS)
-        return cls(list(SPECIALS) + words)
+        return cls(list(SPECIALS) + words, tokenizer)
 
     @classmethod
-    def load(cls, path: str | Path) -> Vocabulary:
+    def load(cls, path: str | Path, tokenizer: str = "regex") -> Vocabulary:
         path = Path(path)
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
@@ -76,9 +96,9 @@ class Vocabulary:
             # training and evaluation code append <mask> after the last word, and so do we
             if MASK not in words:
                 words.append(MASK)
-            return cls(words)
+            return cls(words, tokenizer)
         if isinstance(data, dict) and "words" in data:
-            return cls(data["words"])
+            return cls(data["words"], tokenizer)
         raise ValueError(f"{path}: expected {{'words': [...]}} or SCAN's {{'idx2word': ...}}")
 
     def to_json(self) -> dict:
@@ -88,7 +108,7 @@ class Vocabulary:
         return len(self.idx2word)
 
     def encode(self, caption: str, rng: np.random.Generator | None = None, augment_prob: float = 0.0) -> list[int]:
-        ids = [self.word2idx.get(w, self.word2idx[UNK]) for w in tokenize_words(caption)]
+        ids = [self.word2idx.get(w, self.word2idx[UNK]) for w in tokenize_words(caption, self.tokenizer)]
         ids = [self.word2idx[START]] + ids + [self.word2idx[END]]
         if rng is not None and augment_prob > 0:
             n = len(self)

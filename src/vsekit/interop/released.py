@@ -180,6 +180,7 @@ def bigru_settings(recipe: Recipe, txt: dict[str, torch.Tensor], options: dict[s
     if "num_layers" in options and int(options["num_layers"]) != layers:
         raise ReleasedCheckpointError(f"{path}: num_layers={options['num_layers']} but the weights hold {layers} GRU layers")
     recipe.model.text.kind = "bigru"
+    recipe.model.text.tokenizer = "nltk"  # SCAN vocabularies hold nltk's Treebank tokens
     recipe.model.text.word_dim = int(emb.shape[1])
     recipe.model.text.num_layers = layers
     return int(emb.shape[0])

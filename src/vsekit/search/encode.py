@@ -215,4 +215,4 @@ class TextEmbedder:
 
         if not isinstance(self.text, Vocabulary):
             return []
-        return [w for w in tokenize_words(text) if w.isalnum() and w not in self.text.word2idx]
+        return [w for w in tokenize_words(text, self.text.tokenizer) if w.isalnum() and w not in self.text.word2idx]

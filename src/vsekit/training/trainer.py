@@ -120,9 +120,9 @@ def load_text_processor(recipe: Recipe, train_captions: list[str], spec: DataSpe
     t = recipe.model.text
     if t.kind == "bigru":
         if t.vocab_path:
-            vocab = Vocabulary.load(t.vocab_path)
+            vocab = Vocabulary.load(t.vocab_path, t.tokenizer)
         else:
-            vocab = Vocabulary.build(train_captions, t.vocab_min_count)
+            vocab = Vocabulary.build(train_captions, t.vocab_min_count, t.tokenizer)
         spec.vocab_words = vocab.idx2word
         return vocab
     path = spec.text_model_path or t.model_path or default_transformer_path()
