@@ -36,6 +36,7 @@ from torch import nn
 
 from vsekit.config import PoolingConfig
 from vsekit.models.image import grid_size_augment, xavier_linear
+from vsekit.models.norm import l2_normalize
 from vsekit.pooling import GPO, create_pooling
 from vsekit.utils.runtime import derived_seed
 
@@ -95,13 +96,6 @@ def radial_view_indices(grid: tuple[int, int], batch: int, views: int, n_keep: i
         0, grid[0] * grid[1], (batch, views), generator=generator, device=gen_device
     ).cpu()
     return centres.to(device), nearest_patches(centres, grid, n_keep).to(device)
-
-
-def l2norm(x: torch.Tensor, eps_outside_sqrt: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """Last-dim L2 norm; `eps_outside_sqrt` is the released `x / (||x|| + 1e-8)`, else `F.normalize`."""
-    if eps_outside_sqrt:
-        return x / (x.norm(dim=-1, keepdim=True) + eps)
-    return nn.functional.normalize(x, dim=-1)
 
 
 @dataclass
@@ -243,7 +237,7 @@ class ViTMultiViewImageEncoder(nn.Module):
             pooled, weights = self.pool(local, lengths, return_weights=True)
         else:
             pooled, weights = self.pool(local, lengths), None
-        emb = l2norm(pooled, self.l2_eps_outside_sqrt) if self.normalize else pooled
+        emb = l2_normalize(pooled, "add_eps" if self.l2_eps_outside_sqrt else "clamp") if self.normalize else pooled
         emb = (
             emb.reshape(self.views, b, self.embed_dim).transpose(0, 1).reshape(b, self.views * self.embed_dim)
         )
