@@ -137,10 +137,11 @@ def test_gradient_reaches_the_region_features(imported):
 
 def test_run_records_what_the_release_never_reads(imported):
     item, _, _, _, out = imported
-    record = json.loads((out / "import.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    record = config["imported_from"]
     assert record["kind"] == item
     assert record["unused_keys"] and all(".mlp.bns.1." in k for k in record["unused_keys"])
-    assert json.loads((out / "config.json").read_text())["recipe"]["model"]["l2_form"] == "add_eps"
+    assert config["recipe"]["model"]["l2_form"] == "add_eps"
 
 
 def test_vse_eval_equals_eval_sims_on_the_reference_matrix(imported, tmp_path, capsys):

@@ -43,7 +43,6 @@ def _build(meta: dict, state: dict) -> ViTMultiViewImageEncoder:
         meta["vit_config"],
         embed,
         views=meta["n_views"],
-        sampling_alpha=meta["sampling_alpha"],
         pooling=pooling,
     )
 

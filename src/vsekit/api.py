@@ -65,7 +65,7 @@ def encode_text(model: VSEModel, text: Any, lengths: Any = None) -> torch.Tensor
     """Caption embeddings [B, D] from strings or from token ids [B, L] (lengths default: up to the first pad)."""
     device = model_device(model)
     if isinstance(text, str) or (isinstance(text, (list, tuple)) and text and isinstance(text[0], str)):
-        tokens, lengths = tokenize(model, list(text) if not isinstance(text, str) else [text])
+        tokens, lengths = tokenize(model, text)
     else:
         tokens = _as_tensor(text, torch.long, device, "encode_text")
         if tokens.ndim != 2:

@@ -58,7 +58,6 @@ class ImageEncoderConfig:
     views: int = 1
     view_keep_train: float = 0.75
     view_keep_test: float = 0.9
-    view_alpha: float = 4.0  # vit: AVSE's view sampling weight exp(-alpha * distance to the view's centre patch)
     pooling: PoolingConfig = field(default_factory=PoolingConfig)
 
 

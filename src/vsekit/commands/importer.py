@@ -17,7 +17,7 @@ def run_import(args: argparse.Namespace) -> int:
           f"({r.text.pooling.name}), similarity {r.similarity.name}, loss {imported.recipe.loss.name}")  # fmt: skip
     if imported.unused_keys:
         print(f"  {len(imported.unused_keys)} stored key(s) the released forward never reads, recorded in "
-              f"{out}/import.json (e.g. {imported.unused_keys[0]})")  # fmt: skip
+              f"{out}/config.json under imported_from (e.g. {imported.unused_keys[0]})")  # fmt: skip
     for note in imported.notes:
         print(f"  note: {note}")
     print(f"  next: vse eval {out} --data DIR --split test   |   python: vsekit.load({str(out)!r})")

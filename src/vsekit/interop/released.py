@@ -413,7 +413,6 @@ def write_imported_run(imported: ImportedModel, checkpoint: str | Path, out: str
                   "unused_keys": imported.unused_keys, "notes": imported.notes}  # fmt: skip
         write_run_config(tmp, imported.recipe, spec, {"imported_from": record})
         save_tensors(tmp / "best.safetensors", model.state_dict())
-        (tmp / "import.json").write_text(json.dumps(record, indent=2), encoding="utf-8")
         if out.exists():
             out.rmdir()
         tmp.rename(out)

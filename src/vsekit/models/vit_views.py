@@ -122,7 +122,6 @@ class ViTMultiViewImageEncoder(nn.Module):
         views: int = 2,
         keep_train: float = 0.8,
         keep_test: float = 0.9,
-        sampling_alpha: float = 4.0,
         pooling: PoolingConfig | None = None,
         normalize: bool = True,
         l2_eps_outside_sqrt: bool = True,
@@ -139,8 +138,6 @@ class ViTMultiViewImageEncoder(nn.Module):
                 raise ValueError(f"{name} must be in (0, 1], got {keep}")
         if views < 1:
             raise ValueError(f"views must be >= 1, got {views}")
-        if sampling_alpha <= 0:
-            raise ValueError(f"sampling_alpha must be > 0 (nearest patches win), got {sampling_alpha}")
         # the full body (final layernorm and pooler included) so the released checkpoint loads strictly;
         # only its embeddings' parameters and its layers are used in forward
         self.vit = ViTModel(build_vit_config(vit_config, attn_implementation), add_pooling_layer=True)
@@ -150,7 +147,6 @@ class ViTMultiViewImageEncoder(nn.Module):
         self.embed_dim = embed_dim
         self.views = views
         self.keep_train, self.keep_test = keep_train, keep_test
-        self.sampling_alpha = sampling_alpha
         self.fc = xavier_linear(hidden, embed_dim)
         self.pool = create_pooling(pooling or PoolingConfig(name="gpo"), embed_dim)
         self.normalize = normalize
@@ -265,10 +261,6 @@ class ViTMultiViewImageEncoder(nn.Module):
         return emb.reshape(emb.shape[0], self.views, self.embed_dim)
 
     # ---- released checkpoint --------------------------------------------------------------------------
-    def released_key(self, name: str) -> str:
-        """This module's key for a released checkpoint key (see `released_vit_key`)."""
-        return released_vit_key(name, self.state_dict().keys())
-
     def load_released_state(self, state: Mapping[str, torch.Tensor], strict: bool = True) -> list[str]:
         """Load the image part of a released AVSE state dict; returns the (non-image) keys not used."""
         mapped, rest = convert_released_image_state(state, self.state_dict().keys())

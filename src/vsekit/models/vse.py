@@ -42,7 +42,7 @@ class VSEModel(nn.Module):
                 raise ValueError("a vit image encoder needs the ViT configuration (DataSpec.vision_config)")
             self.image_encoder = ViTMultiViewImageEncoder(
                 spec.vision_config, m.embed_dim, views=m.image.views, keep_train=m.image.view_keep_train,
-                keep_test=m.image.view_keep_test, sampling_alpha=m.image.view_alpha, pooling=m.image.pooling,
+                keep_test=m.image.view_keep_test, pooling=m.image.pooling,
                 normalize=m.normalize, l2_eps_outside_sqrt=form == "add_eps", size_augment=recipe.data.size_augment,
                 grid_drop_max=recipe.data.grid_drop_max,
             )
