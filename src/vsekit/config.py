@@ -63,7 +63,8 @@ class ImageEncoderConfig:
 
 @dataclass
 class TextEncoderConfig:
-    kind: str = "bigru"  # bigru | transformer
+    # bigru | bow (mean of learned word embeddings: the linear floor every table carries) | transformer
+    kind: str = "bigru"
     word_dim: int = 300
     num_layers: int = 1
     vocab_min_count: int = 1
@@ -143,6 +144,10 @@ class DataConfig:
     train_split: str = "train"
     val_split: str = "dev"
     val_max_images: int = 1000  # dev truncated to its first 1,000 images, as every reference does
+    # train on this share of the training images (with all their captions), e.g. for a learning curve; the
+    # subset is a fixed random draw from train_subset_seed (not train.seed), nested: 25 % is inside 50 %
+    train_fraction: float = 1.0
+    train_subset_seed: int = 0
     captions_per_image: int = 5  # SCAN layout without a cap2img file
     size_augment: bool = True
     region_keep_prob: float = 0.8
@@ -353,7 +358,7 @@ _CHOICES = {
     "model.text.head": ("linear", "residual_mlp"),
     "model.text.tokenizer": ("regex", "nltk"),
     "model.image.feature_type": ("region", "grid"),
-    "model.text.kind": ("bigru", "transformer"),
+    "model.text.kind": ("bigru", "bow", "transformer"),
     "model.similarity.name": ("cosine", "aeom"),
     "loss.name": ("triplet", "adopt", "infonce", "ladder", "ladder_auto"),
     "loss.adopt_variant": ("paper", "reference"),
@@ -391,5 +396,7 @@ def validate_recipe(r: Recipe) -> None:
         raise ConfigError("train.epochs must be >= 0")
     if r.model.image.views < 1:
         raise ConfigError("model.image.views must be >= 1")
+    if not 0.0 < r.data.train_fraction <= 1.0:
+        raise ConfigError(f"data.train_fraction={r.data.train_fraction}; must lie in (0, 1]")
     if r.model.similarity.name == "aeom" and r.model.embed_dim % r.model.similarity.block_dim:
         raise ConfigError("model.embed_dim must be a multiple of model.similarity.block_dim")

