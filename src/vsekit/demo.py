@@ -44,8 +44,10 @@ class Variant:
         if self.text == "minilm":
             # MiniLM body frozen: on 2 CPU cores fine-tuning it would triple the step time. A frozen body's
             # token states are cached, so it runs once per caption; the projection and pooling still train.
-            return ["model.text.kind=transformer", "model.text.freeze=true"]
-        return ["model.text.kind=bigru", "model.text.word_dim=300"]
+            # weight decay 1e-4: the released VSE∞ code's value for its transformer (BERT) branch
+            return ["model.text.kind=transformer", "model.text.freeze=true", "optim.weight_decay=0.0001"]
+        # the released BiGRU code's settings: Treebank (nltk) tokens and AdamW's default weight decay 0.01
+        return ["model.text.kind=bigru", "model.text.word_dim=300", "model.text.tokenizer=nltk", "optim.weight_decay=0.01"]
 
 
 VARIANTS = [
