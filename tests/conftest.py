@@ -23,6 +23,24 @@ def rng():
     return np.random.default_rng(0)
 
 
+@pytest.fixture(scope="session")
+def shapes_model(tmp_path_factory) -> tuple[Path, Path]:
+    """(dataset dir, run dir): the coloured-shapes set and a small model trained on its EfficientNet-Lite0
+    features, built once per session (both steps are idempotent) for the search tests."""
+    pytest.importorskip("efficientnet_lite_pytorch")
+    from vsekit.search.shapes import make_shapes_dataset, train_shapes_model
+
+    base = tmp_path_factory.getbasetemp() / "shapes"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: much faster than two on a shared 2-core machine
+    try:
+        data = make_shapes_dataset(base / "data")
+        run = train_shapes_model(data, base / "run")
+    finally:
+        torch.set_num_threads(threads)
+    return data, run
+
+
 def reference_fixture_dir(name: str | None = None) -> Path:
     """Folder of the released-code parity fixtures (or one item's subfolder); skips the test when absent.
 
@@ -34,3 +52,53 @@ def reference_fixture_dir(name: str | None = None) -> Path:
     if not path.is_dir():
         pytest.skip(f"reference fixtures not found at {path} (set VSE_REFERENCE_FIXTURES)")
     return path
+
+
+class StepClock:
+    """A stand-in for a benchmark module's `time.perf_counter`: its calls come in (start, stop) pairs and pair i
+    measures exactly `durations[i]` seconds, so what a benchmark derives from its timings (medians, ratios,
+    samples/s) can be checked against values computed by hand. `install` swaps the module's `time` for it."""
+
+    def __init__(self, durations: list[float]) -> None:
+        self.durations = list(durations)
+        self.calls = 0
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        self.now += self.durations[self.calls // 2] if self.calls % 2 else 1.0
+        self.calls += 1
+        return self.now
+
+    def install(self, monkeypatch, module) -> "StepClock":
+        import types
+
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=self.perf_counter))
+        return self
+
+
+def spy_search_ids(monkeypatch) -> list[np.ndarray]:
+    """The ids every index returned in `vsekit.bench.search` (one [queries, k] array per timed index), in order."""
+    import vsekit.bench.search as bench
+
+    seen: list[np.ndarray] = []
+    real = bench._time_single
+
+    def spy(index, queries, k, *args, **kwargs):
+        ms, ids = real(index, queries, k, *args, **kwargs)
+        seen.append(np.array(ids))
+        return ms, ids
+
+    monkeypatch.setattr(bench, "_time_single", spy)
+    return seen
+
+
+def brute_force_topk(queries: np.ndarray, db: np.ndarray, k: int) -> np.ndarray:
+    """Exact top-k ids by inner product in float64 numpy (no FAISS): the ground truth for recall checks."""
+    scores = np.asarray(queries, np.float64) @ np.asarray(db, np.float64).T
+    return np.argsort(-scores, axis=1, kind="stable")[:, :k]
+
+
+def recall_vs(ids: np.ndarray, truth: np.ndarray) -> float:
+    """Mean fraction of each query's true top-k found among its returned ids."""
+    k = truth.shape[1]
+    return float(np.mean([len(set(a.tolist()) & set(t.tolist())) / k for a, t in zip(ids, truth)]))

@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -59,6 +60,31 @@ def test_k_rule_reference_hand_computed():
     assert adopt_k(0.0, 0.0, 128, "reference", 1.25) == 127  # t = 0 -> 128 + 1 -> clamped to B - 1
     # the diagonal is excluded from exp(-cos) (set to 0 -> e^0 = 1): positives 1, negatives 0 -> u = 1
     assert adopt_gammas(_sims(1.0, 0.0, 4), "reference") == (1.0, 1.0)
+
+
+def _maturing_batch(align: float, b: int = 128) -> torch.Tensor:
+    """Positives at cosine `align`, negatives spread around 0 (a model that is learning without collapsing)."""
+    g = torch.Generator().manual_seed(0)
+    off = 0.05 * torch.randn(b, b, generator=g)
+    return off + (align - off) * torch.eye(b)
+
+
+def test_default_k_falls_as_the_model_matures():
+    """The recipe's default rule (the released code's) lowers K as gamma_align + gamma_uniform rises, to a
+    handful of negatives, as the paper's Fig. C-2 shows; the printed Eq. 6 keeps K near |B| (docs/vse_2ad.md)."""
+    cfg = load_recipe("vse_2ad").loss
+    assert cfg.adopt_variant == "reference" and LossConfig().adopt_variant == "reference"
+    loss_fn = create_loss(cfg)
+    ks, ts = [], []
+    for align in (0.0, 0.2, 0.3, 0.4, 0.5, 0.7):
+        _, d = loss_fn(_maturing_batch(align), image_ids=torch.arange(128))
+        ks.append(d["K_i2t"])
+        ts.append(d["align"] + d["uniform"])
+    assert ts == sorted(ts) and ks == sorted(ks, reverse=True) and len(set(ks)) >= 4, ks
+    assert ks[0] >= 64 and ks[-1] <= 5
+    printed = create_loss(dataclasses.replace(cfg, adopt_variant="paper"))
+    _, d = printed(_maturing_batch(0.7), image_ids=torch.arange(128))
+    assert d["K_i2t"] >= 0.7 * 128  # Eq. 6 as printed: K stays large for the same batch
 
 
 def test_k_is_logged_and_follows_the_batch():
@@ -190,7 +216,8 @@ def test_create_loss_and_errors():
     loss_fn = create_loss(LossConfig(name="adopt", adopt_variant="reference", adopt_scale=1.5, margin=0.3, temperature=0.1))
     assert isinstance(loss_fn, ADOPTLoss)
     assert (loss_fn.variant, loss_fn.scale, loss_fn.margin, loss_fn.temperature) == ("reference", 1.5, 0.3, 0.1)
-    assert create_loss(LossConfig(name="adopt")).margin == 0.0  # the paper's objective has no margin
+    assert create_loss(LossConfig(name="adopt", adopt_variant="paper")).margin == 0.0  # the paper's objective has no margin
+    assert create_loss(LossConfig(name="adopt")).margin == 0.2  # the default, the released rule: + margin
     with pytest.raises(ValueError, match="square"):
         ADOPTLoss()(torch.zeros(3, 4))
     with pytest.raises(ValueError, match="variant"):
@@ -210,16 +237,19 @@ def test_vse_2ad_trains_and_logs_k_every_iteration(synthetic_dir, tmp_path):
 
     over = ["model.embed_dim=32", "train.batch_size=32", "train.log_every=4", "model.text.word_dim=16",
             "model.image.mlp_hidden=32"]  # fmt: skip
-    trainer = Trainer(load_recipe("vse_2ad", over), synthetic_dir, tmp_path / "run", progress=False, log=lambda *_: None)
+    recipe = load_recipe("vse_2ad", over)
+    trainer = Trainer(recipe, synthetic_dir, tmp_path / "run", progress=False, log=lambda *_: None)
+    rule = (recipe.loss.adopt_variant, recipe.loss.adopt_scale)
     trainer.fit(max_steps=6)
     recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if r["kind"] == "step"]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]  # one record per iteration
     assert [r["step"] for r in recs if r["kind"] == "train"] == [4]  # the regular log keeps its interval
     for r in steps:
-        assert 1 <= r["K_i2t"] <= 31 and r["K_i2t"] == r["K_t2i"] and 0 <= r["align"] <= 1 and 0 <= r["uniform"] <= 1
-        assert r["K_i2t"] == adopt_k(r["align"], r["uniform"], 32)  # the logged K is the rule's K
-    assert steps[0]["K_i2t"] >= 20  # immature model: many negatives
+        # paper: both gammas clipped to [0, 1]; reference: align unclipped, uniform = mean e^-cos in [1/e, e]
+        assert 1 <= r["K_i2t"] <= 31 and r["K_i2t"] == r["K_t2i"] and -1 <= r["align"] <= 1 and 0 <= r["uniform"] <= math.e
+        assert r["K_i2t"] == adopt_k(r["align"], r["uniform"], 32, *rule)  # the logged K is the rule's K
+    assert steps[0]["K_i2t"] >= 16  # immature model: many negatives
     trainer._tb.flush()
     acc = EventAccumulator(str(tmp_path / "run" / "tb"))
     acc.Reload()

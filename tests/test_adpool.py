@@ -170,9 +170,16 @@ def test_create_pooling_and_recipe_wire_adpool():
     pool = create_pooling(cfg, 8)
     assert isinstance(pool, ADPool) and not pool.token_level and pool.embedding_level and pool.variant == "reference"
     r = load_recipe("vse_2ad")
+    # defaults: the released code's forms behind the paper's tables and figures (docs/reproduce.md)
+    assert PoolingConfig().adpool_variant == "reference"
     for p in (r.model.image.pooling, r.model.text.pooling):
-        assert p.name == "adpool" and p.token_level and p.embedding_level and p.adpool_variant == "paper"
-    assert r.loss.name == "adopt" and r.loss.temperature == 0.05 and r.loss.adopt_variant == "paper"
+        assert p.name == "adpool" and p.token_level and p.embedding_level and p.adpool_variant == "reference"
+        assert p.adpool_mask_padding  # the released padding leak is not a default
+    assert r.loss.name == "adopt" and r.loss.temperature == 0.05 and r.loss.adopt_variant == "reference"
+    assert not r.loss.adopt_zero_fill_negatives  # nor is its positive-as-negative pick
+    paper = load_recipe("vse_2ad", ["model.image.pooling.adpool_variant=paper"]).model.image.pooling
+    assert create_pooling(paper, 8).token_scorer.weight.shape == (1, 8)  # one weight per rank
+    assert create_pooling(r.model.image.pooling, 8).token_scorer.weight.shape == (8, 8)  # per rank and dimension
     assert r.optim.lr == 5e-4 and r.optim.lr_decay_epochs == [15] and r.optim.lr_decay == 0.1
     assert r.train.epochs == 25 and r.train.batch_size == 128 and r.model.embed_dim == 1024
 

@@ -1,24 +1,30 @@
-"""AEOM similarity: dustbin Sinkhorn properties, the released variant, the fast no-grad path, the bench."""
+"""AEOM similarity: dustbin Sinkhorn properties, the readouts (released code's scores on the fixtures), the
+fast no-grad path, the bench."""
 
+import argparse
+import json
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from vsekit.config import SimilarityConfig
+from conftest import reference_fixture_dir
+from vsekit.config import ConfigError, SimilarityConfig, load_recipe, recipe_from_dict, to_dict
 from vsekit.similarity import all_pairs, create_similarity
 from vsekit.similarity.aeom import (
     AEOMSimilarity,
     augment_with_dustbin,
     block_affinity,
     log_sinkhorn_dustbin,
+    max_sum,
 )
 
 
-def make_sim(embed_dim=16, views=2, block_dim=8, iters=20, use_sinkhorn=True, dustbin=1.0) -> AEOMSimilarity:
+def make_sim(embed_dim=16, views=2, block_dim=8, iters=20, use_sinkhorn=True, dustbin=1.0, readout="plan",
+             temperature=1.0) -> AEOMSimilarity:  # fmt: skip
     cfg = SimilarityConfig(name="aeom", block_dim=block_dim, sinkhorn_iters=iters, use_sinkhorn=use_sinkhorn,
-                           dustbin_init=dustbin)  # fmt: skip
+                           dustbin_init=dustbin, readout=readout, temperature=temperature)  # fmt: skip
     return AEOMSimilarity(embed_dim, views, cfg)
 
 
@@ -107,9 +113,12 @@ def test_block_affinity_and_dustbin_layout():
     assert (aug[..., -1, :] == 0.5).all() and (aug[..., :, -1] == 0.5).all()
 
 
-@pytest.mark.parametrize("z", [1.0, -3.0, 45.0, -45.0])
-def test_fast_no_grad_path_matches_log_space(z):
-    sim = make_sim(dustbin=z)
+@pytest.mark.parametrize("readout", ["plan", "log_plan"])
+@pytest.mark.parametrize(
+    "z,temperature", [(1.0, 1.0), (-3.0, 1.0), (45.0, 1.0), (-45.0, 1.0), (0.5, 0.1), (2.0, 0.02)]
+)
+def test_fast_no_grad_path_matches_log_space(z, temperature, readout):
+    sim = make_sim(dustbin=z, readout=readout, temperature=temperature)
     g = torch.Generator().manual_seed(5)
     img, txt = torch.randn(7, 32, generator=g), torch.randn(11, 16, generator=g)
     with torch.enable_grad():
@@ -168,4 +177,108 @@ def test_converged_stop_matches_running_every_iteration():
     sim.converged_tol = 0.0
     torch.testing.assert_close(early, sim.score_no_grad(img, txt), atol=1e-6, rtol=1e-6)
     k = torch.rand(4, 2, 50, generator=g).exp()  # the stop is real: 2 iterations from a fixed point differ
-    assert not torch.allclose(_scaled_sinkhorn_scores(k.clone(), 1.0, 4, 2, 1), _scaled_sinkhorn_scores(k.clone(), 1.0, 4, 2, 50, 1e-6))
+    assert not torch.allclose(
+        _scaled_sinkhorn_scores(k.clone(), 1.0, 4, 2, 1),
+        _scaled_sinkhorn_scores(k.clone(), 1.0, 4, 2, 50, 1e-6),
+    )
+
+
+# ------------------------------------------------------------------------------------------ readouts
+
+
+def avse_fixture():
+    """(img_emb, cap_emb, outputs, block width, dustbin score) of the released-code AVSE fixture."""
+    folder = reference_fixture_dir("avse")
+    out = dict(np.load(folder / "outputs.npz"))
+    meta = json.loads((folder / "meta.json").read_text())
+    block = int(np.ravel(meta["block_dim"])[0])
+    torch.serialization.add_safe_globals([argparse.Namespace])
+    ckpt = torch.load(folder / "model_best.pth", map_location="cpu", weights_only=True)
+    z = float(ckpt["model"]["sim_enc.bin_score"])
+    return torch.from_numpy(out["img_emb"]), torch.from_numpy(out["cap_emb"]), out, block, z
+
+
+@pytest.mark.parametrize("readout,key", [("log_plan", "sims_ot_variant"), ("maxsum", "sims")])
+def test_readouts_give_the_released_code_scores(readout, key):
+    """log_plan = the released Sinkhorn line (max/sum of the log plan), maxsum = its active line; both paths."""
+    img, cap, out, block, z = avse_fixture()
+    embed = cap.shape[1]
+    views = img.shape[1] // embed
+    cfg = SimilarityConfig(name="aeom", block_dim=block, sinkhorn_iters=20, readout=readout, dustbin_init=z)
+    sim = AEOMSimilarity(embed, views, cfg)
+    expected = torch.from_numpy(out[key])
+    with torch.enable_grad():
+        graded = sim(img, cap.clone().requires_grad_(True))
+    assert graded.requires_grad
+    torch.testing.assert_close(graded.detach(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sim.score_no_grad(img, cap), expected, atol=1e-5, rtol=1e-5)
+    if readout == "log_plan":  # per block pair, the log plan is the released `dbg_ot_logits`
+        released_log_plan = torch.from_numpy(out["dbg_ot_logits"])
+        torch.testing.assert_close(
+            sim.matched_affinity(img, cap).detach(), released_log_plan, atol=1e-5, rtol=1e-5
+        )
+        # the plan readout (Eq. 2 read literally) scores the same plan's probabilities: not the released scores
+        plan = AEOMSimilarity(
+            embed, views, SimilarityConfig(name="aeom", block_dim=block, readout="plan", dustbin_init=z)
+        )
+        torch.testing.assert_close(
+            plan.score_no_grad(img, cap), max_sum(released_log_plan.exp()), atol=1e-5, rtol=1e-5
+        )
+        assert (plan.score_no_grad(img, cap) - expected).abs().max() > 0.1
+
+
+def test_use_sinkhorn_false_is_the_maxsum_readout():
+    g = torch.Generator().manual_seed(11)
+    img, txt = torch.randn(5, 32, generator=g), torch.randn(6, 16, generator=g)
+    a = make_sim(use_sinkhorn=False, readout="log_plan")
+    b = make_sim(readout="maxsum")
+    assert a.readout == b.readout == "maxsum" and not a.use_sinkhorn and not b.use_sinkhorn
+    torch.testing.assert_close(a(img, txt), b(img, txt))
+
+
+def test_readout_spread_on_random_embeddings():
+    """The plan's probabilities barely vary; the log plan and the block max-sum spread ~8-10x more (docs/avse.md)."""
+    g = torch.Generator().manual_seed(0)
+    img, txt = torch.randn(64, 2048, generator=g), torch.randn(64, 1024, generator=g)
+    std = {
+        r: float(make_sim(1024, 2, 512, readout=r).score_no_grad(img, txt).std())
+        for r in ("plan", "log_plan", "maxsum")
+    }
+    assert std["plan"] < 0.008 and 0.02 < std["log_plan"] < 0.04 and 0.03 < std["maxsum"] < 0.06
+    assert std["log_plan"] > 5 * std["plan"]
+
+
+def test_temperature_divides_the_cosines_before_sinkhorn():
+    """One view, one block: S_plan = sigmoid((cos / t - z) / 2) (the t = 1 case is tested above), S_log = its log."""
+    d, z, t = 16, 0.4, 0.25
+    g = torch.Generator().manual_seed(12)
+    img, txt = torch.randn(7, d, generator=g), torch.randn(9, d, generator=g)
+    cos = nn_normalize(img) @ nn_normalize(txt).t()
+    expect = torch.sigmoid((cos / t - z) / 2)
+    plan = make_sim(d, 1, d, dustbin=z, temperature=t, iters=50)
+    torch.testing.assert_close(plan(img, txt), expect, atol=1e-5, rtol=0)
+    torch.testing.assert_close(plan.score_no_grad(img, txt), expect, atol=1e-5, rtol=0)
+    log = make_sim(d, 1, d, dustbin=z, temperature=t, iters=50, readout="log_plan")
+    torch.testing.assert_close(log(img, txt), expect.log(), atol=1e-5, rtol=0)
+    # the block max-sum has no Sinkhorn, so no temperature
+    torch.testing.assert_close(
+        make_sim(d, 1, d, temperature=t, readout="maxsum")(img, txt), cos, atol=1e-6, rtol=0
+    )
+
+
+def test_readout_and_temperature_config():
+    r = load_recipe("avse")
+    sim = r.model.similarity
+    assert (sim.readout, sim.temperature, sim.use_sinkhorn) == ("log_plan", 1.0, True)
+    assert load_recipe("avse", ["model.similarity.readout=plan"]).model.similarity.readout == "plan"
+    with pytest.raises(ConfigError, match="readout"):
+        load_recipe("avse", ["model.similarity.readout=exp"])
+    with pytest.raises(ConfigError, match="temperature"):
+        load_recipe("avse", ["model.similarity.temperature=0"])
+    with pytest.raises(ValueError, match="readout"):
+        make_sim(readout="nope")
+    # a run saved before `readout` existed was trained with the plan readout and is read back with it
+    saved = to_dict(r)
+    del saved["model"]["similarity"]["readout"]
+    assert recipe_from_dict(saved).model.similarity.readout == "plan"
+    assert recipe_from_dict(to_dict(r)).model.similarity.readout == "log_plan"

@@ -121,16 +121,17 @@ def test_training_steps_never_read_the_loss_back(synthetic_dir, tmp_path):
 
 
 def test_nan_loss_is_caught_before_anything_is_saved(synthetic_dir, tmp_path):
-    r = load_recipe("vsepp", TRAIN_SMALL + ["train.epochs=1", "train.checkpoint_every=1", "train.log_every=3"])
+    r = load_recipe("vsepp", TRAIN_SMALL + ["train.epochs=1", "train.checkpoint_every=1", "train.log_every=1"])
     t = Trainer(r, synthetic_dir, tmp_path / "run", **QUIET)
-    _wrap_step(t, loss_at=2)
-    with pytest.raises(FloatingPointError, match="at step 2"):
+    _wrap_step(t, loss_at=3)  # steps 0-2 finite (logged and checkpointed), step 3 NaN
+    with pytest.raises(FloatingPointError, match="at step 3"):
         t.fit()
     saved = json.loads((tmp_path / "run" / "last_state.json").read_text())
-    assert saved["train_state"]["global_step"] == 2  # the checkpoint after the last finite step
-    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] if (
-        tmp_path / "run" / "metrics.jsonl").exists() else []  # fmt: skip
-    assert all(np.isfinite(rec["loss"]) for rec in records)
+    assert saved["train_state"]["global_step"] == 3  # the checkpoint after the last finite step
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [rec for rec in records if rec["kind"] == "train"]
+    assert [rec["step"] for rec in train] == [1, 2, 3]  # the finite steps' records, none for the NaN step
+    assert all(np.isfinite(rec["loss"]) for rec in train)
 
 
 def test_length_bucketing_groups_similar_lengths_and_covers_every_sample():

@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import StepClock, brute_force_topk, recall_vs, spy_search_ids
 from vsekit.bench.eval import bench_eval, planted_sims, reference_loop_metrics
 from vsekit.bench.train_step import bench_train_step, synthetic_batch
 from vsekit.cli import main
@@ -32,8 +35,17 @@ def test_synthetic_batch_has_the_requested_shapes():
 def test_train_step_bench_times_real_steps():
     row = bench_train_step("vse_infty", batch=6, overrides=["model.text.word_dim=8"], **TINY)
     assert row["ms_median"] > 0 and row["ms_min"] <= row["ms_median"]
-    assert row["samples_per_s"] == pytest.approx(6 / (row["ms_median"] / 1e3))
     assert row["peak_gib"] > 0 and row["params"] > 0 and row["amp"] == "none"
+    # the arithmetic, on steps of known length: one untimed 9 s warm-up, then 0.1 s, 0.5 s and 0.2 s
+    import vsekit.bench.train_step as module
+
+    with pytest.MonkeyPatch.context() as mp:
+        clock = StepClock([9.0, 0.1, 0.5, 0.2]).install(mp, module)
+        row = bench_train_step("vse_infty", batch=6, overrides=["model.text.word_dim=8"], **{**TINY, "steps": 3})
+    assert clock.calls == 8  # one start/stop pair per step, warm-up included
+    assert row["ms_median"] == pytest.approx(200.0) and row["ms_min"] == pytest.approx(100.0)
+    assert row["ms_std"] == pytest.approx(208.1666, rel=1e-5)  # sample stdev of 100, 500, 200 ms
+    assert row["samples_per_s"] == pytest.approx(30.0)  # 6 samples per 0.2 s
     amp = bench_train_step("vse_infty", batch=6, overrides=["model.text.word_dim=8", "train.amp=bf16"], **TINY)
     assert amp["amp"] == "bf16"
 
@@ -59,7 +71,16 @@ def test_reference_loop_matches_the_metrics_module():
 def test_eval_bench_times_eval_sims_and_the_reference():
     row = bench_eval(n_images=50, repeats=2)
     assert row["eval_sims_s"] > 0 and row["reference_s"] > 0 and row["max_abs_diff"] < 1e-9
-    assert row["speedup"] == pytest.approx(row["reference_s"] / row["eval_sims_s"])
+    # known durations: `vse eval-sims` 0.5 s and 0.7 s, in memory 0.1 s, the reference loop 6 s
+    import vsekit.bench.eval as module
+
+    with pytest.MonkeyPatch.context() as mp:
+        clock = StepClock([0.5, 0.7, 0.1, 6.0]).install(mp, module)
+        timed = bench_eval(n_images=20, repeats=2)
+    assert clock.calls == 8
+    assert timed["eval_sims_s"] == pytest.approx(0.6) and timed["eval_sims_min_s"] == pytest.approx(0.5)
+    assert timed["in_memory_s"] == pytest.approx(0.1) and timed["reference_s"] == pytest.approx(6.0)
+    assert timed["speedup"] == pytest.approx(10.0)
     fast = bench_eval(n_images=20, repeats=1, reference=False)
     assert math.isnan(fast["reference_s"])
 
@@ -100,15 +121,24 @@ def test_bench_eval_and_ladder_cli(capsys):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("faiss") is None, reason="needs faiss-cpu")
-def test_bench_search_cli(capsys):
+def test_bench_search_cli(capsys, monkeypatch):
+    from vsekit.bench.search import ClusteredVectors
+
+    seen = spy_search_ids(monkeypatch)
     args = ["bench", "search", "--n", "3000", "--dim", "16", "--queries", "40", "--clusters", "20", "--nlist", "8",
-            "--nprobe", "8", "--no-sq8"]  # fmt: skip
+            "--nprobe", "8", "--no-sq8", "--exact-queries", "30"]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| 3,000 x 16")]
-    assert len(rows) == 2  # exact + IVF
+    assert len(rows) == 2 and len(seen) == 2  # exact + IVF
     recall = [float(r.split("|")[7]) for r in rows]
-    assert recall[0] == 1.0 and recall[1] == 1.0  # nprobe = nlist searches every list: exact
+    # ground truth by brute force in numpy on the same data (the bench's own truth is FAISS's flat index)
+    data = ClusteredVectors(16, 20, 1.0, seed=0)
+    db, q = np.concatenate(list(data.chunks(3000, 50_000))), data.queries(40)
+    truth = brute_force_topk(q, db, 10)
+    assert [set(r) for r in seen[0]] == [set(t) for t in truth[:30]]  # the flat index is exact
+    assert recall_vs(seen[1], truth) == 1.0  # nprobe = nlist searches every list: exact
+    assert recall == [1.0, 1.0]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("faiss") is None, reason="needs faiss-cpu")
@@ -159,4 +189,86 @@ def test_bench_aeom_model_eval_times_both_recipes():
                           overrides=["model.embed_dim=32", "model.similarity.block_dim=16"])  # fmt: skip
     assert row["n_captions"] == 16 and row["views"] == 2 and row["block_dim"] == 16
     assert row["aeom_eval_s"] > 0 and row["cosine_eval_s"] > 0
-    assert row["ratio_eval"] == pytest.approx(row["aeom_eval_s"] / row["cosine_eval_s"])
+    # known durations: the vse_infty eval takes 2 s, the avse one 5 s (the untimed warm-ups are not counted)
+    import vsekit.bench.aeom as module
+
+    with pytest.MonkeyPatch.context() as mp:
+        clock = StepClock([2.0, 5.0]).install(mp, module)
+        row = bench_aeom_eval(8, 2, repeats=1, regions=3, img_dim=16,
+                              overrides=["model.embed_dim=32", "model.similarity.block_dim=16"])  # fmt: skip
+    assert clock.calls == 4
+    assert row["cosine_eval_s"] == pytest.approx(2.0) and row["aeom_eval_s"] == pytest.approx(5.0)
+    assert row["ratio_eval"] == pytest.approx(2.5)
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(f"## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else len(text)]
+
+
+@pytest.mark.parametrize("bench", sorted(SECTIONS))
+def test_append_lands_in_the_docs_own_section(tmp_path, bench):
+    """docs/benchmarks.md has a section for every `vse bench` benchmark, so `--append docs/benchmarks.md`
+    adds rows there instead of starting a duplicate section at the end of the file."""
+    original = DOCS.read_text(encoding="utf-8")
+    heading = SECTIONS[bench]
+    assert original.count(f"\n## {heading}\n") == 1, f"docs/benchmarks.md has no section '## {heading}'"
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(original, encoding="utf-8")
+    rows = ["| x | y |", "|---|---|", f"| {bench}-row | 1 |"]
+    append_markdown(doc, heading, rows)
+    text = doc.read_text(encoding="utf-8")
+    assert text.count("\n## ") == original.count("\n## ")  # no new section
+    assert f"| {bench}-row | 1 |" in _section(text, heading)
+    assert "\n".join(rows) in _section(text, heading)  # one new table, under the heading
+    rest = text.replace("\n".join(rows) + "\n", "", 1)
+    assert [x for x in rest.splitlines() if x.strip()] == [x for x in original.splitlines() if x.strip()]  # nothing else
+
+
+def test_bench_pool_append_extends_the_docs_table(tmp_path, capsys):
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(DOCS.read_text(encoding="utf-8"), encoding="utf-8")
+    before = _section(doc.read_text(), SECTIONS["pool"])
+    assert main(["bench", "pool", "--batch", "2", "--n", "3", "--dim", "4", "--repeats", "1", "--poolings", "avg",
+                 "--append", str(doc)]) == 0  # fmt: skip
+    after = _section(doc.read_text(), SECTIONS["pool"])
+    assert after.count("| pooling | B x N x D |") == before.count("| pooling | B x N x D |") == 1  # the same table
+    new = [line for line in after.splitlines() if "`vse bench pool --batch 2" in line]
+    assert len(new) == 1 and new[0].startswith("| avg | 2x3x4 |")
+    table = [line for line in after.splitlines() if line.startswith("|")]
+    assert table[-1] == new[0]  # appended after the table's existing rows
+
+
+def test_bench_search_module_entry_point_is_vse_bench_search(monkeypatch, capsys, tmp_path):
+    """`python -m vsekit.bench.search ann` and `vse bench search` run one parser with one set of defaults:
+    the documented 1M x 1024 run (bench_search's own defaults)."""
+    import vsekit.bench.search as module
+
+    calls = []
+
+    def fake_bench_search(**kwargs):
+        calls.append({k: v for k, v in kwargs.items() if k != "log"})
+        setup = {"n": 10, "dim": 4, "k": 10, "queries": 2, "clusters": 3, "spread": 1.0, "threads": 1,
+                 "faiss": "x", "vectors": None}  # fmt: skip
+        return {"setup": setup, "rows": [{"index": "flat (exact)", "params": "", "build_s": 0.1, "bytes_per_vector": 16, "p50_ms": 1.0,
+                                          "p99_ms": 2.0, "recall_at_k": 1.0}]}  # fmt: skip
+
+    monkeypatch.setattr(module, "bench_search", fake_bench_search)
+    assert module.main(["ann"]) == 0
+    assert main(["bench", "search"]) == 0
+    assert calls[0] == calls[1]
+    expect = {"n": 1_000_000, "dim": 1024, "queries": 200, "exact_queries": 30, "clusters": 10_000, "spread": 1.0,
+              "nlist": 0, "nprobes": (4, 8, 16, 32), "sq8": True, "hnsw_m": 0, "ef_searches": (32, 64, 128),
+              "train_size": 0, "kmeans_iters": 10, "threads": 1, "vectors": None, "query_vectors": None}  # fmt: skip
+    assert {k: calls[0][k] for k in expect} == expect
+    out = tmp_path / "r.json"
+    assert module.main(["ann", "--n", "5000", "--nprobe", "2", "8", "--hnsw-m", "16", "--json", str(out)]) == 0
+    assert (calls[2]["n"], calls[2]["nprobes"], calls[2]["hnsw_m"]) == (5000, (2, 8), 16)
+    assert json.loads(out.read_text())["rows"][0]["index"] == "flat (exact)"
+    printed = capsys.readouterr().out
+    assert "`vse bench search --n 5000 --nprobe 2 8 --hnsw-m 16`" in printed  # --json is not part of the command
+    assert module.main(["nope"]) == 2

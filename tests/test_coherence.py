@@ -8,12 +8,14 @@ from scipy.stats import kendalltau
 from sklearn.metrics import average_precision_score
 
 from vsekit.cli import main
-from vsekit.data.relevance import image_caption_relevance
 from vsekit.metrics import MetricsInputError
 from vsekit.metrics.coherence import (
     average_precision_i2t,
     coherence_metrics,
+    coherence_metrics_by_fold,
     coherent_scores,
+    first_caption_per_image,
+    image_caption_relevance,
     kendall_tau_b,
 )
 
@@ -52,7 +54,9 @@ def test_cs_top_k_matches_slow_loop(rng):
         ours = coherent_scores(scores, relevance, k)
         for i in range(12):
             top = np.argsort(-scores[i])[: min(k, 40)]
-            assert ours[i] == pytest.approx(kendalltau(scores[i, top], relevance[i, top]).statistic, abs=1e-12)
+            assert ours[i] == pytest.approx(
+                kendalltau(scores[i, top], relevance[i, top]).statistic, abs=1e-12
+            )
 
 
 def test_image_caption_relevance_combines_captions():
@@ -78,7 +82,7 @@ def test_coherence_metrics_against_direct_definition(rng):
     emb /= np.linalg.norm(emb, axis=1, keepdims=True)
     rel = (emb @ emb.T).astype(np.float32)
     np.fill_diagonal(rel, 1.0)  # an image's own captions tie at relevance 1
-    out = coherence_metrics(sims, cap2img, rel, ks=[4])
+    out = coherence_metrics(sims, cap2img, rel, ks=[4], protocol="all_captions")
     i2t, t2i = [], []
     for q in range(n_img):
         r = np.array([max(rel[a, c] for a in np.nonzero(cap2img == q)[0]) for c in range(n_cap)])
@@ -88,9 +92,117 @@ def test_coherence_metrics_against_direct_definition(rng):
         r = np.array([max(rel[c, a] for a in np.nonzero(cap2img == p)[0]) for p in range(n_img)])
         top = np.argsort(-sims[:, c])[:4]
         t2i.append(kendalltau(sims[top, c], r[top]).statistic)
-    assert out["i2t_cs@4"] == pytest.approx(np.mean(i2t))
-    assert out["t2i_cs@4"] == pytest.approx(np.mean(t2i))
-    assert set(out) == {"i2t_cs@4", "t2i_cs@4", "i2t_map"}
+    assert out["i2t_cs_allcap@4"] == pytest.approx(np.mean(i2t))
+    assert out["t2i_cs_allcap@4"] == pytest.approx(np.mean(t2i))
+    assert set(out) == {"i2t_cs_allcap@4", "t2i_cs_allcap@4", "i2t_map"}
+
+
+def test_paper_protocol_on_a_hand_built_matrix():
+    """One caption per image (each image's first, in caption order), both directions ranked over the images,
+    relevance R[c_i, c_j]: τ-b worked out by hand. The second captions (3-5) must not matter."""
+    cap2img = np.array([0, 1, 2, 0, 1, 2])  # first captions: 0, 1, 2
+    sims = np.zeros((3, 6))
+    sims[:, :3] = [[0.9, 0.1, 0.5], [0.2, 0.8, 0.6], [0.3, 0.4, 0.7]]
+    sims[:, 3:] = [[5.0, -5.0, 2.0], [-3.0, 4.0, 9.0], [7.0, 1.0, -2.0]]  # other captions: ignored
+    rel = np.full((6, 6), -0.7)
+    rel[:3, :3] = [[1.0, 0.5, 0.2], [0.5, 1.0, 0.3], [0.2, 0.3, 1.0]]
+    np.fill_diagonal(rel, 1.0)
+    # i2t image 0: order c0, c2, c1 with relevance 1, .2, .5 -> 2 concordant, 1 discordant -> 1/3;
+    # image 1 likewise 1/3; image 2 fully concordant -> 1. t2i the same by symmetry of this example.
+    out = coherence_metrics(sims, cap2img, rel, ks=[3, 1000])
+    assert out["i2t_cs@3"] == pytest.approx(5 / 9) and out["t2i_cs@3"] == pytest.approx(5 / 9)
+    assert out["i2t_cs@1000"] == out["i2t_cs@3"]  # K above the image count ranks all of them
+    assert set(out) == {"i2t_cs@3", "t2i_cs@3", "i2t_cs@1000", "t2i_cs@1000", "i2t_map"}
+    assert out["i2t_map"] == pytest.approx(average_precision_i2t(sims, cap2img).mean())  # mAP: all captions
+
+
+def test_paper_protocol_is_the_released_dotau(rng):
+    """The release's `doTau`: S = images x their first caption ([::5] of the 5-per-image layout); i2t ranks
+    row i, t2i column i, both against capsts[i, topK]."""
+    n_img, per = 30, 5
+    cap2img = np.repeat(np.arange(n_img), per)
+    sims = rng.normal(size=(n_img, n_img * per))
+    emb = rng.normal(size=(n_img * per, 8))
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    rel = emb @ emb.T
+    s, capsts = sims[:, ::per], rel[::per, ::per]
+    for k in (5, 12):
+        i2t = [
+            kendalltau(s[i, np.argsort(-s[i])[:k]], capsts[i, np.argsort(-s[i])[:k]]).statistic
+            for i in range(n_img)
+        ]
+        t2i = [kendalltau(s[np.argsort(-s[:, i])[:k], i], capsts[i, np.argsort(-s[:, i])[:k]]).statistic
+               for i in range(n_img)]  # fmt: skip
+        out = coherence_metrics(sims, cap2img, rel, ks=[k])
+        assert out[f"i2t_cs@{k}"] == pytest.approx(np.mean(i2t))
+        assert out[f"t2i_cs@{k}"] == pytest.approx(np.mean(t2i))
+
+
+def test_first_caption_per_image():
+    assert first_caption_per_image(np.array([2, 0, 0, 1, 2, 1])).tolist() == [1, 3, 0]
+    with pytest.raises(MetricsInputError, match="every image row"):
+        first_caption_per_image(np.array([0, 2]))
+
+
+def _fold_blocks(rng, n_img=25, per=1):
+    """Relevance from random embeddings; inside each 5-image fold the scores are the relevance (CS = 1),
+    across folds they are high and reversed (so one ranking over all images would put them first, CS = -1)."""
+    cap2img = np.repeat(np.arange(n_img), per)
+    emb = rng.normal(size=(len(cap2img), 6))
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    rel = emb @ emb.T
+    img_rel = rel[np.ix_(first_caption_per_image(cap2img), np.arange(len(cap2img)))]  # [images, captions]
+    fold = np.arange(n_img) // (n_img // 5)
+    same = fold[:, None] == fold[cap2img][None, :]
+    sims = np.where(same, img_rel, 5.0 - img_rel)
+    return sims, cap2img, rel
+
+
+def test_fold5_cs_is_the_mean_over_1k_folds_not_one_5k_ranking(rng):
+    from vsekit.metrics import evaluate_sims
+
+    sims, cap2img, rel = _fold_blocks(rng)
+    folds = coherence_metrics_by_fold(sims, cap2img, rel, ks=[5])
+    assert len(folds) == 5 and all(f["i2t_cs@5"] == pytest.approx(1.0) for f in folds)
+    assert all(f["t2i_cs@5"] == pytest.approx(1.0) for f in folds)
+    fold5 = coherence_metrics(sims, cap2img, rel, ks=[5], fold5=True)
+    assert fold5["i2t_cs@5"] == pytest.approx(1.0) and fold5["t2i_cs@5"] == pytest.approx(1.0)
+    whole = coherence_metrics(sims, cap2img, rel, ks=[5])
+    assert whole["i2t_cs@5"] == pytest.approx(-1.0) and whole["t2i_cs@5"] == pytest.approx(-1.0)
+    # each fold's values are the metrics of that fold's own sub-matrices
+    for f, fold in enumerate(folds):
+        rows, cols = np.arange(5 * f, 5 * f + 5), np.nonzero(cap2img // 5 == f)[0]
+        assert fold == coherence_metrics(
+            sims[np.ix_(rows, cols)], cap2img[cols] - 5 * f, rel[np.ix_(cols, cols)], ks=[5]
+        )
+    out = evaluate_sims(sims, cap2img, fold5=True, relevance=rel, cs_k=[5])
+    assert out["i2t_cs@5"] == pytest.approx(1.0)
+    assert all(row["i2t_cs@5"] == pytest.approx(1.0) and "i2t_r1" in row for row in out["folds"])
+    assert out["i2t_map"] == pytest.approx(np.mean([f["i2t_map"] for f in folds]))
+
+
+def test_fold5_all_captions_protocol_is_per_fold_too(rng):
+    sims, cap2img, rel = _fold_blocks(rng, per=2)
+    folds = coherence_metrics_by_fold(sims, cap2img, rel, ks=[4], protocol="all_captions")
+    fold5 = coherence_metrics(sims, cap2img, rel, ks=[4], protocol="all_captions", fold5=True)
+    assert fold5["i2t_cs_allcap@4"] == pytest.approx(np.mean([f["i2t_cs_allcap@4"] for f in folds]))
+    assert fold5["t2i_cs_allcap@4"] == pytest.approx(np.mean([f["t2i_cs_allcap@4"] for f in folds]))
+    assert not any(k.startswith("i2t_cs@") for k in fold5)
+    with pytest.raises(ValueError, match="protocol"):
+        coherence_metrics(sims, cap2img, rel, ks=[4], protocol="5k")
+
+
+def test_eval_sims_fold5_prints_the_fold_mean_cs(tmp_path, rng, capsys):
+    sims, cap2img, rel = _fold_blocks(rng)
+    np.save(tmp_path / "sims.npy", sims.astype(np.float32))
+    np.save(tmp_path / "rel.npy", rel.astype(np.float32))
+    out = tmp_path / "m.json"
+    rc = main(["eval-sims", str(tmp_path / "sims.npy"), "--captions-per-image", "1", "--fold5", "--relevance",
+               str(tmp_path / "rel.npy"), "--cs-k", "5", "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    metrics = json.loads(out.read_text())
+    assert metrics["i2t_cs@5"] == pytest.approx(1.0) and len(metrics["folds"]) == 5
+    assert "i2t_cs@5 1.000 t2i_cs@5 1.000 i2t_map" in capsys.readouterr().out
 
 
 def test_cs_is_one_for_a_coherent_model_and_near_zero_for_random(rng):
@@ -173,9 +285,27 @@ def test_evaluate_sims_adds_coherence_and_names_a_bad_relevance_file(tmp_path, r
     assert full == {**plain, **coherence_metrics(sims, cap2img, rel, ks=[5])}
     np.save(tmp_path / "sims.npy", sims.astype(np.float32))
     missing = tmp_path / "nope.npy"
-    rc = main(["eval-sims", str(tmp_path / "sims.npy"), "--captions-per-image", "2", "--relevance", str(missing)])
+    rc = main(
+        ["eval-sims", str(tmp_path / "sims.npy"), "--captions-per-image", "2", "--relevance", str(missing)]
+    )
     assert rc != 0 and "nope.npy" in capsys.readouterr().err
     np.save(tmp_path / "rel.npy", np.ones((19, 19)))
     rc = main(["eval-sims", str(tmp_path / "sims.npy"), "--captions-per-image", "2", "--relevance",
                str(tmp_path / "rel.npy")])  # fmt: skip
     assert rc != 0 and "rel.npy: 19 captions but the similarity matrix has 20" in capsys.readouterr().err
+
+
+def test_metrics_import_no_dataset_or_model_code():
+    """Metrics take arrays: importing them loads neither vsekit.data nor vsekit.models (no metrics -> data ->
+    models -> metrics cycle); the relevance computation lives in vsekit.relevance, which metrics never import."""
+    import subprocess
+    import sys
+
+    code = ("import sys, vsekit.metrics, vsekit.metrics.coherence\n"
+            "print(sorted(m for m in sys.modules if m.startswith('vsekit')))")  # fmt: skip
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "vsekit.data" not in loaded and "vsekit.models" not in loaded and "vsekit.relevance" not in loaded
+    import vsekit.data.relevance as old_home
+    import vsekit.relevance as relevance
+
+    assert old_home.split_caption_embeddings is relevance.split_caption_embeddings  # old imports keep working

@@ -43,3 +43,12 @@ def test_unknown_key_in_yaml_file(tmp_path):
 def test_unknown_recipe_lists_choices():
     with pytest.raises(ConfigError, match="vse_infty"):
         load_recipe("no_such_recipe")
+
+
+def test_bigru_recipes_use_the_released_weight_decay():
+    """The released BiGRU codes (vse_infty branch bigru, region features; vse_2ad bigru + project) build AdamW
+    without weight_decay, i.e. PyTorch's default 0.01; their CNN-backbone settings pass 1e-4 (docs/reproduce.md)."""
+    for name in ("vse_infty", "vsepp", "vse_2ad", "avse"):
+        r = load_recipe(name)
+        assert r.model.text.kind == "bigru" and r.optim.weight_decay == 0.01, name
+    assert load_recipe("vse_infty_grid_e2e").optim.weight_decay == 1e-4

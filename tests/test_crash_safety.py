@@ -214,20 +214,11 @@ def test_kill_before_first_checkpoint_restarts_cleanly(tiny_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_corrupt_index_file_is_refused_and_good_copy_still_opens(tmp_path_factory):
+def test_corrupt_index_file_is_refused_and_good_copy_still_opens(tmp_path_factory, request):
     pytest.importorskip("faiss")
-    pytest.importorskip("efficientnet_lite_pytorch")
     from vsekit.search.index import IndexFormatError, SearchIndex, build_index
-    from vsekit.search.shapes import make_shapes_dataset, train_shapes_model
 
-    base = tmp_path_factory.getbasetemp() / "shapes"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        data = make_shapes_dataset(base / "data")
-        run = train_shapes_model(data, base / "run")
-    finally:
-        torch.set_num_threads(threads)
+    data, run = request.getfixturevalue("shapes_model")  # after the faiss check: no training when it skips
     good = tmp_path_factory.mktemp("crash_idx") / "idx"
     build_index(run, f"{data}:test", good, progress=False, log=lambda *_: None)
     before = {p.relative_to(good): p.read_bytes() for p in good.rglob("*") if p.is_file()}

@@ -63,3 +63,42 @@ def test_bow_recipe_trains_far_above_chance_on_a_share_of_the_data(synthetic_dir
     m = json.loads((tmp_path / "m.json").read_text())
     chance = 100 / 50
     assert m["t2i_r1"] > 5 * chance and m["i2t_r1"] > 5 * chance
+
+
+def test_coco_scale_recipe_on_a_small_split_names_the_small_data_recipe(synthetic_dir, tmp_path):
+    from vsekit.training.trainer import small_data_advice
+
+    assert small_data_advice(load_recipe("vse_infty"), 113_287) is None
+    assert small_data_advice(load_recipe("bow"), 500) is None
+    advice = small_data_advice(load_recipe("vsepp"), 2_506)
+    assert "2,506" in advice and "--recipe small_data" in advice
+    logs = []
+    r = load_recipe("vsepp", ["train.epochs=1", "model.embed_dim=32", "model.text.word_dim=16", "train.log_every=0"])
+    Trainer(r, synthetic_dir, tmp_path / "run", progress=False, log=logs.append)
+    assert any(line.startswith("note: recipe 'vsepp'") and "small_data" in line for line in logs)
+
+
+def test_word_bag_adds_the_mean_of_the_tokens_learned_vectors(tmp_path):
+    pytest.importorskip("transformers")
+    from vsekit.models.text import TransformerTextEncoder, default_transformer_path
+
+    try:
+        path = default_transformer_path()
+    except RuntimeError:
+        pytest.skip("the packaged MiniLM is not installed")
+    cfg = load_recipe("small_data").model.text
+    assert cfg.word_bag and cfg.freeze
+    enc = TransformerTextEncoder(8, cfg, model_path=path).eval()
+    with torch.no_grad():  # silence the body's branch: what is left is the bag of word pieces alone
+        enc.proj.weight.zero_()
+        enc.proj.bias.zero_()
+    tokens = torch.tensor([[101, 2158, 2003, 102, 0], [101, 3899, 102, 0, 0]])
+    lengths = torch.tensor([4, 3])
+    out = enc(tokens, lengths).detach().numpy()
+    bag = enc.word_bag.weight.detach().numpy().astype(np.float64)
+    for row, ids in zip(out, ([101, 2158, 2003, 102], [101, 3899, 102])):
+        mean = bag[ids].mean(0)
+        np.testing.assert_allclose(row, mean / np.linalg.norm(mean), rtol=1e-5, atol=1e-6)
+    # the bag's vectors train; the frozen body does not
+    trainable = {n for n, p in enc.named_parameters() if p.requires_grad}
+    assert "word_bag.weight" in trainable and not any(n.startswith("body.") for n in trainable)

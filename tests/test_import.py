@@ -144,6 +144,16 @@ def test_run_records_what_the_release_never_reads(imported):
     assert config["recipe"]["model"]["l2_form"] == "add_eps"
 
 
+def test_imported_runs_keep_the_releases_optimizer_and_scoring(imported):
+    """Fine-tuning an imported run uses its release's AdamW weight decay (BiGRU codes: PyTorch's default 0.01;
+    BERT/ViT codes: 1e-4); an imported AVSE run scores with the released block max-sum."""
+    item, model, _, _, _ = imported
+    expected = {"vse_infty_bigru": 0.01, "vse_infty_bert": 1e-4, "vse_2ad": 0.01, "avse": 1e-4}
+    assert model.recipe.optim.weight_decay == expected[item]
+    if item == "avse":
+        assert model.recipe.model.similarity.readout == "maxsum" and model.sim.readout == "maxsum"
+
+
 def test_vse_eval_equals_eval_sims_on_the_reference_matrix(imported, tmp_path, capsys):
     """`vse eval` on the imported run scores the fixture inputs exactly as `vse eval-sims` scores the
     released code's similarity matrix (one caption per image; regions of each set given by their lengths)."""

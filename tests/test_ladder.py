@@ -10,12 +10,13 @@ from sklearn.cluster import KMeans
 from sklearn.metrics import silhouette_score
 from threadpoolctl import threadpool_limits
 
+from conftest import StepClock
 from vsekit.cli import main
 from vsekit.config import load_recipe
-from vsekit.data.relevance import cached_relevance, sentence_embeddings, split_caption_embeddings
 from vsekit.data.synthetic import make_synthetic_precomp
 from vsekit.losses import TripletLoss, create_loss
 from vsekit.losses.ladder import LadderLoss, adaptive_levels, kmeans_1d, silhouette_1d
+from vsekit.relevance import cached_relevance, sentence_embeddings, split_caption_embeddings
 from vsekit.training.trainer import Trainer
 
 S = torch.tensor([[0.9, 0.3, 0.5], [0.8, 0.6, 0.0], [0.2, 0.3, 0.4]])
@@ -209,6 +210,107 @@ def test_recipes_use_the_paper_defaults():
     assert auto.margins == [0.2, 0.01, 0.01, 0.01] and auto.weights == [1.0, 0.25, 0.125, 0.0625]
 
 
+def test_cvsepp_recipes_use_the_hardest_negative_from_step_0_and_the_share_rule():
+    """The paper and the ladderloss release train with the hardest negative from the first step (no VSE0
+    epoch); θ_1 comes from the share rule (15 %), the paper's 0.40 one --set away; the adaptive ladder has
+    no threshold."""
+    for name in ("cvsepp", "cvsepp_auto"):
+        assert load_recipe(name).loss.warmup_epochs == 0
+    assert load_recipe("vsepp").loss.warmup_epochs == 1  # VSE∞'s re-run of VSE++ keeps its warm-up
+    fixed = create_loss(load_recipe("cvsepp").loss)
+    assert fixed.threshold_share == 0.15 and fixed.derived_thresholds is None
+    assert create_loss(load_recipe("cvsepp", ["loss.ladder_threshold_share=null"]).loss).threshold_share is None
+    assert load_recipe("cvsepp_auto").loss.ladder_threshold_share is None
+
+
+def _pairs_by_hand(emb: np.ndarray, cap2img: np.ndarray) -> np.ndarray:
+    e = emb / np.linalg.norm(emb, axis=1, keepdims=True)
+    r = e @ e.T
+    return np.array([r[i, j] for i in range(len(e)) for j in range(i + 1, len(e)) if cap2img[i] != cap2img[j]])
+
+
+def test_threshold_share_rule_is_the_numpy_quantile(rng):
+    from vsekit.relevance import (
+        pair_relevance_from_embeddings,
+        pair_relevance_from_matrix,
+        share_at_or_above,
+        threshold_for_share,
+    )
+
+    cap2img = np.repeat(np.arange(40), rng.integers(1, 4, size=40))
+    emb = rng.normal(size=(len(cap2img), 12)).astype(np.float32)
+    by_hand = _pairs_by_hand(emb.astype(np.float64), cap2img)
+    values = pair_relevance_from_embeddings(emb, cap2img, block=7)  # blocks that split rows unevenly
+    np.testing.assert_allclose(values, by_hand, atol=1e-6)  # every i < j pair of different images, once
+    e = emb / np.linalg.norm(emb, axis=1, keepdims=True)
+    np.testing.assert_allclose(pair_relevance_from_matrix(e @ e.T, cap2img), by_hand, atol=1e-6)
+    for share in (0.05, 0.15, 0.5):
+        theta = threshold_for_share(values, share)
+        assert theta == np.quantile(values, 1 - share)
+        assert share_at_or_above(values, [theta])[0] == pytest.approx(share, abs=1 / len(values) + 1e-12)
+    assert share_at_or_above(np.array([0.1, 0.2, 0.2, 0.4]), [0.2, 0.41, -1.0]).tolist() == [0.75, 0.0, 1.0]
+    with pytest.raises(ValueError, match="share must lie in"):
+        threshold_for_share(values, 1.0)
+    # above `max_pairs`: a fixed-seed sample of that many pairs of different images, close to the exact rule
+    sampled = pair_relevance_from_embeddings(emb, cap2img, max_pairs=len(values) // 2)
+    assert len(sampled) == len(values) // 2
+    np.testing.assert_array_equal(sampled, pair_relevance_from_embeddings(emb, cap2img, max_pairs=len(values) // 2))
+    assert abs(threshold_for_share(sampled, 0.15) - threshold_for_share(values, 0.15)) < 0.05
+
+
+def test_ladder_derives_theta_from_the_share_and_the_trainer_records_it(tmp_path, monkeypatch, rng):
+    import vsekit.relevance as relevance
+
+    cap2img = np.repeat(np.arange(30), 2)
+    emb = rng.normal(size=(60, 16)).astype(np.float32)
+    loss = _ladder(threshold_share=0.2)
+    loss.set_caption_embeddings(torch.from_numpy(emb))
+    logs: list[str] = []
+    theta = loss.derive_threshold(cap2img, logs.append)
+    assert theta == pytest.approx(np.quantile(_pairs_by_hand(emb.astype(np.float64), cap2img), 0.8), abs=1e-6)
+    assert loss.thresholds == loss.derived_thresholds == [theta] and "20.0%" in logs[0]
+    with pytest.raises(ValueError, match="ladder_threshold_share"):
+        _ladder(threshold_share=1.5)
+    # the share sets ladder_thresholds, which the adaptive and the per-row percentile levels do not use
+    assert _ladder(threshold_share=0.2, adaptive=True, margins=[0.2] * 4, weights=[1] * 4).threshold_share is None
+    assert create_loss(load_recipe("cvsepp", ["loss.ladder_percentile=85"]).loss).threshold_share is None
+    with pytest.raises(ValueError, match="2-level ladder"):
+        _ladder(threshold_share=0.2, thresholds=[0.5, 0.3], margins=[0.2, 0.01, 0.01], weights=[1, 0.25, 0.1])
+
+    # the trainer: θ_1 from the train split's embeddings (stubbed here: no MiniLM), written to config.json
+    data = make_synthetic_precomp(tmp_path / "d", n_train=24, n_dev=8, n_test=8, regions=4, dim=8,
+                                  captions_per_image=2)  # fmt: skip
+    train_emb = rng.normal(size=(48, 16)).astype(np.float32)
+    monkeypatch.setattr(relevance, "split_caption_embeddings", lambda *a, **k: train_emb)
+    overrides = ["model.embed_dim=16", "train.batch_size=8", "train.epochs=1", "train.log_every=0",
+                 "model.text.word_dim=8", "data.captions_per_image=2", "model.text.vocab_min_count=1"]  # fmt: skip
+    logs.clear()
+    trainer = Trainer(load_recipe("cvsepp", overrides), data, tmp_path / "run", progress=False, log=logs.append)
+    expected = np.quantile(_pairs_by_hand(train_emb.astype(np.float64), np.repeat(np.arange(24), 2)), 0.85)
+    assert trainer.loss_fn.thresholds[0] == pytest.approx(expected, abs=1e-6)
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["recipe"]["loss"]["ladder_thresholds"] == pytest.approx([expected], abs=1e-6)
+    assert any("ladder: θ_1 =" in m for m in logs)
+
+
+def test_relevance_share_cli(tmp_path, monkeypatch, rng, capsys):
+    import vsekit.relevance as relevance
+
+    data = make_synthetic_precomp(tmp_path / "d", n_train=20, n_dev=4, n_test=4, regions=2, dim=4,
+                                  captions_per_image=2)  # fmt: skip
+    emb = rng.normal(size=(40, 8)).astype(np.float32)
+    monkeypatch.setattr(relevance, "split_caption_embeddings", lambda *a, **k: emb)
+    out = tmp_path / "share.json"
+    assert main(["data", "relevance-share", str(data), "--captions-per-image", "2", "--theta", "0.1", "0.4",
+                 "--share", "0.15", "--json", str(out)]) == 0  # fmt: skip
+    values = _pairs_by_hand(emb.astype(np.float64), np.repeat(np.arange(20), 2))
+    report = json.loads(out.read_text())
+    assert report["pairs"] == len(values) == 20 * 19 * 2
+    assert report["thresholds"]["0.4"] == pytest.approx(np.mean(values >= 0.4))
+    assert report["shares"]["0.15"] == pytest.approx(np.quantile(values, 0.85), abs=1e-6)
+    assert "share 15.0% -> θ =" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------------- MiniLM relevance (local)
 
 
@@ -257,12 +359,22 @@ def test_relevance_cache_training_and_eval(tmp_path, capsys):
 
 
 def test_step_benchmark_runs_all_three_losses():
+    import vsekit.bench.ladder as module
     from vsekit.bench.ladder import bench_ladder_step
 
     row = bench_ladder_step(batch=16, repeats=1, warmup=0, regions=4, img_dim=32, embed_dim=32, vocab=50)
     for name in ("vsepp", "ladder", "ladder_auto"):
         assert row[f"{name}_step_ms"] > 0 and row[f"{name}_loss_ms"] > 0
-    assert row["ratio_auto"] == pytest.approx(row["ladder_auto_step_ms"] / row["vsepp_step_ms"])
+    # known durations, interleaved as the bench runs them (step, then loss alone, per loss), two repeats:
+    # VSE++ steps 10 / 30 ms, ladder 12 / 36 ms, adaptive ladder 13 / 39 ms; loss alone 1-6 ms
+    durations = [0.010, 0.001, 0.012, 0.002, 0.013, 0.003, 0.030, 0.004, 0.036, 0.005, 0.039, 0.006]
+    with pytest.MonkeyPatch.context() as mp:
+        clock = StepClock(durations).install(mp, module)
+        row = bench_ladder_step(batch=16, repeats=2, warmup=0, regions=4, img_dim=32, embed_dim=32, vocab=50)
+    assert clock.calls == 24
+    assert row["vsepp_step_ms"] == pytest.approx(20.0) and row["ladder_auto_step_ms"] == pytest.approx(26.0)
+    assert row["ladder_loss_ms"] == pytest.approx(3.5)  # median of 2 and 5 ms
+    assert row["ratio_fixed"] == pytest.approx(1.2) and row["ratio_auto"] == pytest.approx(1.3)
     with pytest.raises(ValueError, match="batch must be >= 2"):
         bench_ladder_step(batch=1)
 

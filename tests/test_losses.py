@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from vsekit.losses import TripletLoss, triplet_loss
@@ -26,6 +27,17 @@ def test_same_image_captions_are_not_negatives():
 
 
 def test_warmup_uses_all_negatives():
-    s = torch.rand(6, 6)
-    loss_fn = TripletLoss()
-    assert loss_fn(s, warmup=True)[0] >= loss_fn(s, warmup=False)[0]
+    loss_fn = TripletLoss()  # margin 0.2, hardest negatives after the warm-up
+    z = torch.zeros(3, 3)  # every negative violates by the margin: 12 of them, 6 hardest (one per row/column)
+    assert torch.isclose(loss_fn(z, warmup=True)[0], torch.tensor(2.4))
+    assert torch.isclose(loss_fn(z, warmup=False)[0], torch.tensor(1.2))
+    # brute force on a random batch: the warm-up sums every hinge, afterwards only each row's/column's largest
+    s = torch.rand(6, 6, generator=torch.Generator().manual_seed(0))
+    d = s.diagonal().numpy().astype("float64")
+    hinge_row = [[max(0.0, 0.2 + float(s[i, j]) - d[i]) for j in range(6) if j != i] for i in range(6)]
+    hinge_col = [[max(0.0, 0.2 + float(s[i, j]) - d[j]) for i in range(6) if i != j] for j in range(6)]
+    all_sum = sum(map(sum, hinge_row)) + sum(map(sum, hinge_col))
+    hardest = sum(map(max, hinge_row)) + sum(map(max, hinge_col))
+    assert all_sum > hardest + 0.1  # the two modes differ on this batch
+    assert float(loss_fn(s, warmup=True)[0]) == pytest.approx(all_sum, rel=1e-5)
+    assert float(loss_fn(s, warmup=False)[0]) == pytest.approx(hardest, rel=1e-5)

@@ -1,14 +1,23 @@
 """AVSE multi-view image encoder, the view regulariser, and a tiny AVSE model trained end to end."""
 
+import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from vsekit.cli import main
 from vsekit.config import ImageEncoderConfig, LossConfig, PoolingConfig, load_recipe
 from vsekit.losses import create_loss
-from vsekit.losses.view_reg import ViewRegularisedLoss, cross_correlation, view_regulariser
+from vsekit.losses.view_reg import (
+    ViewRegularisedLoss,
+    cross_correlation,
+    grad_norm_ratio,
+    random_grad_ratios,
+    view_reg_grad_ratio,
+    view_regulariser,
+)
 from vsekit.models.multiview import MultiViewImageEncoder, kept_count, view_groups
 from vsekit.training.trainer import Trainer
 
@@ -122,7 +131,7 @@ def test_view_regulariser_gradients_pull_views_together():
 
 
 def test_create_loss_wraps_with_regulariser_and_needs_views():
-    loss_fn = create_loss(LossConfig(name="triplet", view_reg_weight=2.0))
+    loss_fn = create_loss(LossConfig(name="triplet", view_reg_weight=2.0, view_reg_variant="paper"))
     assert isinstance(loss_fn, ViewRegularisedLoss)
     assert not isinstance(create_loss(LossConfig(name="triplet")), ViewRegularisedLoss)
 
@@ -132,11 +141,25 @@ def test_create_loss_wraps_with_regulariser_and_needs_views():
             self.image_encoder = torch.nn.Module()
             self.image_encoder.views = views
 
-    sims = torch.randn(4, 4)
-    emb = torch.randn(4, 16)
+    g = torch.Generator().manual_seed(0)
+    sims = torch.randn(4, 4, generator=g)
+    emb = torch.randn(4, 16, generator=g)
     total, diag = loss_fn(sims, image_ids=torch.arange(4), warmup=False, image_emb=emb, model=FakeModel(2))
-    base, _ = create_loss(LossConfig(name="triplet"))(sims, image_ids=torch.arange(4), warmup=False)
-    torch.testing.assert_close(total, base + 2.0 * diag["view_reg"])
+    # independent values: VSE++ hardest-negative hinge and Eq. 3-4 by brute force in numpy
+    s = sims.double().numpy()
+    cost_cap = np.maximum(0.0, 0.2 + s - s.diagonal()[:, None])  # image i -> caption j
+    cost_img = np.maximum(0.0, 0.2 + s - s.diagonal()[None, :])  # caption j -> image i
+    np.fill_diagonal(cost_cap, 0.0)
+    np.fill_diagonal(cost_img, 0.0)
+    triplet = cost_cap.max(1).sum() + cost_img.max(0).sum()
+    a, b = emb.double().numpy()[:, :8], emb.double().numpy()[:, 8:]  # the two views [batch, d]
+    c = np.array([[a[:, i] @ b[:, j] / (np.linalg.norm(a[:, i]) * np.linalg.norm(b[:, j])) for j in range(8)]
+                  for i in range(8)])  # fmt: skip
+    reg = sum((1 - c[i, i]) ** 2 for i in range(8)) + 0.0051 * sum(
+        c[i, j] ** 2 for i in range(8) for j in range(8) if i != j
+    )
+    assert float(diag["view_reg"]) == pytest.approx(reg, rel=1e-5)
+    assert float(total) == pytest.approx(triplet + 2.0 * reg, rel=1e-5)
     with pytest.raises(ValueError, match="multi-view"):
         loss_fn(sims, image_ids=torch.arange(4), image_emb=emb, model=FakeModel(1))
 
@@ -165,3 +188,126 @@ def test_tiny_avse_trains_and_vse_eval_works(synthetic_dir, tmp_path):
     out2 = tmp_path / "m2.json"
     assert main(["eval", str(tmp_path / "run"), "--split", "test", "--json", str(out2)]) == 0
     assert json.loads(out2.read_text())["rsum"] == m["rsum"]  # deterministic test-time views
+
+
+# ------------------------------------------------- the released /B regulariser and its gradient ratio
+
+
+def test_reference_regulariser_divides_by_batch_against_a_hand_computation():
+    """The recipe's default (released code): c = Â^T B̂ / B with batch-normalised columns; by hand in numpy."""
+    r = load_recipe("avse")
+    assert r.loss.view_reg_variant == "reference" and LossConfig().view_reg_variant == "reference"
+    g = torch.Generator().manual_seed(5)
+    emb = torch.randn(6, 2 * 4, generator=g)
+    a, b = emb.double().numpy()[:, :4], emb.double().numpy()[:, 4:]
+    an, bn = a / np.linalg.norm(a, axis=0), b / np.linalg.norm(b, axis=0)
+    c = np.array([[sum(an[k, i] * bn[k, j] for k in range(6)) / 6 for j in range(4)] for i in range(4)])
+    reg = sum((c[i, i] - 1) ** 2 for i in range(4)) + 0.0051 * sum(
+        c[i, j] ** 2 for i in range(4) for j in range(4) if i != j
+    )
+    assert float(view_regulariser(emb.reshape(6, 2, 4), variant="reference")) == pytest.approx(reg, rel=1e-6)
+    paper = float(view_regulariser(emb.reshape(6, 2, 4), variant="paper"))
+    assert paper != pytest.approx(reg, rel=1e-3)  # the /B matters
+
+    class FakeModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.image_encoder = torch.nn.Module()
+            self.image_encoder.views = 2
+
+    sims = torch.randn(6, 6, generator=g)
+    loss_fn = create_loss(dataclasses.replace(r.loss, mask_same_image=False))
+    total, diag = loss_fn(sims, image_ids=torch.arange(6), warmup=False, image_emb=emb, model=FakeModel())
+    base, _ = create_loss(LossConfig(name="triplet", mask_same_image=False))(sims, warmup=False)
+    assert float(diag["view_reg"]) == pytest.approx(reg, rel=1e-5)
+    assert float(total) == pytest.approx(float(base) + r.loss.view_reg_weight * reg, rel=1e-5)
+
+
+def test_grad_norm_ratio_by_hand():
+    x = torch.tensor([[3.0, 4.0]], requires_grad=True)
+    rank = (x**2).sum()  # gradient 2x = (6, 8): norm 10
+    reg = 0.5 * x.sum()  # gradient (0.5, 0.5): norm 0.7071
+    out = grad_norm_ratio(rank, reg, x)
+    assert out["rank_grad_norm"] == pytest.approx(10.0) and out["reg_grad_norm"] == pytest.approx(0.5**0.5)
+    assert out["ratio"] == pytest.approx(0.5**0.5 / 10)
+    (rank + reg).backward()  # the graphs are kept for the caller
+    assert x.grad is not None
+
+
+def test_paper_regulariser_gradient_is_about_batch_times_the_released_one():
+    rows = {
+        (r["variant"], r["hinge"]): r for r in random_grad_ratios(dim=256, batch=64, views=2, block_dim=128)
+    }
+    paper, ref = rows[("paper", "hardest")], rows[("reference", "hardest")]
+    assert paper["rank_grad_norm"] == ref["rank_grad_norm"]
+    assert 32 < paper["reg_grad_norm"] / ref["reg_grad_norm"] < 128  # ~B = 64
+    assert (
+        ref["ratio"] < 1 < paper["ratio"]
+    )  # weight 1: only the released form leaves the ranking loss in charge
+
+
+def test_view_reg_grad_ratio_on_a_training_batch(synthetic_dir, tmp_path):
+    r = load_recipe("avse", TINY)
+    trainer = Trainer(r, synthetic_dir, tmp_path / "run", progress=False, log=lambda *_: None)
+    batch = next(iter(trainer.loader))
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    out = view_reg_grad_ratio(trainer.model, batch, r.loss)
+    assert out["rank_grad_norm"] > 0 and out["reg_grad_norm"] > 0
+    assert out["ratio"] == pytest.approx(out["reg_grad_norm"] / out["rank_grad_norm"])
+    paper = view_reg_grad_ratio(trainer.model, batch, dataclasses.replace(r.loss, view_reg_variant="paper"))
+    assert paper["ratio"] > 2 * out["ratio"]
+    assert all(torch.equal(v, trainer.model.state_dict()[k]) for k, v in before.items())  # no state change
+
+
+# ------------------------------------------------------------------------- views of the full set
+
+
+def _captured_view_sizes(enc, feats, lengths):
+    seen = []
+    handle = enc.shared.pool.register_forward_pre_hook(lambda _m, args: seen.append(args[1].clone()))
+    try:
+        with torch.no_grad():
+            enc(feats, lengths, generator=torch.Generator().manual_seed(0))
+    finally:
+        handle.remove()
+    return seen[0].reshape(len(lengths), enc.views)
+
+
+@pytest.mark.parametrize("feature_type", ["region", "grid"])
+def test_views_keep_75_and_90_percent_of_the_full_set(synthetic_dir, tmp_path, feature_type):
+    """Training batches reach a multi-view model with every region (no size augmentation first), so each view
+    keeps round(0.75 n) of the image's full n in training and round(0.9 n) at test (paper §4.2)."""
+    r = load_recipe("avse", TINY + [f"model.image.feature_type={feature_type}"])
+    assert r.data.size_augment and not r.model.image.view_size_augment
+    trainer = Trainer(r, synthetic_dir, tmp_path / "run", progress=False, log=lambda *_: None)
+    split = trainer.train_split
+    full = torch.tensor([split.image_features(i).shape[0] for i in range(split.n_images)])
+    enc = trainer.model.image_encoder
+    for batch in list(trainer.loader)[:2]:
+        n_full = full[batch["image_index"]]
+        assert torch.equal(batch["image_lengths"].long(), n_full.long())  # nothing dropped before the views
+        enc.train()
+        train_sizes = _captured_view_sizes(enc, batch["images"], batch["image_lengths"])
+        assert torch.equal(train_sizes, torch.round(0.75 * n_full.double()).long().unsqueeze(1).expand(-1, 2))
+        enc.eval()
+        test_sizes = _captured_view_sizes(enc, batch["images"], batch["image_lengths"])
+        assert torch.equal(test_sizes, torch.round(0.9 * n_full.double()).long().unsqueeze(1).expand(-1, 2))
+    # the earlier behaviour, kept as an option: regions dropped first, views drawn from what is left
+    old = Trainer(load_recipe("avse", TINY + [f"model.image.feature_type={feature_type}", "model.image.view_size_augment=true"]),
+                  synthetic_dir, tmp_path / "old", progress=False, log=lambda *_: None)  # fmt: skip
+    lengths = torch.cat([b["image_lengths"] for b in list(old.loader)[:4]])
+    assert lengths.float().mean() < 0.97 * full.float().mean()
+    # single-view models keep VSE∞'s size augmentation
+    single = Trainer(load_recipe("vse_infty", TINY[:4] + [f"model.image.feature_type={feature_type}"]), synthetic_dir,
+                     tmp_path / "single", progress=False, log=lambda *_: None)  # fmt: skip
+    lengths = torch.cat([b["image_lengths"] for b in list(single.loader)[:4]])
+    assert lengths.float().mean() < 0.97 * full.float().mean()
+
+
+def test_runs_saved_before_the_option_keep_views_of_the_augmented_set():
+    from vsekit.config import recipe_from_dict, to_dict
+
+    saved = to_dict(load_recipe("avse"))
+    assert saved["model"]["image"]["view_size_augment"] is False
+    del saved["model"]["image"]["view_size_augment"]
+    assert recipe_from_dict(saved).model.image.view_size_augment is True  # how such a run was trained

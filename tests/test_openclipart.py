@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from vsekit.data import openclipart as oc
+from vsekit.utils.io import sha256_file
 
 pytest.importorskip("PIL")
 
@@ -219,7 +220,7 @@ def test_build_layout_roundtrip(built):
     )
     assert m["features"]["name"] == "efficientnet_lite0_grid" and m["features"]["image_size"] == 224
     for name, digest in m["files_sha256"].items():
-        assert oc._sha256(out / name) == digest
+        assert sha256_file(out / name) == digest
     assert json.loads((out / "manifest.json").read_text()) == m
     # the reader of the core understands the layout
     from vsekit.data.precomp import load_precomp_split
@@ -312,3 +313,161 @@ def test_end_to_end_backbone_recipe_unfreezes_after_first_epoch(built, tmp_path)
 
 def trainer_steps_in_first_epoch(trainer) -> int:
     return len(trainer.sampler.batches())
+
+
+# ------------------------------------------------------------------- rsvg-convert, the fallback rasteriser
+
+
+def _no_cairosvg(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "cairosvg", None)  # `import cairosvg` raises ImportError
+
+
+def _failing_cairosvg(monkeypatch):
+    import sys
+    import types
+
+    fake = types.ModuleType("cairosvg")
+
+    def svg2png(**_):
+        raise ValueError("unsupported element")
+
+    fake.svg2png = svg2png
+    monkeypatch.setitem(sys.modules, "cairosvg", fake)
+
+
+def _fake_rsvg(tmp_path, monkeypatch, body: str) -> Path:
+    """An `rsvg-convert` on an otherwise empty PATH: a Python script that logs its arguments to argv.json."""
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    exe = bin_dir / "rsvg-convert"
+    exe.write_text(f"#!{sys.executable}\nimport json, sys, time\n"
+                   f"json.dump(sys.argv[1:], open({str(tmp_path / 'argv.json')!r}, 'w'))\n{body}\n")  # fmt: skip
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    return tmp_path / "argv.json"
+
+
+DRAW_BLUE_SQUARE = """
+from PIL import Image
+img = Image.new("RGBA", (512, 512), (0, 0, 0, 0))
+img.paste((20, 40, 200, 255), (156, 156, 356, 356))
+img.save(sys.stdout.buffer, format="PNG")
+"""
+
+
+@pytest.mark.parametrize("cairo", ["missing", "failing"])
+def test_rsvg_convert_is_used_when_cairosvg_cannot_render(svg_root, tmp_path, monkeypatch, cairo):
+    (_no_cairosvg if cairo == "missing" else _failing_cairosvg)(monkeypatch)
+    argv_log = _fake_rsvg(tmp_path, monkeypatch, DRAW_BLUE_SQUARE)
+    svg = str(svg_root / "food/fruit/red_apple.svg")
+    img = oc.render_svg(svg)
+    assert json.loads(argv_log.read_text()) == ["-a", "-w", "512", "-h", "512", svg]  # aspect kept, 512 px box
+    assert img.mode == "RGBA" and img.size == (512, 512)
+    assert img.getpixel((256, 256)) == (20, 40, 200, 255) and img.getpixel((10, 10))[3] == 0
+    out = np.asarray(oc.crop_square(img))  # the square, cropped and padded: blue in the middle, white margin
+    assert tuple(out[112, 112]) == (20, 40, 200) and out[:4].min() >= 250
+
+
+def test_render_errors_name_every_rasteriser(svg_root, tmp_path, monkeypatch):
+    svg = str(svg_root / "food/fruit/red_apple.svg")
+    _failing_cairosvg(monkeypatch)
+    _fake_rsvg(tmp_path, monkeypatch, "sys.stderr.write('boom: bad svg'); sys.exit(3)")
+    with pytest.raises(RuntimeError, match=r"cairosvg: ValueError: unsupported element; rsvg-convert: exit 3: boom"):
+        oc.render_svg(svg)
+    (tmp_path / "bin" / "rsvg-convert").write_text(f"#!{__import__('sys').executable}\nimport time\ntime.sleep(30)\n")
+    with pytest.raises(RuntimeError, match="rsvg-convert: timeout after 1s"):
+        oc.render_svg(svg, timeout=1)
+    _no_cairosvg(monkeypatch)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(RuntimeError, match="no rasteriser: pip install cairosvg"):
+        oc.render_svg(svg)
+
+
+def test_real_rsvg_convert_renders_like_cairosvg(svg_root, monkeypatch):
+    import shutil
+
+    if shutil.which("rsvg-convert") is None:
+        pytest.skip("rsvg-convert is not installed (apt-get install librsvg2-bin)")
+    pytest.importorskip("cairosvg")
+    svg = str(svg_root / "food/fruit/red_apple.svg")
+    cairo = np.asarray(oc.crop_square(oc.render_svg(svg)), dtype=float)
+    _no_cairosvg(monkeypatch)
+    rsvg = np.asarray(oc.crop_square(oc.render_svg(svg)), dtype=float)
+    assert rsvg[112, 112, 0] > 150 and rsvg[112, 112, 1] < 80  # the red disc, as in test_render_crop_square
+    assert np.abs(cairo - rsvg).mean() < 3
+
+
+# -------------------------------------------------------------- the real Debian openclipart-svg files
+
+REAL_ROOT = Path(oc.DEFAULT_SVG_ROOT)
+REAL_CATEGORIES = ("animals", "buildings", "containers", "education", "food", "plants", "shapes", "transportation")
+
+
+def _real_handful() -> list[str]:
+    """One drawing per category (the middle one, by name, of those under 40 kB): a fixed, varied handful."""
+    if not REAL_ROOT.is_dir():
+        pytest.skip(f"{REAL_ROOT} is missing (scripts/setup.sh installs openclipart-svg as root)")
+    rel, _ = oc.find_svgs(REAL_ROOT)
+    pick = []
+    for cat in REAL_CATEGORIES:
+        files = sorted(r for r in rel if r.startswith(cat + "/") and (REAL_ROOT / r).stat().st_size < 40_000)
+        if files:
+            pick.append(files[len(files) // 2])
+    if len(pick) < 4:
+        pytest.skip(f"{REAL_ROOT}: fewer than 4 of the expected categories")
+    return pick
+
+
+def test_real_openclipart_files_render_alike_with_both_rasterisers(monkeypatch):
+    import shutil
+
+    pick = _real_handful()
+    if shutil.which("rsvg-convert") is None:
+        pytest.skip("rsvg-convert is not installed (apt-get install librsvg2-bin)")
+    pytest.importorskip("cairosvg")
+    for rel in pick:
+        meta = oc.parse_svg_metadata((REAL_ROOT / rel).read_bytes())
+        assert meta["title"], rel  # real Dublin Core text inside every picked drawing
+        cairo = oc.crop_square(oc.render_svg(str(REAL_ROOT / rel)))
+        with monkeypatch.context() as m:
+            _no_cairosvg(m)
+            rsvg = oc.crop_square(oc.render_svg(str(REAL_ROOT / rel)))
+        assert cairo is not None and rsvg is not None, rel
+        a, b = np.asarray(cairo), np.asarray(rsvg)
+        ink_a, ink_b = (255 - a.astype(int)).max(2) > 10, (255 - b.astype(int)).max(2) > 10
+        assert (ink_a & ink_b).sum() / (ink_a | ink_b).sum() > 0.9, rel  # the same drawing, the same place
+        assert np.abs(a.astype(float) - b).mean() < 15, rel
+
+
+def test_build_on_a_handful_of_real_openclipart_files(tmp_path):
+    import shutil
+
+    from vsekit.data.precomp import load_precomp_split
+
+    pick = _real_handful()
+    root = tmp_path / "svg"
+    for rel in pick:  # a copy: the builder walks the whole tree it is given
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REAL_ROOT / rel, root / rel)
+    m = oc.build_openclipart(tmp_path / "out", svg_root=root, workers=1, progress=False)
+    c = m["counts"]
+    assert c["svg_files"] == len(pick) and c["parsed"] == len(pick) and c["render_failures"] == 0
+    assert c["images"] >= len(pick) - 2  # a generic title ("... Clipart") may be dropped
+    assert sum(s["images"] for s in m["splits"].values()) == c["images"]
+    titles = {oc.parse_svg_metadata((root / rel).read_bytes())["title"].strip() for rel in pick}
+    for split in oc.SPLITS:
+        s = load_precomp_split(tmp_path / "out", split)
+        if not s.n_images:
+            continue
+        feats = np.asarray(s.image_features(0))
+        assert feats.shape == (49, 1280) and np.isfinite(feats).all()
+        assert all(any(cap.startswith(t) for t in titles) for cap in s.captions)  # captions come from the titles
+        for p in s.image_paths:
+            from PIL import Image
+
+            with Image.open(tmp_path / "out" / p) as im:
+                assert im.size == (224, 224)

@@ -182,7 +182,7 @@ def test_avse_aeom_similarity_matches_released():
 
 def test_avse_sinkhorn_variant_matches_released():
     """The commented-out released line: log-domain dustbin Sinkhorn on the block logits, dustbins
-    dropped, then max/sum of the *log* plan (vsekit's AEOM with Sinkhorn scores exp(plan) instead)."""
+    dropped, then max/sum of the *log* plan (vsekit: `model.similarity.readout: log_plan`, the default)."""
     out, meta = load("avse")
     _, _, block = avse_sizes(out, meta)
     torch.serialization.add_safe_globals([argparse.Namespace])

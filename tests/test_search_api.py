@@ -6,11 +6,9 @@ import logging
 import shutil
 
 import pytest
-import torch
 from PIL import Image
 
 from vsekit.search.index import build_index
-from vsekit.search.shapes import make_shapes_dataset, train_shapes_model
 
 pytest.importorskip("faiss")
 pytest.importorskip("fastapi")
@@ -23,15 +21,8 @@ BASE = "http://127.0.0.1"
 
 
 @pytest.fixture(scope="module")
-def index_dir(tmp_path_factory):
-    base = tmp_path_factory.getbasetemp() / "shapes"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        data = make_shapes_dataset(base / "data")
-        run = train_shapes_model(data, base / "run")
-    finally:
-        torch.set_num_threads(threads)
+def index_dir(shapes_model, tmp_path_factory):
+    data, run = shapes_model
     out = tmp_path_factory.mktemp("api") / "idx"
     build_index(run, f"{data}:test", out, progress=False, log=lambda *_: None)
     return out

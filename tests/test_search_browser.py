@@ -10,10 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from vsekit.search.index import build_index
-from vsekit.search.shapes import make_shapes_dataset, train_shapes_model
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -33,20 +31,13 @@ def _require_browser():
 
 
 @pytest.fixture(scope="module")
-def server_url(tmp_path_factory):
+def server_url(tmp_path_factory, request):
     _require_browser()
     import uvicorn
 
     from vsekit.search.server import create_app
 
-    base = tmp_path_factory.getbasetemp() / "shapes"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        data = make_shapes_dataset(base / "data")
-        run = train_shapes_model(data, base / "run")
-    finally:
-        torch.set_num_threads(threads)
+    data, run = request.getfixturevalue("shapes_model")  # after the browser check: no training when it skips
     out = tmp_path_factory.mktemp("browser") / "idx"
     build_index(run, f"{data}:test", out, progress=False, log=lambda *_: None)
     server = uvicorn.Server(uvicorn.Config(create_app(out), host="127.0.0.1", port=0, log_level="warning",

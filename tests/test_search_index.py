@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import brute_force_topk, recall_vs, spy_search_ids
 from vsekit.cli import main
 from vsekit.data.precomp import DataFormatError
 from vsekit.search.engine import SearchEngine
@@ -18,29 +19,15 @@ from vsekit.search.index import (
     build_faiss,
     build_index,
 )
-from vsekit.search.shapes import COLORS, SHAPES, make_shapes_dataset, train_shapes_model
+from vsekit.search.shapes import COLORS, SHAPES
 
 pytest.importorskip("faiss")
 pytest.importorskip("efficientnet_lite_pytorch")
 
 
 @pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
-    """The shapes set and a model trained on its features (built once per session: both steps are idempotent)."""
-    base = tmp_path_factory.getbasetemp() / "shapes"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread: much faster than two on a shared 2-core machine
-    try:
-        data = make_shapes_dataset(base / "data")
-        run = train_shapes_model(data, base / "run")
-    finally:
-        torch.set_num_threads(threads)
-    return data, run
-
-
-@pytest.fixture(scope="module")
-def split_index(shapes, tmp_path_factory):
-    data, run = shapes
+def split_index(shapes_model, tmp_path_factory):
+    data, run = shapes_model
     out = tmp_path_factory.mktemp("idx") / "test"
     assert main(["index", str(run), f"{data}:test", "--out", str(out), "--quiet", "--device", "cpu"]) == 0
     return out
@@ -51,7 +38,7 @@ def quiet(*_):
 
 
 @pytest.mark.slow
-def test_index_split_and_search_text(shapes, split_index, capsys):
+def test_index_split_and_search_text(shapes_model, split_index, capsys):
     meta = json.loads((split_index / "index.json").read_text())
     assert meta["counts"] == {"pictures": 24, "captions": 48}
     assert meta["segments"][0]["embedded_from"]["mode"] == "features"
@@ -68,8 +55,8 @@ def test_index_split_and_search_text(shapes, split_index, capsys):
 
 
 @pytest.mark.slow
-def test_image_query_finds_its_captions(shapes, split_index, capsys):
-    data, _ = shapes
+def test_image_query_finds_its_captions(shapes_model, split_index, capsys):
+    data, _ = shapes_model
     capsys.readouterr()
     pic = data / "images" / "test_blue_square_0.png"
     assert main(["search", str(split_index), "--image", str(pic), "-k", "3", "--json", "--device", "cpu"]) == 0
@@ -79,9 +66,9 @@ def test_image_query_finds_its_captions(shapes, split_index, capsys):
 
 
 @pytest.mark.slow
-def test_raw_pictures_embed_like_the_training_features(shapes, split_index, tmp_path):
+def test_raw_pictures_embed_like_the_training_features(shapes_model, split_index, tmp_path):
     """The run records the dataset's extractor; raw PNGs through it must give the features' embeddings."""
-    data, run = shapes
+    data, run = shapes_model
     meta = build_index(run, f"{data}:test", tmp_path / "px", pixels=True, progress=False, log=quiet)
     assert meta["segments"][0]["embedded_from"]["mode"] == "extractor"
     a, b = SearchIndex(split_index), SearchIndex(tmp_path / "px")
@@ -89,8 +76,8 @@ def test_raw_pictures_embed_like_the_training_features(shapes, split_index, tmp_
 
 
 @pytest.mark.slow
-def test_incremental_add_skips_known_pictures(shapes, tmp_path):
-    data, run = shapes
+def test_incremental_add_skips_known_pictures(shapes_model, tmp_path):
+    data, run = shapes_model
     out = tmp_path / "idx"
     build_index(run, f"{data}:test", out, progress=False, log=quiet)
     msgs = []
@@ -110,10 +97,10 @@ def test_incremental_add_skips_known_pictures(shapes, tmp_path):
 
 
 @pytest.mark.slow
-def test_interrupted_indexing_resumes_from_finished_chunks(shapes, tmp_path, monkeypatch):
+def test_interrupted_indexing_resumes_from_finished_chunks(shapes_model, tmp_path, monkeypatch):
     import vsekit.search.index as index_mod
 
-    data, run = shapes
+    data, run = shapes_model
     calls = {"n": 0}
     real = index_mod.embed_features
 
@@ -139,8 +126,8 @@ def test_interrupted_indexing_resumes_from_finished_chunks(shapes, tmp_path, mon
 
 
 @pytest.mark.slow
-def test_unreadable_pictures_are_named(shapes, tmp_path, capsys):
-    data, run = shapes
+def test_unreadable_pictures_are_named(shapes_model, tmp_path, capsys):
+    data, run = shapes_model
     folder = tmp_path / "pics"
     folder.mkdir()
     shutil.copy(data / "images" / "test_red_circle_0.png", folder / "good.png")
@@ -158,8 +145,8 @@ def test_unreadable_pictures_are_named(shapes, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_clear_errors(shapes, split_index, tmp_path, capsys):
-    data, run = shapes
+def test_clear_errors(shapes_model, split_index, tmp_path, capsys):
+    data, run = shapes_model
     with pytest.raises(IndexFormatError, match="not a vsekit index"):
         SearchIndex(tmp_path)
     with pytest.raises(DataFormatError, match="does not exist"):
@@ -190,6 +177,69 @@ def test_clear_errors(shapes, split_index, tmp_path, capsys):
         build_index(other, f"{data}:test", split_index, progress=False, log=quiet)
     with pytest.raises(IndexFormatError, match="differs from the weights"):
         SearchEngine.open(split_index, run_dir=other)
+
+
+def _search_json(index_dir, *extra, k=24):
+    return ["search", str(index_dir), "a red circle", "-k", str(k), "--json", "--device", "cpu", *extra]
+
+
+def test_ivf_index_and_nprobe_from_the_cli(shapes_model, split_index, tmp_path, capsys):
+    """`vse index --index ivf` stores an IVF index with the given lists; `vse search --nprobe` overrides the
+    lists visited for that query only. With 4 lists over 24 pictures, one probed list cannot hold them all."""
+    data, run = shapes_model
+    ivf = tmp_path / "ivf"
+    assert main(["index", str(run), f"{data}:test", "--out", str(ivf), "--quiet", "--device", "cpu",
+                 "--index", "ivf", "--nlist", "4", "--nprobe", "1"]) == 0  # fmt: skip
+    meta = json.loads((ivf / "index.json").read_text())
+    assert (meta["faiss"]["kind"], meta["faiss"]["nlist"], meta["faiss"]["nprobe"]) == ("ivf", 4, 1)
+    index = SearchIndex(ivf)
+    assert type(index.image_faiss).__name__ == "IndexIVFFlat" and index.image_faiss.nlist == 4
+    assert index.image_faiss.nprobe == 1
+    capsys.readouterr()
+    assert main(_search_json(split_index)) == 0
+    exact = {h["path"]: h["score"] for h in json.loads(capsys.readouterr().out)}  # the flat index: all 24
+    assert len(exact) == 24
+    assert main(_search_json(ivf)) == 0
+    one_list = json.loads(capsys.readouterr().out)
+    assert 0 < len(one_list) < 24  # only the pictures of the one list visited
+    assert all(h["score"] == pytest.approx(exact[h["path"]], abs=1e-5) for h in one_list)
+    assert main(_search_json(ivf, "--nprobe", "4")) == 0
+    all_lists = json.loads(capsys.readouterr().out)
+    assert [h["path"] for h in all_lists] == list(exact)  # every list visited: the exact ranking
+    assert json.loads((ivf / "index.json").read_text())["faiss"]["nprobe"] == 1  # the override is not stored
+    assert main(_search_json(ivf, "--nprobe", "0")) == 2
+    assert "nprobe must be >= 1" in capsys.readouterr().err
+
+
+def test_hnsw_index_and_ef_search_from_the_cli(shapes_model, split_index, tmp_path, capsys, monkeypatch):
+    data, run = shapes_model
+    hnsw = tmp_path / "hnsw"
+    assert main(["index", str(run), f"{data}:test", "--out", str(hnsw), "--quiet", "--device", "cpu",
+                 "--index", "hnsw", "--hnsw-m", "8", "--ef-construction", "20", "--ef-search", "5"]) == 0  # fmt: skip
+    meta = json.loads((hnsw / "index.json").read_text())
+    assert (meta["faiss"]["kind"], meta["faiss"]["hnsw_m"], meta["faiss"]["ef_construction"]) == ("hnsw", 8, 20)
+    index = SearchIndex(hnsw)
+    assert type(index.image_faiss).__name__ == "IndexHNSWFlat" and index.image_faiss.hnsw.efSearch == 5
+    opened = []
+    real_open = SearchEngine.open
+
+    def spy_open(*args, **kwargs):
+        opened.append(real_open(*args, **kwargs))
+        return opened[-1]
+
+    monkeypatch.setattr(SearchEngine, "open", spy_open)
+    capsys.readouterr()
+    assert main(_search_json(hnsw, k=5)) == 0
+    assert opened[-1].index.image_faiss.hnsw.efSearch == 5  # the stored beam
+    stored = json.loads(capsys.readouterr().out)
+    assert main(_search_json(hnsw, "--ef-search", "40", k=5)) == 0
+    assert opened[-1].index.image_faiss.hnsw.efSearch == 40  # the override reached FAISS
+    wide = json.loads(capsys.readouterr().out)
+    assert main(_search_json(split_index, k=5)) == 0
+    exact = json.loads(capsys.readouterr().out)
+    assert [h["path"] for h in wide] == [h["path"] for h in exact]  # a 40-wide beam over 24 pictures is exact
+    assert len(stored) == 5 and all(h["caption"] for h in stored)
+    assert json.loads((hnsw / "index.json").read_text())["faiss"]["ef_search"] == 5
 
 
 def clustered(n, d, centers, rng, noise=0.3):
@@ -265,15 +315,23 @@ def test_non_inner_product_similarity_is_reranked_exactly(tmp_path):
     assert agree >= 0.9
 
 
-def test_bench_search_measures_recall_against_exact():
-    """The ANN benchmark on a small set: IVF visiting every list is exact, one list is not; same seed, same data."""
+def test_bench_search_measures_recall_against_exact(monkeypatch):
+    """The ANN benchmark on a small set: IVF visiting every list is exact, one list is not; same seed, same data.
+    Every row's recall is checked against a brute-force numpy top-k of the same data, not FAISS's flat index."""
     from vsekit.bench.search import ClusteredVectors, bench_search, format_search_table
 
     a, b = ClusteredVectors(16, 8, 1.0, seed=3), ClusteredVectors(16, 8, 1.0, seed=3)
     np.testing.assert_array_equal(np.concatenate(list(a.chunks(250, 100))), np.concatenate(list(b.chunks(250, 100))))
     np.testing.assert_allclose(np.linalg.norm(a.draw(5, 0), axis=1), 1.0, rtol=1e-5)
+    seen = spy_search_ids(monkeypatch)
     res = bench_search(n=3000, dim=32, queries=40, exact_queries=10, clusters=60, nlist=32, nprobes=(1, 32),
                        sq8=True, hnsw_m=8, ef_searches=(4, 64), train_size=2000, chunk=700, log=quiet)  # fmt: skip
+    data = ClusteredVectors(32, 60, 1.0, seed=0)
+    truth = brute_force_topk(data.queries(40), np.concatenate(list(data.chunks(3000, 700))), 10)
+    assert len(seen) == len(res["rows"]) == 7
+    assert [set(r) for r in seen[0]] == [set(t) for t in truth[:10]]  # the flat index is exact
+    for row, ids in zip(res["rows"], seen):
+        assert row["recall_at_k"] == pytest.approx(recall_vs(ids, truth[: len(ids)]), abs=1e-4), row
     rows = {(r["index"], r["params"]): r for r in res["rows"]}
     assert rows[("flat (exact)", "")]["recall_at_k"] == 1.0
     assert rows[("IVF-Flat", "nlist=32 nprobe=32")]["recall_at_k"] == 1.0
@@ -324,13 +382,13 @@ def test_run_keeps_the_extractor_a_manifest_records_under_features(synthetic_dir
 
 
 @pytest.mark.slow
-def test_index_scores_equal_the_evaluation_similarities(shapes, split_index):
+def test_index_scores_equal_the_evaluation_similarities(shapes_model, split_index):
     """Searching the index with every test caption reproduces `vse eval`'s similarity matrix, hence its recalls."""
     from vsekit.data.precomp import load_precomp_split
     from vsekit.evaluation import split_similarities
     from vsekit.metrics.retrieval import ranks_t2i
 
-    data, _ = shapes
+    data, _ = shapes_model
     engine = SearchEngine.open(split_index)
     split = load_precomp_split(data, "test", engine.model.recipe.data.captions_per_image)
     sims = split_similarities(engine.model, split)  # [images, captions], the evaluation's own path

@@ -95,3 +95,86 @@ def test_nltk_tokenizer_gives_the_treebank_tokens_scan_vocabularies_hold():
     assert vocab.encode("man's t-shirt") == [1, 4, 5, 6, 2]
     with pytest.raises(ValueError, match="unknown tokenizer"):
         Vocabulary(["<pad>", "<start>", "<end>", "<unk>", "<mask>"], tokenizer="spacy")
+
+
+# ------------------------------------------------------------------- BiGRU tokenisation and vocabularies
+BIGRU_RECIPES = ("vse_infty", "vsepp", "vse_2ad", "cvsepp", "cvsepp_auto", "avse", "vse_infty_grid_e2e")
+
+
+def test_nltk_tokens_are_the_treebank_ones_and_regex_is_unchanged():
+    from nltk.tokenize import TreebankWordTokenizer
+
+    from vsekit.data.text import tokenize_words
+
+    caption = "A man's black-and-white dog doesn't run."
+    treebank = TreebankWordTokenizer().tokenize(caption.lower())
+    assert treebank == ["a", "man", "'s", "black-and-white", "dog", "does", "n't", "run", "."]
+    assert tokenize_words(caption, "nltk") == treebank
+    assert tokenize_words(caption, "regex") == ["a", "man's", "black", "-", "and", "-", "white", "dog", "doesn't",
+                                                "run", "."]  # fmt: skip
+
+
+def test_nltk_tokens_split_sentences_as_the_released_word_tokenize():
+    """`nltk.word_tokenize` runs punkt first, so a period inside a caption is its own token (on one line the
+    Treebank tokenizer would keep "bike." whole); a known abbreviation keeps its period. No punkt data used."""
+    from vsekit.data.text import tokenize_words
+
+    assert tokenize_words("A man rides a bike. He wears a helmet.", "nltk") == [
+        "a", "man", "rides", "a", "bike", ".", "he", "wears", "a", "helmet", "."]  # fmt: skip
+    assert tokenize_words("Crowds on St. Patrick's day", "nltk") == ["crowds", "on", "st.", "patrick", "'s", "day"]
+    assert tokenize_words("", "nltk") == []
+
+
+def test_scan_vocabulary_keeps_possessives_and_negations(tmp_path, recwarn):
+    import json
+
+    from vsekit.config import load_recipe
+    from vsekit.data.text import UNK, Vocabulary
+    from vsekit.training.trainer import DataSpec, load_text_processor
+
+    words = ["<pad>", "<start>", "<end>", "<unk>", "a", "man", "'s", "dog", "does", "n't", "run", "."]
+    path = tmp_path / "f30k_precomp_vocab.json"
+    path.write_text(json.dumps({"word2idx": {w: i for i, w in enumerate(words)},
+                                "idx2word": {str(i): w for i, w in enumerate(words)}, "idx": len(words)}))  # fmt: skip
+    caption = "A man's dog doesn't run."
+    vocab = Vocabulary.load(path)
+    ids = vocab.encode(caption)
+    assert vocab.tokenizer == "nltk" and vocab.word2idx[UNK] not in ids
+    assert ids == [1, 4, 5, 6, 7, 8, 9, 10, 11, 2] and vocab.idx2word[-1] == "<mask>"
+    with pytest.warns(UserWarning, match="SCAN vocabulary holds nltk"):
+        forced = Vocabulary.load(path, "regex")
+    assert forced.tokenizer == "nltk" and forced.encode(caption) == ids
+    # the trainer records the tokenizer it used, which `vse eval` rebuilds the vocabulary with
+    recipe = load_recipe("vse_infty", ["model.text.tokenizer=regex", f"model.text.vocab_path={path}"])
+    spec = DataSpec(img_dim=8)
+    with pytest.warns(UserWarning):
+        text = load_text_processor(recipe, ["unused"], spec)
+    assert recipe.model.text.tokenizer == "nltk" and text.encode(caption) == ids and spec.vocab_words == words + ["<mask>"]
+
+
+@pytest.mark.parametrize("name", BIGRU_RECIPES)
+def test_bigru_recipes_default_to_the_releases_tokens_and_scan_min_count(name):
+    from vsekit.config import load_recipe
+
+    text = load_recipe(name).model.text
+    assert (text.kind, text.tokenizer, text.vocab_min_count) == ("bigru", "nltk", 4)
+    assert load_recipe(name, ["model.text.tokenizer=regex"]).model.text.tokenizer == "regex"  # still an option
+
+
+def test_small_data_keeps_min_count_one():
+    from vsekit.config import load_recipe
+    from vsekit.demo import DEMO_OVERRIDES
+
+    assert "model.text.vocab_min_count=1" in DEMO_OVERRIDES
+    assert load_recipe("bow").model.text.vocab_min_count == 1
+
+
+def test_vocabulary_min_count_and_cached_ids():
+    from vsekit.data.text import Vocabulary
+
+    captions = ["a dog runs.", "a dog sits.", "a dog's toy.", "a cat runs."]
+    vocab = Vocabulary.build(captions, min_count=3, tokenizer="nltk")
+    assert vocab.idx2word[5:] == [".", "a", "dog"]  # "a" 4x, "dog" 3x, "." 4x; the rest < 3
+    first = vocab.encode("a dog's run")
+    assert first == vocab.encode("a dog's run") == [1, 6, 7, 3, 3, 2]  # "'s" and "run" are <unk>
+    assert "a dog's run" in vocab._ids  # nltk tokens are computed once per caption

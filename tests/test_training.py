@@ -77,3 +77,33 @@ def test_cli_eval_sims_and_clear_errors(tmp_path, capsys):
     (tmp_path / "c2i.txt").write_text("0\nx\n")
     assert main(["eval-sims", str(tmp_path / "s.npy"), "--cap2img", str(tmp_path / "c2i.txt")]) == 2
     assert "c2i.txt:2" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # trains 2 short epochs per mode
+@pytest.mark.parametrize("mode", ["loss", "lr", "none"])
+def test_backbone_warmup_ramps_the_loss_or_the_lr(synthetic_dir, tmp_path, monkeypatch, mode):
+    """The first unfrozen backbone epoch: `loss` scales the loss by (step + 1) / N at the lr of the epoch (the
+    released VSE∞ code), `lr` ramps the lr the same way with the loss unscaled (the paper), `none` neither.
+    The backbone phase is forced here so that a precomp set stands in for pictures."""
+    seen: list[tuple[bool, float]] = []
+    monkeypatch.setattr(Trainer, "_backbone_phase", lambda self, epoch: epoch == 0)
+    original = Trainer.train_step
+
+    def spy(self, batch, epoch, step, steps_in_epoch, loss_warmup, sizes=None):
+        out = original(self, batch, epoch, step, steps_in_epoch, loss_warmup, sizes)
+        seen.append((loss_warmup, self.optimizer.param_groups[0]["lr"], step, steps_in_epoch))
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", spy)
+    r = load_recipe("vsepp", SMALL + ["train.epochs=2", "data.train_fraction=0.2", "train.batch_size=64",
+                                      f"model.image.backbone_warmup={mode}"])  # fmt: skip
+    Trainer(r, synthetic_dir, tmp_path / "run", progress=False, log=lambda *_: None).fit()
+    n = seen[0][3]
+    first = seen[:n]
+    assert len(seen) == 2 * n and n > 2 and [s[2] for s in first] == list(range(n))
+    for flag, lr, step, _ in first:
+        assert flag == (mode == "loss")
+        assert lr == pytest.approx(5e-4 * (step + 1) / n if mode == "lr" else 5e-4)
+    assert all(not flag and lr == pytest.approx(5e-4) for flag, lr, _, _ in seen[n:])  # epoch 2: plain
+    with pytest.raises(ValueError, match="backbone_warmup"):
+        load_recipe("vsepp", ["model.image.backbone_warmup=cosine"])

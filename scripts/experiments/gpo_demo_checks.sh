@@ -25,13 +25,13 @@ for cfg in imggpo_txtavg:model.text.pooling.name=avg imgavg_txtgpo:model.image.p
     [ -f "$run/test.json" ] && continue
     "$VSE" train --recipe vse_infty --data "$DATA" --out "$run" --overwrite --no-progress --seed "$seed" \
       "${DEMO_SETS[@]}" --set "$override" > "$run.log" 2>&1
-    "$VSE" eval "$run" --split test --json "$run/test.json" > /dev/null
+    "$VSE" eval "$run" --split test --json-out "$run/test.json" > /dev/null
   done
 done
 mkdir -p "$OUT/train_split"
 for run in "$DEMO"/*/seed*; do
   variant=$(basename "$(dirname "$run")"); seed=$(basename "$run")
-  "$VSE" eval "$run" --split train --json "$OUT/train_split/${variant}_${seed}.json" > /dev/null
+  "$VSE" eval "$run" --split train --json-out "$OUT/train_split/${variant}_${seed}.json" > /dev/null
 done
 "$VSE" pooling "$DEMO"/vse_infty_*/seed* --png "$OUT/gpo_weights.png"
 "$PYTHON" - "$OUT" "$DEMO" <<'PY'

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from vsekit.errors import VseInputError
+
 if TYPE_CHECKING:
     from vsekit.models.vse import VSEModel
 
@@ -52,7 +54,7 @@ def tokenize(model: VSEModel, texts: str | list[str]) -> tuple[torch.Tensor, tor
     if isinstance(texts, str):
         texts = [texts]
     if not texts or not all(isinstance(t, str) for t in texts):
-        raise ValueError("tokenize: expected a non-empty list of strings")
+        raise VseInputError("tokenize: expected a non-empty list of strings")
     processor = getattr(model, "_text_processor", None)
     if processor is None:
         processor = text_processor_for(model)
@@ -69,12 +71,12 @@ def encode_text(model: VSEModel, text: Any, lengths: Any = None) -> torch.Tensor
     else:
         tokens = _as_tensor(text, torch.long, device, "encode_text")
         if tokens.ndim != 2:
-            raise ValueError(f"encode_text: token ids must be [batch, length], got {tuple(tokens.shape)}")
+            raise VseInputError(f"encode_text: token ids must be [batch, length], got {tuple(tokens.shape)}")
         if lengths is None:
             lengths = (tokens != 0).sum(1).clamp(min=1)
     lengths = _as_tensor(lengths, torch.long, device, "encode_text lengths")
     if lengths.shape != tokens.shape[:1] or int(lengths.min()) < 1 or int(lengths.max()) > tokens.shape[1]:
-        raise ValueError(f"encode_text: lengths must be [batch]={tokens.shape[0]} values in 1..{tokens.shape[1]}")
+        raise VseInputError(f"encode_text: lengths must be [batch]={tokens.shape[0]} values in 1..{tokens.shape[1]}")
     return model.encode_texts(tokens.to(device), lengths)
 
 
@@ -87,15 +89,15 @@ def encode_image(model: VSEModel, images: Any, lengths: Any = None, **kwargs: An
         if x.ndim == 2:
             x = x.unsqueeze(0)
         if x.ndim != 3 or x.shape[-1] != model.spec.img_dim:
-            raise ValueError(f"encode_image: this run takes features [batch, regions, {model.spec.img_dim}], "
+            raise VseInputError(f"encode_image: this run takes features [batch, regions, {model.spec.img_dim}], "
                              f"got {tuple(x.shape)}")  # fmt: skip
     elif x.ndim != 4 or x.shape[1] != 3:
-        raise ValueError(f"encode_image: this run takes pixels [batch, 3, height, width], got {tuple(x.shape)}")
+        raise VseInputError(f"encode_image: this run takes pixels [batch, 3, height, width], got {tuple(x.shape)}")
     if lengths is None:
         lengths = torch.full((x.shape[0],), x.shape[1] if kind == "precomp" else -1, dtype=torch.long)
     lengths = _as_tensor(lengths, torch.long, device, "encode_image lengths")
     if kind == "precomp" and (lengths.shape != x.shape[:1] or int(lengths.min()) < 1 or int(lengths.max()) > x.shape[1]):
-        raise ValueError(f"encode_image: lengths must be [batch]={x.shape[0]} values in 1..{x.shape[1]}")
+        raise VseInputError(f"encode_image: lengths must be [batch]={x.shape[0]} values in 1..{x.shape[1]}")
     return model.image_encoder(x, lengths, **kwargs)
 
 
@@ -104,7 +106,9 @@ def preprocess(model: VSEModel, image: Any) -> torch.Tensor:
     from vsekit.search.encode import backbone_pixels, open_image
 
     if model.recipe.model.image.kind == "precomp":
-        raise ValueError("this run takes precomputed features, not pictures: extract them with the run's "
+        raise VseInputError("this run takes precomputed features, not pictures: extract them with the run's "
                          "feature extractor (see docs/data.md)")  # fmt: skip
     img = open_image(image) if isinstance(image, (str, Path)) else image
-    return backbone_pixels(img, model.recipe.model.image.image_size)
+    from vsekit.features.backbones import pixel_transform_of
+
+    return backbone_pixels(img, model.recipe.model.image.image_size, pixel_transform_of(model))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -29,29 +30,59 @@ def debug_enabled() -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand. Bad input -> one line naming the problem and exit 2; a bug -> one line that says
     so and exit 1; `VSE_DEBUG=1` re-raises both with their full traceback."""
-    from vsekit.checks import EXPECTED_ERRORS
+    try:
+        from vsekit.checks import EXPECTED_ERRORS  # no torch: each command imports what it needs itself
+    except KeyboardInterrupt:
+        print("vse: interrupted (nothing was started)", file=sys.stderr)
+        return 130
 
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        result = args.func(args)
+        if getattr(args, "device", None) is not None:  # every verb's --device, before anything is loaded
+            from vsekit.errors import check_device_name
+
+            check_device_name(args.device)
+        from vsekit.commands import jsonout
+
+        jsonout.prepare(args)
+        if jsonout.wants_stdout(args):  # --json: the JSON alone on stdout, what the verb prints goes to stderr
+            args._json_stream = sys.stdout
+            with contextlib.redirect_stdout(sys.stderr):
+                result = args.func(args)
+        else:
+            result = args.func(args)
     except (*EXPECTED_ERRORS, FloatingPointError, CliError) as e:
         if debug_enabled():
             raise
         print(f"vse {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except MemoryError as e:  # and torch's OutOfMemoryError (a RuntimeError): a resource limit, not a bug
+        return _out_of_memory(args, e)
+    except KeyboardInterrupt as e:
         if debug_enabled():
             raise
-        print(f"vse {args.command}: interrupted", file=sys.stderr)
+        hint = str(e)  # a command may say what to run next (vse train: how to resume or restart)
+        print(f"vse {args.command}: interrupted{'; ' + hint if hint else ''}", file=sys.stderr)
         return 130
     except Exception as e:
         if debug_enabled():
             raise
+        if type(e).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch here
+            return _out_of_memory(args, e)
         print(f"vse {args.command}: internal error ({type(e).__name__}: {e}); this is a bug in vsekit: "
               "rerun with VSE_DEBUG=1 for the full traceback and report it", file=sys.stderr)  # fmt: skip
         return 1
     return int(result or 0)
+
+
+def _out_of_memory(args: argparse.Namespace, e: BaseException) -> int:
+    if debug_enabled():
+        raise e
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    print(f"vse {args.command}: error: out of memory ({first}); try a smaller --batch-size or another --device",
+          file=sys.stderr)  # fmt: skip
+    return 2
 
 
 if __name__ == "__main__":

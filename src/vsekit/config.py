@@ -7,6 +7,7 @@ expensive bug in a multi-day training run.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
@@ -17,8 +18,10 @@ from typing import Any
 
 import yaml
 
+from vsekit.errors import VseInputError
 
-class ConfigError(ValueError):
+
+class ConfigError(VseInputError):
     """A recipe or override that does not fit the schema."""
 
 
@@ -33,7 +36,9 @@ class PoolingConfig:
     temperature: float = 0.1  # gpo: softmax temperature
     token_level: bool = True  # adpool: use the token-level branch
     embedding_level: bool = True  # adpool: use the embedding-level branch
-    adpool_variant: str = "paper"  # adpool: paper (one weight per rank) | reference (per rank and dimension)
+    # adpool: reference (default; the released code behind the paper's Table 1: a D x D scorer + ReLU, a weight per
+    # rank and dimension) | paper (Eq. 3 as printed: one weight per rank). docs/vse_2ad.md
+    adpool_variant: str = "reference"
     # adpool: False = the released code's token-level softmax, which also runs over the padded positions of the
     # batch (their features are 0, their weights are not), so a set's embedding depends on how far it is padded
     adpool_mask_padding: bool = True
@@ -54,10 +59,17 @@ class ImageEncoderConfig:
     backbone_frozen_epochs: int = 1
     backbone_trainable_blocks: int = -1  # -1 = every stage once unfrozen; N = only the last N stages (head included)
     backbone_lr_mult: float = 0.1
+    # the first unfrozen epoch (after backbone_frozen_epochs > 0) ramps in linearly over its steps: loss (the
+    # released VSE∞ code: loss x step/N) | lr (the paper's "learning-rate warm-up") | none. See docs/training.md
+    backbone_warmup: str = "loss"
     # multi-view (AVSE): number of views; 1 = ordinary single embedding
     views: int = 1
     view_keep_train: float = 0.75
     view_keep_test: float = 0.9
+    # multi-view precomp features: False (default, paper §4.2) = each view keeps view_keep_train/_test of the image's
+    # *full* set, and data.size_augment drops no regions/cells of a multi-view image; True = the views are drawn
+    # from the size-augmented set (vsekit before this option: ~0.8 x 0.75 = 60 % of the regions per view)
+    view_size_augment: bool = False
     pooling: PoolingConfig = field(default_factory=PoolingConfig)
 
 
@@ -67,8 +79,10 @@ class TextEncoderConfig:
     kind: str = "bigru"
     word_dim: int = 300
     num_layers: int = 1
+    # words seen fewer times in the train captions are <unk>; the BiGRU recipes set 4 (SCAN's vocabularies)
     vocab_min_count: int = 1
-    # bigru: regex (dependency-free) | nltk (the released code's Treebank tokens; imported BiGRU runs use it)
+    # bigru/bow: regex (dependency-free) | nltk (the released code's Treebank tokens; the BiGRU recipes set it,
+    # and a SCAN vocab_path is always read with it)
     tokenizer: str = "regex"
     vocab_path: str = ""  # a vocab JSON; empty = built from the train split's captions
     model_path: str = ""  # transformer: a local HF directory; empty = packaged all-MiniLM-L6-v2
@@ -87,6 +101,10 @@ class TextEncoderConfig:
     head_mlp_hidden: int = 512  # residual_mlp head: hidden size of the MLP
     # transformer: LayerNorm on the pooled caption instead of L2 normalisation (AVSE's released text encoder)
     final_layernorm: bool = False
+    # transformer: add a learned bag of the tokenizer's word pieces (mean of trainable embeddings of the same
+    # token ids) to the caption embedding: the bag-of-words floor's fit to the data beside the pretrained
+    # body's knowledge of words the training captions never use (the small_data recipe)
+    word_bag: bool = False
     pooling: PoolingConfig = field(default_factory=PoolingConfig)
 
 
@@ -95,8 +113,16 @@ class SimilarityConfig:
     name: str = "cosine"  # cosine | aeom
     block_dim: int = 512  # aeom: d2
     sinkhorn_iters: int = 20  # aeom: c
-    use_sinkhorn: bool = True  # aeom: False = the released code's block max-sum
+    use_sinkhorn: bool = True  # aeom: False = the released code's block max-sum (same as readout: maxsum)
     dustbin_init: float = 1.0
+    # aeom: how S = sum_j max_i A*_ij reads the Sinkhorn plan. log_plan (default) = the log plan, as the released
+    # code's Sinkhorn line (log_optimal_transport(...)[:, :-1, :-1], then max/sum); plan = the plan's
+    # probabilities exp(log plan) (Eq. 2 read literally; scores vary ~8x less); maxsum = no Sinkhorn, the block
+    # max-sum of the cosines (the released code's active line). docs/avse.md
+    readout: str = "log_plan"
+    # aeom: entropic temperature: the Sinkhorn runs on A / temperature (the dustbin score z is in those units).
+    # The paper names none and the released code divides by nothing: 1
+    temperature: float = 1.0
 
 
 @dataclass
@@ -118,14 +144,18 @@ class LossConfig:
     warmup_epochs: int = 1  # epochs that use the sum over all negatives (VSE0) first
     mask_same_image: bool = True  # captions of the same image are never negatives
     temperature: float = 0.05  # adopt / infonce
-    adopt_variant: str = "paper"  # paper | reference
+    # reference (default: the released K rule, whose K falls during training as in the paper's Fig. C-2) | paper (the
+    # printed Eq. 6, whose K stays near |B|); docs/vse_2ad.md
+    adopt_variant: str = "reference"
     adopt_scale: float = 1.25
     # adopt reference only: pick negatives as the released code does (non-negatives set to 0 first, so the
     # positive itself can be picked when few similarities are above 0); imported VSE+2AD runs set it
     adopt_zero_fill_negatives: bool = False
     view_reg_weight: float = 0.0  # avse: lambda for the dimension-wise view regulariser
     view_reg_offdiag: float = 0.0051  # avse: lambda_1
-    view_reg_variant: str = "paper"  # avse: paper (Eq. 3 cosine, diagonal can reach 0) | reference (released code, /B)
+    # avse: reference (default: the released code's c = A^T B / B; at weight 1 its gradient is comparable to the ranking
+    # loss's) | paper (Eq. 3 cosine without /B: ~B x larger, it dominates the ranking loss). docs/avse.md
+    view_reg_variant: str = "reference"
     # θ: 0.40 for Sentence-BERT relevance (TMM paper Sec. IV-A; 0.63 was the AAAI "hybrid" CBoW+BERT value)
     ladder_thresholds: list[float] = field(default_factory=lambda: [0.40])
     ladder_margins: list[float] = field(default_factory=lambda: [0.2, 0.01])
@@ -137,6 +167,11 @@ class LossConfig:
     # auto-threshold ladder (released config.atl.py, e.g. 85): each query's one threshold is the given percentile
     # of its relevance row; replaces ladder_thresholds (2 levels). None: fixed thresholds. Checked in losses/ladder.py
     ladder_percentile: float | None = None
+    # θ_1 from the data instead of ladder_thresholds: the value that this share of the train split's
+    # different-image caption pairs reach (R >= θ_1), computed by the trainer from the relevance embeddings
+    # (recipe cvsepp: 0.15, the share the released config.atl.py puts in level 1). None: ladder_thresholds.
+    # Unused, like ladder_thresholds, by ladder_auto and with ladder_percentile
+    ladder_threshold_share: float | None = None
 
 
 @dataclass
@@ -230,6 +265,13 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads `2e-4` and `1E-3` (no dot, or no sign in the exponent) as strings: a float field
+            # takes every literal Python's float() reads (ints are numbers too; int fields stay strict)
+            try:
+                return float(value)
+            except ValueError:
+                raise ConfigError(f"{where}: expected a number, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         return float(value)
@@ -346,7 +388,23 @@ def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> Recipe
     return recipe
 
 
+# Keys added after runs were saved with their full recipe: a saved recipe without one was trained with the
+# behaviour these values select (the new defaults differ), so reading it back keeps that behaviour.
+SAVED_RUN_DEFAULTS: dict[tuple[str, ...], Any] = {
+    ("model", "similarity", "readout"): "plan",  # AEOM read exp(plan) before `readout` existed
+    ("model", "image", "view_size_augment"): True,  # views were drawn from the size-augmented set
+}
+
+
 def recipe_from_dict(data: dict) -> Recipe:
+    """A recipe saved with a run (config.json); keys it predates get `SAVED_RUN_DEFAULTS`."""
+    data = copy.deepcopy(data)
+    for path, value in SAVED_RUN_DEFAULTS.items():
+        node = data
+        for k in path[:-1]:
+            node = node.get(k) if isinstance(node, dict) else None
+        if isinstance(node, dict) and path[-1] not in node:
+            node[path[-1]] = value
     recipe = from_dict(Recipe, data)
     validate_recipe(recipe)
     return recipe
@@ -354,6 +412,7 @@ def recipe_from_dict(data: dict) -> Recipe:
 
 _CHOICES = {
     "model.image.kind": ("precomp", "backbone", "vit"),
+    "model.image.backbone_warmup": ("loss", "lr", "none"),
     "model.l2_form": ("clamp", "add_eps"),
     "model.text.head": ("linear", "residual_mlp"),
     "model.text.tokenizer": ("regex", "nltk"),
@@ -362,6 +421,8 @@ _CHOICES = {
     "model.similarity.name": ("cosine", "aeom"),
     "loss.name": ("triplet", "adopt", "infonce", "ladder", "ladder_auto"),
     "loss.adopt_variant": ("paper", "reference"),
+    "loss.view_reg_variant": ("paper", "reference"),
+    "model.similarity.readout": ("log_plan", "plan", "maxsum"),
     "train.amp": ("none", "bf16"),
 }
 _POOLINGS = ("avg", "max", "kmax", "gpo", "adpool", "cls")
@@ -370,6 +431,7 @@ _POOLINGS = ("avg", "max", "kmax", "gpo", "adpool", "cls")
 def validate_recipe(r: Recipe) -> None:
     flat = {
         "model.image.kind": r.model.image.kind,
+        "model.image.backbone_warmup": r.model.image.backbone_warmup,
         "model.l2_form": r.model.l2_form,
         "model.text.head": r.model.text.head,
         "model.text.tokenizer": r.model.text.tokenizer,
@@ -378,6 +440,8 @@ def validate_recipe(r: Recipe) -> None:
         "model.similarity.name": r.model.similarity.name,
         "loss.name": r.loss.name,
         "loss.adopt_variant": r.loss.adopt_variant,
+        "loss.view_reg_variant": r.loss.view_reg_variant,
+        "model.similarity.readout": r.model.similarity.readout,
         "train.amp": r.train.amp,
     }
     for key, value in flat.items():
@@ -392,11 +456,48 @@ def validate_recipe(r: Recipe) -> None:
         raise ConfigError("model.embed_dim must be positive")
     if r.train.batch_size < 2:
         raise ConfigError("train.batch_size must be at least 2 (in-batch negatives)")
-    if r.train.epochs < 0:
-        raise ConfigError("train.epochs must be >= 0")
+    if r.train.epochs < 1:
+        raise ConfigError(f"train.epochs (--epochs) must be at least 1, got {r.train.epochs}")
     if r.model.image.views < 1:
         raise ConfigError("model.image.views must be >= 1")
     if not 0.0 < r.data.train_fraction <= 1.0:
         raise ConfigError(f"data.train_fraction={r.data.train_fraction}; must lie in (0, 1]")
     if r.model.similarity.name == "aeom" and r.model.embed_dim % r.model.similarity.block_dim:
         raise ConfigError("model.embed_dim must be a multiple of model.similarity.block_dim")
+    if not r.model.similarity.temperature > 0:
+        raise ConfigError(f"model.similarity.temperature={r.model.similarity.temperature}; must be positive")
+    _validate_numbers(r)
+
+
+def _validate_numbers(r: Recipe) -> None:
+    """Values the model, loss and optimiser would otherwise refuse late, with torch's words or not at all."""
+    if not r.optim.lr > 0:  # `not >` also refuses NaN; torch says only "Invalid learning rate", and 0 trains nothing
+        raise ConfigError(f"optim.lr={r.optim.lr}: the learning rate must be positive")
+    if r.optim.weight_decay < 0:
+        raise ConfigError(f"optim.weight_decay={r.optim.weight_decay}: must be >= 0")
+    if r.loss.name in ("adopt", "infonce") and not r.loss.temperature > 0:
+        raise ConfigError(f"loss.temperature={r.loss.temperature}: must be positive")
+    if r.loss.adopt_zero_fill_negatives and r.loss.adopt_variant != "reference":
+        raise ConfigError("loss.adopt_zero_fill_negatives=true reproduces the released code: it needs "
+                          "loss.adopt_variant=reference")  # fmt: skip
+    if r.model.similarity.block_dim < 1 or r.model.similarity.sinkhorn_iters < 1:
+        raise ConfigError("model.similarity.block_dim and model.similarity.sinkhorn_iters must be >= 1")
+    for name in ("view_keep_train", "view_keep_test"):
+        keep = getattr(r.model.image, name)
+        if not 0.0 < keep <= 1.0:
+            raise ConfigError(f"model.image.{name}={keep}; must lie in (0, 1]")
+    if r.model.image.views > 1 and r.model.similarity.name != "aeom":
+        raise ConfigError(f"model.image.views={r.model.image.views} (multi-view) needs model.similarity.name=aeom")
+    for key, pool in (("model.image.pooling", r.model.image.pooling), ("model.text.pooling", r.model.text.pooling)):
+        if pool.name == "gpo" and (pool.d_pe < 2 or pool.d_pe % 2 or pool.d_hidden < 1 or not pool.temperature > 0):
+            raise ConfigError(f"{key}: gpo needs an even d_pe >= 2 (got {pool.d_pe}), d_hidden >= 1 (got "
+                              f"{pool.d_hidden}) and a positive temperature (got {pool.temperature})")  # fmt: skip
+        if pool.name == "adpool" and pool.adpool_variant not in ("paper", "reference"):
+            raise ConfigError(f"{key}.adpool_variant={pool.adpool_variant!r}; choose one of paper, reference")
+        if pool.name == "adpool" and not (pool.token_level or pool.embedding_level):
+            raise ConfigError(f"{key}: adpool needs token_level or embedding_level (both are false)")
+    if r.loss.view_reg_weight > 0 and r.model.image.views < 2:
+        raise ConfigError("loss.view_reg_weight > 0 (the view regulariser) needs model.image.views >= 2")
+    from vsekit.errors import check_device_name
+
+    check_device_name(r.train.device, "train.device (--device)", ConfigError)

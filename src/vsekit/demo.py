@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vsekit.config import load_recipe
+from vsekit.errors import VseInputError
 from vsekit.utils.io import atomic_write_json, atomic_write_text
 
 # Small-CPU settings shared by every demo run: 512-d embeddings, grid features (one linear layer, as VSE∞
@@ -190,7 +191,7 @@ def run_demo(data_dir: str | Path = "data/openclipart", out_dir: str | Path = "r
     if variants:
         unknown = set(variants) - {v.name for v in VARIANTS}
         if unknown:
-            raise ValueError(f"unknown demo variant(s) {sorted(unknown)}; choose from {[v.name for v in VARIANTS]}")
+            raise VseInputError(f"unknown demo variant(s) {sorted(unknown)}; choose from {[v.name for v in VARIANTS]}")
     t_start = time.perf_counter()
     if not dataset_ready(data_dir):
         from vsekit.data.openclipart import build_openclipart

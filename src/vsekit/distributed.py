@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vsekit.errors import SetupError
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -65,7 +67,7 @@ def init_from_env(device_type: str = "cpu") -> DistContext:
     if world <= 1:
         return DistContext()
     if not dist.is_available():
-        raise RuntimeError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
+        raise SetupError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
     if not dist.is_initialized():

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from vsekit.config import SimilarityConfig
+from vsekit.errors import VseInputError
 from vsekit.metrics import evaluate_sims
 from vsekit.similarity import CosineSimilarity, all_pairs
 from vsekit.similarity.aeom import AEOMSimilarity
@@ -54,9 +55,9 @@ def bench_aeom(n_images: int = 1000, n_captions: int = 5000, dim: int = 1024, de
                seed: int = 0) -> dict:  # fmt: skip
     """Median wall-clock seconds of cosine vs AEOM all-pairs scoring (and + metrics); see module doc."""
     if min(n_images, n_captions, dim, repeats, views, block_dim, iters) < 1:
-        raise ValueError("n_images, n_captions, dim, repeats, views, block_dim and iters must be positive")
+        raise VseInputError("n_images, n_captions, dim, repeats, views, block_dim and iters must be positive")
     if dim % block_dim:
-        raise ValueError(f"dim={dim} must be a multiple of block_dim={block_dim}")
+        raise VseInputError(f"dim={dim} must be a multiple of block_dim={block_dim}")
     dev = torch.device(device)
     g = torch.Generator().manual_seed(seed)
     img = torch.nn.functional.normalize(torch.randn(n_images, views, dim, generator=g), dim=-1).reshape(
@@ -130,7 +131,7 @@ def bench_aeom_eval(n_images: int = 1000, captions_per_image: int = 5, device: s
     from vsekit.models.vse import DataSpec, VSEModel
 
     if min(n_images, captions_per_image, repeats, regions, img_dim) < 1:
-        raise ValueError("n_images, captions_per_image, repeats, regions and img_dim must be positive")
+        raise VseInputError("n_images, captions_per_image, repeats, regions and img_dim must be positive")
     dev = torch.device(device)
     with tempfile.TemporaryDirectory(prefix="vse-bench-aeom-") as tmp:
         make_synthetic_precomp(tmp, n_train=1, n_dev=1, n_test=n_images, regions=regions, dim=img_dim,

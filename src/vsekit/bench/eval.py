@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vsekit.errors import VseInputError
 from vsekit.metrics import cap2img_for_k, evaluate_sims
 
 
@@ -67,7 +68,7 @@ def bench_eval(n_images: int = 5000, captions_per_image: int = 5, repeats: int =
     from vsekit.commands.evaluate import load_sims
 
     if n_images < 1 or captions_per_image < 1 or repeats < 1:
-        raise ValueError("n_images, captions_per_image and repeats must be positive")
+        raise VseInputError("n_images, captions_per_image and repeats must be positive")
     sims = planted_sims(n_images, captions_per_image, signal, seed)
     with tempfile.TemporaryDirectory(dir=tmp_dir) as tmp:
         path = Path(tmp) / "sims.npy"
@@ -94,3 +95,74 @@ def bench_eval(n_images: int = 5000, captions_per_image: int = 5, repeats: int =
         row["speedup"] = row["reference_s"] / row["eval_sims_s"]
         row["max_abs_diff"] = max(abs(ref[k] - metrics[k]) for k in ref)
     return row
+
+
+# ------------------------------------------------------------------------ whole processes (vse bench eval-sims)
+# The baseline: the least code that computes the same metrics with vectorised numpy, run as its own process
+# (`python -c MINIMAL_EVAL_SIMS FILE K`): load the matrix, count the scores at or above each positive.
+MINIMAL_EVAL_SIMS = """
+import json, sys
+import numpy as np
+s = np.load(sys.argv[1])
+k = int(sys.argv[2])
+n_img, n_cap = s.shape
+cols = np.arange(n_cap)
+pos = s[cols // k, cols]
+t2i = (s >= pos).sum(0) - 1
+own = pos.reshape(n_img, k)
+best = own.max(1)
+i2t = (s >= best[:, None]).sum(1) - (own >= best[:, None]).sum(1)
+out = {}
+for p, r in (("i2t", i2t), ("t2i", t2i)):
+    for kk in (1, 5, 10):
+        out[f"{p}_r{kk}"] = float(100.0 * np.mean(r < kk))
+    out[f"{p}_medr"] = float(np.floor(np.median(r)) + 1)
+    out[f"{p}_meanr"] = float(r.mean() + 1)
+out["rsum"] = sum(out[f"{d}_r{kk}"] for d in ("i2t", "t2i") for kk in (1, 5, 10))
+print(json.dumps(out))
+"""
+
+
+def _run_process(cmd: list[str]) -> str:
+    import subprocess
+
+    from vsekit.errors import SetupError
+
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SetupError(f"{cmd[2] if cmd[1] == '-m' else 'the minimal script'} exited with {proc.returncode}: "
+                         f"{proc.stderr.strip()[-1000:]}")  # fmt: skip
+    return proc.stdout
+
+
+def bench_eval_sims_process(n_images: int = 5000, captions_per_image: int = 5, repeats: int = 3,
+                            signal: float = 3.0, seed: int = 0, tmp_dir: str | None = None) -> dict:  # fmt: skip
+    """Wall seconds of `vse eval-sims FILE --json` and of `MINIMAL_EVAL_SIMS` on the same N x kN .npy, each
+    a whole process (interpreter start, imports, load, metrics), alternated `repeats` times after one untimed
+    run of each (the file is then in the page cache for both); medians, their ratio, and the largest
+    difference between the metrics the two print (0.0: the same numbers)."""
+    import json
+    import sys
+
+    if n_images < 1 or captions_per_image < 1 or repeats < 1:
+        raise VseInputError("n_images, captions_per_image and repeats must be positive")
+    with tempfile.TemporaryDirectory(dir=tmp_dir) as tmp:
+        path = Path(tmp) / "sims.npy"
+        np.save(path, planted_sims(n_images, captions_per_image, signal, seed))
+        k = str(captions_per_image)
+        vse = [sys.executable, "-m", "vsekit.cli", "eval-sims", str(path), "--captions-per-image", k, "--json"]
+        minimal = [sys.executable, "-c", MINIMAL_EVAL_SIMS, str(path), k]
+        ours, theirs = json.loads(_run_process(vse)), json.loads(_run_process(minimal))  # untimed warm-up
+        t_vse, t_min = [], []
+        for _ in range(repeats):
+            for cmd, times in ((vse, t_vse), (minimal, t_min)):
+                t0 = time.perf_counter()
+                _run_process(cmd)
+                times.append(time.perf_counter() - t0)
+    vse_s, min_s = statistics.median(t_vse), statistics.median(t_min)
+    return {
+        "images": n_images, "captions": n_images * captions_per_image, "repeats": repeats,
+        "eval_sims_s": vse_s, "minimal_s": min_s, "ratio": vse_s / min_s,
+        "eval_sims_min_s": min(t_vse), "minimal_min_s": min(t_min),
+        "max_abs_diff": max(abs(ours[key] - theirs[key]) for key in theirs), "rsum": ours["rsum"],
+    }  # fmt: skip

@@ -20,6 +20,7 @@ import time
 import torch
 
 from vsekit.config import load_recipe
+from vsekit.errors import VseInputError
 from vsekit.losses import create_loss
 from vsekit.models.vse import DataSpec, VSEModel
 
@@ -37,7 +38,7 @@ def bench_ladder_step(batch: int = 128, device: str = "cpu", repeats: int = 10, 
     """Median ms of a full training step with the VSE++, ladder and adaptive-ladder losses, the same for
     the loss alone (forward + backward on a fixed similarity matrix), and the ratios to VSE++."""
     if batch < 2 or repeats < 1 or warmup < 0:
-        raise ValueError("batch must be >= 2, repeats >= 1, warmup >= 0")
+        raise VseInputError("batch must be >= 2, repeats >= 1, warmup >= 0")
     dev = torch.device(device)
     g = torch.Generator().manual_seed(seed)
     images = torch.randn(batch, regions, img_dim, generator=g).to(dev)

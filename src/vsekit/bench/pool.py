@@ -19,6 +19,7 @@ import time
 import torch
 
 from vsekit.config import PoolingConfig
+from vsekit.errors import VseInputError
 from vsekit.pooling import create_pooling
 
 POOLINGS = ("avg", "max", "kmax", "gpo", "adpool", "adpool-ref")
@@ -39,10 +40,10 @@ def bench_pool(batch: int = 128, n: int = 36, dim: int = 1024, device: str = "cp
     the ratio to the avg pooling's median when avg is in `poolings`.
     """
     if batch < 1 or n < 1 or dim < 1 or repeats < 1 or warmup < 0:
-        raise ValueError("batch, n, dim and repeats must be positive and warmup non-negative")
+        raise VseInputError("batch, n, dim and repeats must be positive and warmup non-negative")
     unknown = [p for p in poolings if p not in POOLINGS]
     if unknown:
-        raise ValueError(f"unknown pooling(s) {unknown}; choose from {', '.join(POOLINGS)}")
+        raise VseInputError(f"unknown pooling(s) {unknown}; choose from {', '.join(POOLINGS)}")
     dev = torch.device(device)
     g = torch.Generator().manual_seed(seed)
     feats = torch.randn(batch, n, dim, generator=g)
@@ -55,7 +56,8 @@ def bench_pool(batch: int = 128, n: int = 36, dim: int = 1024, device: str = "cp
     rows = []
     for name in poolings:
         torch.manual_seed(seed)  # module init draws from the default generator
-        cfg = PoolingConfig(name="adpool", adpool_variant="reference") if name == "adpool-ref" else PoolingConfig(name=name, k=kmax_k)
+        # "adpool" = the paper's scorer (one weight per rank), "adpool-ref" = the released D x D one (the recipe default)
+        cfg = PoolingConfig(name="adpool", adpool_variant="reference") if name == "adpool-ref" else PoolingConfig(name=name, k=kmax_k, adpool_variant="paper")
         pool = create_pooling(cfg, dim).to(dev)
         x = feats.clone().requires_grad_(True)
         times = []

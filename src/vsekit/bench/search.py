@@ -4,6 +4,9 @@
     rows = bench_search(n=1_000_000, dim=1024)      # exact vs IVF: p50/p99 ms per query, recall@10
     load = bench_serve("runs/demo/index", requests=2000, concurrency=4, max_seconds=60)
 
+From a shell: `vse bench search [OPTIONS]` (defaults: this function's) and `vse bench serve INDEX`;
+`python -m vsekit.bench.search ann|serve [OPTIONS]` runs exactly those commands.
+
 `bench_search` draws a clustered set (a mixture of `clusters` Gaussian blobs on the unit sphere, like real
 embeddings, where neighbours share a topic; unclustered Gaussian vectors have no near neighbours and are
 the worst case for any ANN index — `clusters=0` measures that). Vectors are generated chunk by chunk from
@@ -14,6 +17,7 @@ Latency is per single query (one at a time, as a server sees them), on `threads`
 
 from __future__ import annotations
 
+import inspect
 import json
 import socket
 import subprocess
@@ -24,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vsekit.errors import MissingPackageError, SetupError, VseInputError
 from vsekit.utils.io import open_npy
 
 
@@ -31,7 +36,7 @@ def _faiss():
     try:
         import faiss
     except ImportError as e:
-        raise ImportError("the search benchmark needs faiss-cpu: pip install 'vsekit[search]'") from e
+        raise MissingPackageError("the search benchmark needs faiss-cpu: pip install 'vsekit[search]'") from e
     return faiss
 
 
@@ -81,11 +86,11 @@ class NpyVectors:
         if query_path is not None:
             q = self._open(Path(query_path))
             if q.shape[1] != self.dim:
-                raise ValueError(f"{query_path}: queries are {q.shape[1]}-d but {self.path} holds {self.dim}-d vectors")
+                raise VseInputError(f"{query_path}: queries are {q.shape[1]}-d but {self.path} holds {self.dim}-d vectors")
             self._queries, self.size = q, len(self.base)
         else:
             if len(self.base) <= holdout:
-                raise ValueError(f"{self.path}: {len(self.base)} rows leave nothing after holding out {holdout} queries")
+                raise VseInputError(f"{self.path}: {len(self.base)} rows leave nothing after holding out {holdout} queries")
             self._queries, self.size = self.base[len(self.base) - holdout:], len(self.base) - holdout
 
     @staticmethod
@@ -94,18 +99,18 @@ class NpyVectors:
             raise FileNotFoundError(f"{path}: no such file")
         a = open_npy(path)
         if a.ndim != 2 or a.shape[0] == 0 or a.shape[1] == 0:
-            raise ValueError(f"{path}: expected a non-empty (N, D) array, got shape {a.shape}")
+            raise VseInputError(f"{path}: expected a non-empty (N, D) array, got shape {a.shape}")
         if not np.issubdtype(a.dtype, np.floating):
-            raise ValueError(f"{path}: expected float vectors, got dtype {a.dtype}")
+            raise VseInputError(f"{path}: expected float vectors, got dtype {a.dtype}")
         return a
 
     def _normalise(self, x: np.ndarray, where: str) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         if not np.isfinite(x).all():
-            raise ValueError(f"{self.path}: non-finite values in {where}")
+            raise VseInputError(f"{self.path}: non-finite values in {where}")
         norm = np.linalg.norm(x, axis=1, keepdims=True)
         if (norm == 0).any():
-            raise ValueError(f"{self.path}: all-zero vectors in {where} (cosine is undefined)")
+            raise VseInputError(f"{self.path}: all-zero vectors in {where} (cosine is undefined)")
         return x / norm
 
     def queries(self, m: int) -> np.ndarray:
@@ -152,7 +157,7 @@ def bench_search(n: int = 1_000_000, dim: int = 1024, k: int = 10, queries: int 
     """
     faiss = _faiss()
     if n < 1 or dim < 1 or k < 1 or queries < 1:
-        raise ValueError("n, dim, k and queries must be positive")
+        raise VseInputError("n, dim, k and queries must be positive")
     faiss.omp_set_num_threads(threads)
     if vectors is not None:
         data = NpyVectors(vectors, query_vectors, holdout=queries)
@@ -222,6 +227,9 @@ def bench_search(n: int = 1_000_000, dim: int = 1024, k: int = 10, queries: int 
     return {"setup": setup, "rows": rows}
 
 
+SEARCH_DEFAULTS = {k: p.default for k, p in inspect.signature(bench_search).parameters.items()}  # the CLI's
+
+
 def format_search_table(result: dict) -> str:
     s = result["setup"]
     source = f"from {s['vectors']}" if s.get("vectors") else f"({s['clusters']:,} clusters, spread {s['spread']})"
@@ -256,7 +264,7 @@ def bench_serve(index_dir: str | Path, requests: int = 2000, concurrency: int = 
     import httpx
 
     if requests < 1 or concurrency < 1 or max_seconds <= 0:
-        raise ValueError("requests, concurrency and max_seconds must be positive")
+        raise VseInputError("requests, concurrency and max_seconds must be positive")
     queries = queries or ["a red apple", "a cat", "a house with a tree", "a blue car", "a flower", "a man",
                           "a green triangle", "a musical note", "a map of the world", "a smiling sun"]  # fmt: skip
     port = _free_port()
@@ -269,14 +277,14 @@ def bench_serve(index_dir: str | Path, requests: int = 2000, concurrency: int = 
         deadline = time.monotonic() + startup_timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"`vse serve` exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
+                raise SetupError(f"`vse serve` exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
             try:
                 if httpx.get(base + "/healthz", timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"`vse serve` did not answer /healthz within {startup_timeout} s")
+                raise SetupError(f"`vse serve` did not answer /healthz within {startup_timeout} s")
             time.sleep(0.2)
         lat: list[float] = []
         errors: list[str] = []
@@ -324,49 +332,21 @@ def bench_serve(index_dir: str | Path, requests: int = 2000, concurrency: int = 
             "first_errors": errors[:5]}  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
+COMMANDS = {"ann": "search", "search": "search", "serve": "serve"}
 
-    p = argparse.ArgumentParser(prog="python -m vsekit.bench.search", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="what", required=True)
-    a = sub.add_parser("ann", help="FAISS latency / recall on synthetic vectors")
-    a.add_argument("--n", type=int, default=1_000_000)
-    a.add_argument("--dim", type=int, default=1024)
-    a.add_argument("--queries", type=int, default=200)
-    a.add_argument("--exact-queries", type=int, default=30)
-    a.add_argument("--clusters", type=int, default=10_000)
-    a.add_argument("--spread", type=float, default=1.0)
-    a.add_argument("--nlist", type=int, default=0, help="IVF lists (0 = about 4*sqrt(n), as `vse index` picks)")
-    a.add_argument("--train-size", type=int, default=0, help="k-means training vectors (0 = max(65536, 40*nlist))")
-    a.add_argument("--kmeans-iters", type=int, default=10)
-    a.add_argument("--ef-search", type=int, nargs="+", default=[32, 64, 128])
-    a.add_argument("--nprobe", type=int, nargs="+", default=[4, 8, 16, 32])
-    a.add_argument("--no-sq8", action="store_true")
-    a.add_argument("--hnsw-m", type=int, default=0, help="also build HNSW with this M (slow to build at 1M)")
-    a.add_argument("--threads", type=int, default=1)
-    a.add_argument("--vectors", help="(N, D) .npy of your own embeddings instead of synthetic ones")
-    a.add_argument("--query-vectors", help="(M, D) .npy of queries (default: hold out the last --queries rows)")
-    a.add_argument("--json", help="write the result here")
-    s = sub.add_parser("serve", help="bounded loopback load test of `vse serve`")
-    s.add_argument("index")
-    s.add_argument("--requests", type=int, default=2000)
-    s.add_argument("--concurrency", type=int, default=4)
-    s.add_argument("--max-seconds", type=float, default=60)
-    s.add_argument("--json")
-    args = p.parse_args(argv)
-    if args.what == "ann":
-        res = bench_search(n=args.n, dim=args.dim, queries=args.queries, exact_queries=args.exact_queries,
-                           clusters=args.clusters, spread=args.spread, nlist=args.nlist, nprobes=tuple(args.nprobe),
-                           train_size=args.train_size, kmeans_iters=args.kmeans_iters, ef_searches=tuple(args.ef_search),
-                           sq8=not args.no_sq8, hnsw_m=args.hnsw_m, threads=args.threads,
-                           vectors=args.vectors, query_vectors=args.query_vectors)  # fmt: skip
-        print(format_search_table(res))
-    else:
-        res = bench_serve(args.index, requests=args.requests, concurrency=args.concurrency, max_seconds=args.max_seconds)
-        print(json.dumps(res, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
-    return 0
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m vsekit.bench.search ann|serve [OPTIONS]` is `vse bench search|serve [OPTIONS]`: the same
+    parser, defaults and output (one code path, so a documented command gives the same run either way)."""
+    from vsekit.cli import main as vse_main
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        print("usage: python -m vsekit.bench.search {ann,serve} [OPTIONS]\n"
+              "the same as `vse bench search [OPTIONS]` / `vse bench serve INDEX [OPTIONS]` (see their --help)",
+              file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)  # fmt: skip
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return vse_main(["bench", COMMANDS[argv[0]], *argv[1:]])
 
 
 if __name__ == "__main__":

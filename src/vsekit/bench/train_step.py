@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from vsekit.config import load_recipe
+from vsekit.errors import VseInputError
 from vsekit.losses import create_loss
 from vsekit.models.vse import DataSpec, VSEModel
 from vsekit.training.trainer import TrainStep
@@ -39,9 +40,9 @@ def synthetic_batch(batch: int, regions: int, img_dim: int, vocab: int, min_toke
                     seed: int = 0, first_token: int = 1) -> dict:  # fmt: skip
     """A collated training batch of random features and captions (full region sets, 8-25 token captions)."""
     if batch < 2:
-        raise ValueError(f"a training step needs at least 2 samples (negatives), got batch={batch}")
+        raise VseInputError(f"a training step needs at least 2 samples (negatives), got batch={batch}")
     if not 1 <= min_tokens <= max_tokens:
-        raise ValueError(f"need 1 <= min_tokens <= max_tokens, got {min_tokens}, {max_tokens}")
+        raise VseInputError(f"need 1 <= min_tokens <= max_tokens, got {min_tokens}, {max_tokens}")
     g = torch.Generator().manual_seed(seed)
     tok_len = torch.randint(min_tokens, max_tokens + 1, (batch,), generator=g)
     tok_len[0] = max_tokens  # the collate function pads to the longest caption
@@ -60,7 +61,7 @@ def random_bert_dir(shape: str, vocab: int = 30522) -> str:
     from transformers import BertConfig, BertModel
 
     if shape not in BERT_SHAPES:
-        raise ValueError(f"unknown BERT shape {shape!r}; choose from {', '.join(BERT_SHAPES)} or give a directory")
+        raise VseInputError(f"unknown BERT shape {shape!r}; choose from {', '.join(BERT_SHAPES)} or give a directory")
     out = Path(tempfile.mkdtemp(prefix=f"vsekit-bench-{shape}-"))
     torch.manual_seed(0)
     BertModel(BertConfig(vocab_size=vocab, **BERT_SHAPES[shape])).save_pretrained(out)
@@ -86,7 +87,7 @@ def build_train_step(recipe: str = "vse_infty", batch: int = 128, device: str = 
     """The trainer's `TrainStep` for `recipe` on a model of the given shapes, a synthetic batch (pinned on
     CUDA) and the epoch to call it with (past the loss warm-up: hardest negatives). For profiling."""
     if text not in ("bigru", "transformer"):
-        raise ValueError(f"text must be 'bigru' or 'transformer', got {text!r}")
+        raise VseInputError(f"text must be 'bigru' or 'transformer', got {text!r}")
     dev = torch.device(device)
     sets = [f"model.embed_dim={embed_dim}", f"model.text.kind={text}", *overrides]
     spec = DataSpec(img_dim=img_dim)
@@ -125,7 +126,7 @@ def bench_train_step(recipe: str = "vse_infty", batch: int = 128, device: str = 
     (e.g. `train.amp=bf16`, `train.tf32=true`, `train.compile=true`).
     """
     if steps < 1 or warmup < 0:
-        raise ValueError(f"steps must be >= 1 and warmup >= 0, got {steps}, {warmup}")
+        raise VseInputError(f"steps must be >= 1 and warmup >= 0, got {steps}, {warmup}")
     step_fn, data, epoch = build_train_step(recipe, batch, device, overrides, text, text_model, regions, img_dim,
                                             embed_dim, vocab, min_tokens, max_tokens, seed)  # fmt: skip
     dev, r, model = step_fn.device, step_fn.recipe, step_fn.model

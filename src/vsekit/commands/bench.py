@@ -12,9 +12,12 @@ import platform
 import shlex
 from pathlib import Path
 
+from vsekit.commands.jsonout import add_json_args
+
 SECTIONS = {
     "train-step": "Training step (`vse bench train-step`)",
     "eval": "Evaluation: `vse eval-sims` (`vse bench eval`)",
+    "eval-sims": "Evaluation as whole processes: `vse eval-sims` vs a minimal numpy script (`vse bench eval-sims`)",
     "pool": "Pooling cost (`vse bench pool`)",
     "ladder": "Ladder loss step cost (`vse bench ladder`)",
     "search": "FAISS search (`vse bench search`)",
@@ -93,7 +96,7 @@ def command_line(parser: argparse.ArgumentParser, args: argparse.Namespace, name
     """The command as typed, reconstructed from the options that differ from their defaults."""
     parts = ["vse", "bench", name]
     for action in parser._actions:
-        if action.dest in ("help", "append"):
+        if action.dest in ("help", "append", "json", "json_out"):  # where the output goes is not part of the measurement
             continue
         if not action.option_strings:  # a positional (e.g. the index of `vse bench serve`)
             value = getattr(args, action.dest, None)
@@ -160,6 +163,17 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_eval_sims_process(args: argparse.Namespace) -> int:
+    from vsekit.bench.eval import bench_eval_sims_process
+
+    row = bench_eval_sims_process(args.images, args.captions_per_image, repeats=args.repeats)
+    row["shape"] = f"{row['images']:,} x {row['captions']:,}"
+    emit(args, [("shape", "images x captions"), ("eval_sims_s", "`vse eval-sims` process (s, median)"),
+                ("minimal_s", "minimal numpy script process (s, median)"), ("ratio", "ratio"),
+                ("max_abs_diff", "max metric difference")], [row])  # fmt: skip
+    return 0
+
+
 def run_pool(args: argparse.Namespace) -> int:
     from vsekit.bench.pool import POOLINGS, bench_pool
 
@@ -184,11 +198,15 @@ def run_ladder(args: argparse.Namespace) -> int:
 
 
 def run_search(args: argparse.Namespace) -> int:
-    from vsekit.bench.search import bench_search
+    from vsekit.bench.search import bench_search, format_search_table
 
-    res = bench_search(n=args.n, dim=args.dim, queries=args.queries, clusters=args.clusters, nlist=args.nlist,
-                       nprobes=tuple(args.nprobe), sq8=not args.no_sq8, threads=args.threads,
+    res = bench_search(n=args.n, dim=args.dim, queries=args.queries, exact_queries=args.exact_queries,
+                       clusters=args.clusters, spread=args.spread, nlist=args.nlist, nprobes=tuple(args.nprobe),
+                       sq8=not args.no_sq8, hnsw_m=args.hnsw_m, ef_searches=tuple(args.ef_search),
+                       train_size=args.train_size, kmeans_iters=args.kmeans_iters, threads=args.threads,
                        vectors=args.vectors, query_vectors=args.query_vectors, log=lambda *_: None)  # fmt: skip
+    _write_json(args, res)
+    print(format_search_table(res).split("\n\n", 1)[0] + "\n")
     s = res["setup"]
     source = Path(s["vectors"]).name if s["vectors"] else f"{s['clusters']:,} clusters"
     for r in res["rows"]:
@@ -198,11 +216,19 @@ def run_search(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_json(args: argparse.Namespace, result: dict) -> None:
+    """--json (stdout; the Markdown rows then go to stderr) / --json-out FILE (vsekit.commands.jsonout)."""
+    from vsekit.commands.jsonout import emit_json
+
+    emit_json(args, result, ensure_ascii=True)
+
+
 def run_serve_load(args: argparse.Namespace) -> int:
     from vsekit.bench.search import bench_serve
 
     row = bench_serve(args.index, requests=args.requests, concurrency=args.concurrency,
                       max_seconds=args.max_seconds, k=args.k)  # fmt: skip
+    _write_json(args, row)
     row["index"] = args.index
     emit(args, [("index", "index"), ("n", "requests"), ("concurrency", "concurrency"), ("errors", "errors"),
                 ("requests_per_s", "requests/s"), ("p50_ms", "p50 ms"), ("p99_ms", "p99 ms")], [row])  # fmt: skip
@@ -268,6 +294,12 @@ def register(sub) -> None:
     e.add_argument("--repeats", type=int, default=3)
     e.add_argument("--no-reference", action="store_true", help="skip the (slow) reference loop")
 
+    es = add("eval-sims", "`vse eval-sims` vs a minimal vectorised numpy script, both timed as whole processes",
+             run_eval_sims_process)  # fmt: skip
+    es.add_argument("--images", type=int, default=5000)
+    es.add_argument("--captions-per-image", type=int, default=5)
+    es.add_argument("--repeats", type=int, default=5, help="timed runs of each, alternated (median reported)")
+
     po = add("pool", "forward+backward time of each pooling", run_pool)
     po.add_argument("--batch", type=int, default=128)
     po.add_argument("--n", type=int, default=36)
@@ -286,28 +318,7 @@ def register(sub) -> None:
     la.add_argument("--img-dim", type=int, default=2048)
     la.add_argument("--vocab", type=int, default=10_000)
 
-    se = add("search", "FAISS exact vs IVF latency and recall on synthetic vectors or your own (--vectors)",
-             run_search)  # fmt: skip
-    se.add_argument("--n", type=int, default=100_000)
-    se.add_argument("--dim", type=int, default=1024)
-    se.add_argument("--queries", type=int, default=200)
-    se.add_argument("--clusters", type=int, default=1000)
-    se.add_argument("--nlist", type=int, default=256)
-    se.add_argument("--nprobe", type=int, nargs="+", default=[4, 8, 16, 32])
-    se.add_argument("--no-sq8", action="store_true")
-    se.add_argument("--threads", type=int, default=1)
-    se.add_argument("--vectors", metavar="DB.npy", help="(N, D) embeddings to index instead of synthetic vectors "
-                    "(--n caps the rows used)")  # fmt: skip
-    se.add_argument("--query-vectors", metavar="Q.npy",
-                    help="(M, D) query embeddings; default: hold out the last --queries rows of --vectors")
-
-    sv = add("serve", "bounded loopback load test of `vse serve INDEX` (GET /search from N client threads)",
-             run_serve_load)  # fmt: skip
-    sv.add_argument("index", metavar="INDEX_DIR")
-    sv.add_argument("--requests", type=int, default=2000)
-    sv.add_argument("--concurrency", type=int, default=32)
-    sv.add_argument("--max-seconds", type=float, default=120.0, help="stop sending after this long")
-    sv.add_argument("-k", type=int, default=10)
+    _add_search_args(add)
 
     ae = add("aeom", "AVSE's asymmetric embedding optimal matching (vsekit.bench.aeom)", run_aeom)
     ae.add_argument("--images", type=int, default=1000)
@@ -320,3 +331,40 @@ def register(sub) -> None:
     ae.add_argument("--repeats", type=int, default=3)
     ae.add_argument("--model-eval", action="store_true",
                     help="time `vse eval` end to end (encoders + scoring + metrics), avse vs vse_infty recipe")
+
+
+
+def _add_search_args(add) -> None:
+    """`vse bench search` and `vse bench serve`; `python -m vsekit.bench.search ann|serve` is the same parser.
+    The search defaults are `bench_search`'s own: the documented 1M x 1024 run (docs/benchmarks.md)."""
+    from vsekit.bench.search import SEARCH_DEFAULTS as d
+    se = add("search", "FAISS exact vs IVF (and HNSW) latency and recall on synthetic vectors or your own (--vectors)",
+             run_search)  # fmt: skip
+    se.add_argument("--n", type=int, default=d["n"], help="database vectors (with --vectors: the most rows used)")
+    se.add_argument("--dim", type=int, default=d["dim"])
+    se.add_argument("--queries", type=int, default=d["queries"])
+    se.add_argument("--exact-queries", type=int, default=d["exact_queries"], help="single queries timed on the flat index")
+    se.add_argument("--clusters", type=int, default=d["clusters"], help="Gaussian clusters of the synthetic set (0 = none)")
+    se.add_argument("--spread", type=float, default=d["spread"])
+    se.add_argument("--nlist", type=int, default=d["nlist"], help="IVF lists (0 = about 4*sqrt(n), as `vse index` picks)")
+    se.add_argument("--nprobe", type=int, nargs="+", default=list(d["nprobes"]))
+    se.add_argument("--train-size", type=int, default=d["train_size"], help="k-means training vectors (0 = max(65536, 40*nlist))")
+    se.add_argument("--kmeans-iters", type=int, default=d["kmeans_iters"])
+    se.add_argument("--no-sq8", action="store_true", help="skip the IVF-SQ8 rows")
+    se.add_argument("--hnsw-m", type=int, default=d["hnsw_m"], help="also build HNSW with this M (slow to build at 1M)")
+    se.add_argument("--ef-search", type=int, nargs="+", default=list(d["ef_searches"]))
+    se.add_argument("--threads", type=int, default=d["threads"], help="FAISS threads")
+    se.add_argument("--vectors", metavar="DB.npy", help="(N, D) embeddings to index instead of synthetic vectors "
+                    "(--n caps the rows used)")  # fmt: skip
+    se.add_argument("--query-vectors", metavar="Q.npy",
+                    help="(M, D) query embeddings; default: hold out the last --queries rows of --vectors")
+    add_json_args(se, "the full result (setup and rows)", path_form=True)
+
+    sv = add("serve", "bounded loopback load test of `vse serve INDEX` (GET /search from N client threads)",
+             run_serve_load)  # fmt: skip
+    sv.add_argument("index", metavar="INDEX_DIR")
+    sv.add_argument("--requests", type=int, default=2000)
+    sv.add_argument("--concurrency", type=int, default=32)
+    sv.add_argument("--max-seconds", type=float, default=120.0, help="stop sending after this long")
+    sv.add_argument("-k", type=int, default=10)
+    add_json_args(sv, "the result", path_form=True)

@@ -1,8 +1,11 @@
-"""`vse data openclipart | karpathy | show | check | synthetic | relevance`."""
+"""`vse data openclipart | karpathy | show | check | synthetic | relevance | relevance-share`."""
 
 from __future__ import annotations
 
 import argparse
+
+from vsekit.commands.jsonout import add_json_args
+from vsekit.errors import VseInputError
 
 
 def run_openclipart(args: argparse.Namespace) -> int:
@@ -39,19 +42,60 @@ def run_check(args: argparse.Namespace) -> int:
 
 
 def run_synthetic(args: argparse.Namespace) -> int:
-    from vsekit.data.synthetic import make_synthetic_precomp
+    from pathlib import Path
 
+    from vsekit.data.synthetic import SPLIT_FILES, SPLITS, make_synthetic_precomp
+
+    if args.n_train < 1:  # checked before an --overwrite clears anything
+        raise VseInputError(f"--n-train must be at least 1 (training images to generate), got {args.n_train}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise VseInputError(f"{out}: exists and is not a folder; choose another --out")
+    if out.is_dir() and any(out.iterdir()):
+        if not args.overwrite:
+            raise VseInputError(f"{out}: exists and is not empty; nothing was written: choose a new or empty --out, "
+                             "or pass --overwrite to replace the dataset there")  # fmt: skip
+        # the files of the splits it writes, and those a previous dataset may have had beside them (a stale
+        # cap2img or picture list would otherwise be read with the new features); anything else stays
+        for split in SPLITS:
+            for suffix in SPLIT_FILES:
+                (out / f"{split}{suffix}").unlink(missing_ok=True)
+        (out / "manifest.json").unlink(missing_ok=True)
     make_synthetic_precomp(args.out, n_train=args.n_train, seed=args.seed, variable_captions=args.variable_captions)
     print(f"wrote a synthetic precomp dataset to {args.out}")
     return 0
 
 
 def run_relevance(args: argparse.Namespace) -> int:
-    from vsekit.data.relevance import cache_location, split_relevance
+    from vsekit.relevance import cache_location, split_relevance
 
     for split in args.split:
         rel = split_relevance(args.data, split, cache_dir=args.cache_dir, device=args.device)
         print(f"{split}: relevance {rel.shape} in {cache_location(args.data, args.cache_dir)}")
+    return 0
+
+
+def run_relevance_share(args: argparse.Namespace) -> int:
+    """Share of a split's different-image caption pairs at or above each θ, and the θ of a target share."""
+    from vsekit.relevance import share_at_or_above, split_pair_relevance, threshold_for_share
+
+    values = split_pair_relevance(args.data, args.split, args.captions_per_image, args.cache_dir,
+                                  device=args.device, max_pairs=args.max_pairs)  # fmt: skip
+    how = "every pair" if len(values) < args.max_pairs else f"a fixed-seed sample (--max-pairs {args.max_pairs:,})"
+    print(f"{args.split}: {len(values):,} caption pairs of different images ({how}), MiniLM relevance "
+          f"mean {values.mean():.3f}")  # fmt: skip
+    out: dict = {"split": args.split, "pairs": len(values), "thresholds": {}, "shares": {}}
+    print(f"  {'θ':>6}  {'share >= θ':>10}  {'per query, batch ' + str(args.batch):>22}")
+    for theta, share in zip(args.theta, share_at_or_above(values, args.theta)):
+        out["thresholds"][f"{theta:g}"] = float(share)
+        print(f"  {theta:>6.3f}  {100 * share:>9.2f}%  {share * (args.batch - 1):>22.1f}")
+    for share in args.share:
+        theta = threshold_for_share(values, share)
+        out["shares"][f"{share:g}"] = theta
+        print(f"  share {100 * share:.1f}% -> θ = {theta:.4f}  (loss.ladder_threshold_share={share:g})")
+    from vsekit.commands.jsonout import emit_json
+
+    emit_json(args, out)
     return 0
 
 
@@ -87,6 +131,7 @@ def register(sub) -> None:
     y.add_argument("--n-train", type=int, default=400)
     y.add_argument("--seed", type=int, default=0)
     y.add_argument("--variable-captions", action="store_true")
+    y.add_argument("--overwrite", action="store_true", help="replace the dataset in a non-empty --out")
     y.set_defaults(func=run_synthetic)
     r = dsub.add_parser("relevance", help="cache caption x caption relevance (MiniLM) for CS@K and the ladder loss")
     r.add_argument("data")
@@ -94,3 +139,16 @@ def register(sub) -> None:
     r.add_argument("--cache-dir", help="where to cache (default: the dataset directory when writable)")
     r.add_argument("--device", default="cpu")
     r.set_defaults(func=run_relevance)
+    rs = dsub.add_parser("relevance-share", help="share of caption pairs at or above a ladder threshold θ, and the "
+                         "θ of a given share (the rule of loss.ladder_threshold_share)")  # fmt: skip
+    rs.add_argument("data")
+    rs.add_argument("--split", default="train")
+    rs.add_argument("--theta", type=float, nargs="+", default=[0.2, 0.3, 0.4, 0.5])
+    rs.add_argument("--share", type=float, nargs="+", default=[0.15])
+    rs.add_argument("--batch", type=int, default=128, help="batch size for the per-query count")
+    rs.add_argument("--captions-per-image", type=int, default=5, help="SCAN layout without a cap2img file")
+    rs.add_argument("--max-pairs", type=int, default=20_000_000, help="above this many pairs, a sample of it")
+    rs.add_argument("--cache-dir", help="where the sentence embeddings are cached (as `vse data relevance`)")
+    rs.add_argument("--device", default="cpu")
+    add_json_args(rs, "the shares and thresholds", path_form=True)
+    rs.set_defaults(func=run_relevance_share)

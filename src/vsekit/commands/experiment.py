@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from vsekit.errors import VseInputError
+
 
 def run_gpo_synthetic(args: argparse.Namespace) -> int:
     import torch
@@ -21,7 +23,7 @@ def run_gpo_synthetic(args: argparse.Namespace) -> int:
     patterns = tuple(args.patterns or PATTERNS)
     bad = [d for d in designs if d not in DESIGNS]
     if bad:
-        raise ValueError(f"unknown design(s) {bad}; choose from {', '.join(DESIGNS)}")
+        raise VseInputError(f"unknown design(s) {bad}; choose from {', '.join(DESIGNS)}")
     for p in patterns:
         true_weights(p, 10)  # a clear error for an unknown pattern before any training
     if args.threads:
@@ -38,11 +40,9 @@ def run_gpo_synthetic(args: argparse.Namespace) -> int:
         print(f"Index+Interp. worst on K-Max: {summary['interp_worst_on_kmax']}")
     print("unseen smaller sizes harder than larger: "
           + ", ".join(f"{d} {v}" for d, v in summary["smaller_harder_than_larger"].items()))  # fmt: skip
-    if args.json:
-        from vsekit.utils.io import atomic_write_json
+    from vsekit.commands.jsonout import emit_json
 
-        atomic_write_json(args.json, {**result, "summary": summary})
-        print(f"wrote {args.json}")
+    emit_json(args, {**result, "summary": summary}, ensure_ascii=True)
     return 0
 
 
@@ -60,6 +60,8 @@ def register(sub) -> None:
     g.add_argument("--jobs", type=int, default=1, help="run the independent trainings in N processes")
     g.add_argument("--designs", nargs="+", metavar="DESIGN", help="subset of the four designs")
     g.add_argument("--patterns", nargs="+", metavar="PATTERN", help="e.g. A M-1 M-10 T-50%% L")
-    g.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    from vsekit.commands.jsonout import add_json_args
+
+    add_json_args(g, "the results", path_form=True)
     g.add_argument("--quiet", action="store_true", help="no per-run progress lines")
     g.set_defaults(func=run_gpo_synthetic)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 
@@ -16,6 +15,11 @@ def run_pooling(args: argparse.Namespace) -> int:
     from vsekit.pooling.inspect import gpo_profiles
     from vsekit.training.checkpoint import load_run
 
+    if args.text_len < 1 or args.image_len < 0:
+        from vsekit.errors import VseInputError
+
+        raise VseInputError(f"--text-len must be >= 1 and --image-len >= 0 (0 = the default), got {args.text_len} "
+                            f"and {args.image_len}")  # fmt: skip
     rows = []
     for run in args.runs:
         if not (Path(run) / "config.json").is_file():
@@ -37,8 +41,9 @@ def run_pooling(args: argparse.Namespace) -> int:
         print(f"| {r['run']} | {r['encoder']} | {r['length']} | {r['effective_positions']:.1f} | "
               f"{r['distance_from_average']:.2f} | {top} |")  # fmt: skip
     print("(effective positions = exp(entropy): N for average pooling, 1 for max pooling)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+    from vsekit.commands.jsonout import emit_json
+
+    emit_json(args, rows)
     if args.png:
         plot_profiles(rows, Path(args.png))
         print(f"plot: {args.png}")
@@ -79,5 +84,7 @@ def register(sub) -> None:
     p.add_argument("--text-len", type=int, default=12, help="caption length in tokens (default 12)")
     p.add_argument("--which", choices=["best", "last"], default="best", help="checkpoint to read (default: best on dev)")
     p.add_argument("--png", help="plot weight against sorted position")
-    p.add_argument("--json", help="write every weight here")
+    from vsekit.commands.jsonout import add_json_args
+
+    add_json_args(p, "every weight", path_form=True)
     p.set_defaults(func=run_pooling)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+
+from vsekit.commands.jsonout import add_json_args, emit_json
+from vsekit.errors import VseInputError
 
 
 def run_index(args: argparse.Namespace) -> int:
@@ -29,24 +31,26 @@ def run_search(args: argparse.Namespace) -> int:
     from vsekit.utils.runtime import resolve_device
 
     if args.k < 1:
-        raise ValueError(f"-k must be at least 1, got {args.k}")
+        raise VseInputError(f"-k must be at least 1, got {args.k}")
     if args.query is None and args.image is None:
-        raise ValueError("give a text query, or --image PATH to find captions for a picture")
+        raise VseInputError("give a text query, or --image PATH to find captions for a picture")
     if args.query is not None and args.image is not None:
-        raise ValueError("give either a text query or --image PATH, not both")
+        raise VseInputError("give either a text query or --image PATH, not both")
     engine = SearchEngine.open(args.index, resolve_device(args.device), run_dir=args.run)
     engine.index.set_search_params(nprobe=args.nprobe, ef_search=args.ef_search)
+    if args.image is not None and (why := engine.picture_query_problem()):
+        raise VseInputError(f"--image: {args.index} cannot answer picture queries: {why}")
     if args.image is not None:
         hits = engine.search_image(args.image, args.k)
     else:
         if not args.query.strip():
-            raise ValueError("the query is empty")
+            raise VseInputError("the query is empty")
         hits = engine.search_text(args.query, args.k)
         unknown = engine.text.unknown_words(args.query)
-        if unknown and not args.json:
+        if unknown:
             print(f"note: the model does not know: {', '.join(unknown)}", file=sys.stderr)
+    emit_json(args, [h.public() for h in hits])
     if args.json:
-        print(json.dumps([h.public() for h in hits], ensure_ascii=False, indent=2))
         return 0
     if not hits:
         print("no results")
@@ -119,7 +123,7 @@ def register(sub) -> None:
     s.add_argument("query", nargs="?", help="text to find pictures for")
     s.add_argument("--image", metavar="PATH", help="find indexed captions that describe this picture")
     s.add_argument("-k", type=int, default=10, help="number of results")
-    s.add_argument("--json", action="store_true", help='print a JSON list of {"path", "score", "caption"}, best first')
+    add_json_args(s, 'the results (a list of {"path", "score", "caption"}, best first)')
     s.add_argument("--nprobe", type=int, help="ivf: override the lists visited per query")
     s.add_argument("--ef-search", type=int, help="hnsw: override the query beam")
     s.add_argument("--run", metavar="RUN_DIR", help="the run, if it moved since indexing (weights are checked)")

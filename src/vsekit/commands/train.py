@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+from pathlib import Path
 
 from vsekit.config import builtin_recipes, load_recipe, to_dict
+from vsekit.errors import VseInputError
 
 
 def add_recipe_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--recipe", default="vse_infty", help=f"built-in ({', '.join(builtin_recipes())}) or a YAML file")
-    p.add_argument("--epochs", type=int, help="override train.epochs")
+    p.add_argument("--recipe", help=f"built-in ({', '.join(builtin_recipes())}) or a YAML file (default: vse_infty)")
+    p.add_argument("--epochs", type=int, help="override train.epochs; with --resume: train the run on to N epochs in all")
     p.add_argument("--batch-size", type=int, help="override train.batch_size")
     p.add_argument("--device", help="cpu, cuda, cuda:1 … (default: cuda when available)")
     p.add_argument("--seed", type=int, help="override train.seed")
@@ -22,22 +26,85 @@ def recipe_from_args(args: argparse.Namespace):
         value = getattr(args, flag, None)
         if value is not None:
             overrides.append(f"{key}={value}")
-    return load_recipe(args.recipe, overrides)
+    return load_recipe(args.recipe or "vse_infty", overrides)
+
+
+# flags a resumed run cannot take: it continues with the recipe, batches and folder it was started with
+_NOT_WITH_RESUME = (("recipe", "--recipe"), ("set", "--set"), ("out", "--out"), ("batch_size", "--batch-size"),
+                    ("seed", "--seed"), ("overwrite", "--overwrite"))  # fmt: skip
+
+
+def _resume_command(args: argparse.Namespace) -> str:
+    parts = ["vse", "train", "--resume", str(args.resume)]
+    for flag, value in (("--data", args.data), ("--epochs", args.epochs), ("--device", args.device)):
+        if value is not None:
+            parts += [flag, str(value)]
+    return shlex.join(parts + (["--no-progress"] if args.no_progress else []))
+
+
+def _train_command(args: argparse.Namespace) -> str:
+    parts = ["vse", "train", "--recipe", args.recipe or "vse_infty", "--data", str(args.data), "--out", str(args.out)]
+    for flag, value in (("--epochs", args.epochs), ("--batch-size", args.batch_size), ("--device", args.device),
+                        ("--seed", args.seed)):  # fmt: skip
+        if value is not None:
+            parts += [flag, str(value)]
+    for item in args.set:
+        parts += ["--set", item]
+    parts += (["--overwrite"] if args.overwrite else []) + (["--no-progress"] if args.no_progress else [])
+    return shlex.join(parts)
+
+
+def _config_stamp(run_dir: str | Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(Path(run_dir) / "config.json")
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+def _interrupt_hint(args: argparse.Namespace, before: tuple[int, int] | None) -> str:
+    """What to run after Ctrl-C: resume when the run was set up (config.json written by this command, or an
+    existing run for --resume), otherwise the same command again (nothing of the new run was saved)."""
+    from vsekit.training.checkpoint import is_run_dir
+
+    if args.resume:
+        return f"{args.resume} keeps its last checkpoint; continue with: {_resume_command(args)}"
+    if is_run_dir(args.out) and _config_stamp(args.out) != before:
+        resume = shlex.join(["vse", "train", "--resume", str(args.out)] + (["--no-progress"] if args.no_progress else []))
+        return f"{args.out} keeps its last checkpoint (or restarts from step 0 if none was saved); continue with: {resume}"
+    kept = "the run already there is untouched" if is_run_dir(args.out) else "nothing was saved"
+    return f"{args.out} was not set up yet, {kept}; start again with: {_train_command(args)}"
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from vsekit.training.checkpoint import read_run_config
-    from vsekit.training.trainer import Trainer
-
     if args.resume:
-        recipe, _, cfg = read_run_config(args.resume)
-        trainer = Trainer(recipe, args.data or cfg["data_dir"], args.resume, resume=True, progress=not args.no_progress)
-    else:
-        if not args.data or not args.out:
-            raise ValueError("vse train needs --data DIR and --out RUN_DIR (or --resume RUN_DIR)")
-        recipe = recipe_from_args(args)
-        trainer = Trainer(recipe, args.data, args.out, overwrite=args.overwrite, progress=not args.no_progress)
-    result = trainer.fit()
+        for attr, flag in _NOT_WITH_RESUME:
+            value = getattr(args, attr, None)
+            if not (value is None or value is False or value == []):  # `--seed 0` is given too
+                raise VseInputError(f"{flag} cannot be combined with --resume: a resumed run keeps its recipe, batches and "
+                                 f"folder ({args.resume}); only --epochs, --data, --device and --no-progress apply")  # fmt: skip
+    elif not args.data or not args.out:
+        raise VseInputError("vse train needs --data DIR and --out RUN_DIR (or --resume RUN_DIR)")
+    before = _config_stamp(args.out) if not args.resume else None
+    try:
+        from vsekit.config import validate_recipe
+        from vsekit.training.checkpoint import read_run_config
+        from vsekit.training.trainer import Trainer
+
+        if args.resume:
+            recipe, _, cfg = read_run_config(args.resume)
+            if args.epochs is not None:  # train on to N epochs in all; the lr schedule stays the recipe's
+                recipe.train.epochs = args.epochs
+            if args.device is not None:
+                recipe.train.device = args.device
+            validate_recipe(recipe)
+            trainer = Trainer(recipe, args.data or cfg["data_dir"], args.resume, resume=True, progress=not args.no_progress)
+        else:
+            recipe = recipe_from_args(args)
+            trainer = Trainer(recipe, args.data, args.out, overwrite=args.overwrite, progress=not args.no_progress)
+        result = trainer.fit()
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(_interrupt_hint(args, before)) from None
     print(f"best dev rsum {result['best_rsum']:.2f} at epoch {result['best_epoch'] + 1}; run: {trainer.run_dir}")
     return 0
 

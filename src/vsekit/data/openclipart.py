@@ -26,7 +26,6 @@ import re
 import shutil
 import signal
 import subprocess
-import tempfile
 import threading
 import time
 import unicodedata
@@ -35,10 +34,18 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from vsekit.errors import SetupError
+from vsekit.utils.io import (
+    atomic_path,
+    atomic_save_npy,
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    sha256_file,
+)
 from vsekit.utils.progress import progress_bar
 
 log = logging.getLogger(__name__)
@@ -129,53 +136,6 @@ CAPTION_RULES = [
 # --------------------------------------------------------------------------------------------- helpers
 
 
-def _file_mode() -> int:
-    """0o666 minus the umask: what open() would give; mkstemp's 0o600 would hide the set from other users."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
-def _atomic_bytes(path: Path, data: bytes, fsync: bool = True) -> None:
-    """Write to a temp file in the same folder, then rename: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, _file_mode())
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    _atomic_bytes(path, text.encode("utf-8"))
-
-
-def _atomic_json(path: Path, obj: Any) -> None:
-    _atomic_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-
-
-def _atomic_npy(path: Path, array: np.ndarray) -> None:
-    buf = io.BytesIO()
-    np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
-    _atomic_bytes(path, buf.getvalue())
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _fix_text(text: str) -> str:
     """Undo the two encoding accidents found in the metadata: HTML entities ('Baden-W&uuml;rttemberg',
     sometimes twice) and UTF-8 read as Latin-1 ('LÃ©zard'). Repairs only; never changes real words."""
@@ -232,7 +192,7 @@ def ensure_svg_root(svg_root: str | Path) -> Path:
             rc = subprocess.run(["apt-get", "install", "-y", PACKAGE], env=env).returncode
         if rc == 0 and root.is_dir():
             return root
-        raise RuntimeError(f"`apt-get install -y {PACKAGE}` failed (exit {rc}); {root} is still missing")
+        raise SetupError(f"`apt-get install -y {PACKAGE}` failed (exit {rc}); {root} is still missing")
     raise FileNotFoundError(f"{root} is missing; install the clip art with: {cmd}")
 
 
@@ -352,7 +312,11 @@ def parse_all(root: Path, rel_paths: list[str], cache_file: Path, progress: bool
         else:
             ok[rel] = entry["meta"]
     if changed or set(cache) != set(entries):
-        _atomic_json(cache_file, {"version": CACHE_VERSION, "root": str(root.resolve()), "entries": entries})
+        atomic_write_json(
+            cache_file,
+            {"version": CACHE_VERSION, "root": str(root.resolve()), "entries": entries},
+            ensure_ascii=False,
+        )
     return ok, errors
 
 
@@ -638,7 +602,7 @@ def _render_job(job: tuple[str, str, str]) -> tuple[str, str, str]:
             return ident, "blank", "nothing drawn"
         buf = io.BytesIO()
         out.save(buf, format="PNG", optimize=False)
-        _atomic_bytes(Path(png), buf.getvalue(), fsync=False)
+        atomic_write_bytes(Path(png), buf.getvalue(), fsync=False)
     except Exception as e:
         return ident, "failed", f"{type(e).__name__}: {e}"
     return ident, "ok", ""
@@ -665,7 +629,7 @@ def render_all(jobs: list[tuple[str, str, str]], workers: int, progress: bool,
                     result = it.next(timeout=stall)
                 except mp.TimeoutError:
                     pool.terminate()
-                    raise RuntimeError(
+                    raise SetupError(
                         f"rendering stalled for {stall}s (a worker probably crashed); finished PNGs are kept, "
                         "run the build again to continue"
                     ) from None
@@ -757,9 +721,10 @@ def compute_features(
             )
             if not np.isfinite(feats).all():
                 raise RuntimeError(f"non-finite features for one of {missing}")
-            _atomic_npy(npy, np.concatenate([np.asarray(arr), feats]))
+            atomic_save_npy(npy, np.concatenate([np.asarray(arr), feats]))
             old_ids = old_ids + missing
-            _atomic_text(idf, "".join(f"{i}\n" for i in old_ids))  # after the array: a mismatch means redo
+            # after the array: a mismatch means redo
+            atomic_write_text(idf, "".join(f"{i}\n" for i in old_ids))
             arr = np.load(npy, mmap_mode="r")
         stats["computed"] += len(missing)
         stats["reused"] += len(buckets[name]) - len(missing)
@@ -775,23 +740,13 @@ def _write_features(path: Path, ids: list[str], where: dict) -> None:
     """Stream rows into a temp .npy next to the target, fsync, rename (the train file is ~300 MB)."""
     first = where[ids[0]][0] if ids else None
     regions, dim = (first.shape[1], first.shape[2]) if first is not None else (49, 1280)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.fchmod(fd, _file_mode())
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         mm = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=(len(ids), regions, dim))
         for row, ident in enumerate(ids):
             arr, r = where[ident]
             mm[row] = arr[r]
         mm.flush()
         del mm
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 # --------------------------------------------------------------------------------------------- build
@@ -855,17 +810,21 @@ def build_openclipart(out_dir: str | Path, svg_root: str | Path = DEFAULT_SVG_RO
             log.warning("render failed for %s (%s): %s", ident, by_id[ident].files[0], detail)
         pending["n"] += 1
         if pending["n"] % 200 == 0:
-            _atomic_json(status_file, {"render_version": RENDER_VERSION, "status": status})
+            atomic_write_json(
+                status_file, {"render_version": RENDER_VERSION, "status": status}, ensure_ascii=False
+            )
 
     try:
         render_all(jobs, workers, progress, on_result)
     finally:
-        _atomic_json(status_file, {"render_version": RENDER_VERSION, "status": status})
+        atomic_write_json(
+            status_file, {"render_version": RENDER_VERSION, "status": status}, ensure_ascii=False
+        )
     timings["render"] = time.perf_counter() - t1
     outcome = Counter(status[d.id]["status"] for d in kept)
     images = [d for d in kept if status[d.id]["status"] == "ok"]
     if not images:
-        raise RuntimeError(f"no usable images from {root} (render outcomes: {dict(outcome)})")
+        raise SetupError(f"no usable images from {root} (render outcomes: {dict(outcome)})")
 
     # split + features
     splits = assign_splits([d.id for d in images], seed, n_test, n_dev)
@@ -895,12 +854,12 @@ def build_openclipart(out_dir: str | Path, svg_root: str | Path = DEFAULT_SVG_RO
         if ids:
             _write_features(out / f"{split}_ims.npy", ids, where)
         else:  # an empty split (tiny `limit` builds) still gets well-formed files
-            _atomic_npy(out / f"{split}_ims.npy", np.zeros((0, spec["regions"], spec["dim"]), np.float16))
-        _atomic_text(out / f"{split}_caps.txt", "".join(c + "\n" for c in caps))
-        _atomic_text(out / f"{split}_cap2img.txt", "".join(f"{r}\n" for r in cap2img))
-        _atomic_text(out / f"{split}_ids.txt", "".join(f"{i}\n" for i in ids))
-        _atomic_text(out / f"{split}_images.txt", "".join(f"images/{i}.png\n" for i in ids))
-        _atomic_text(
+            atomic_save_npy(out / f"{split}_ims.npy", np.zeros((0, spec["regions"], spec["dim"]), np.float16))
+        atomic_write_text(out / f"{split}_caps.txt", "".join(c + "\n" for c in caps))
+        atomic_write_text(out / f"{split}_cap2img.txt", "".join(f"{r}\n" for r in cap2img))
+        atomic_write_text(out / f"{split}_ids.txt", "".join(f"{i}\n" for i in ids))
+        atomic_write_text(out / f"{split}_images.txt", "".join(f"images/{i}.png\n" for i in ids))
+        atomic_write_text(
             out / f"{split}_meta.jsonl", "".join(json.dumps(m, ensure_ascii=False) + "\n" for m in metas)
         )
         per_image = Counter(len(by_id[i].captions) for i in ids)
@@ -909,7 +868,7 @@ def build_openclipart(out_dir: str | Path, svg_root: str | Path = DEFAULT_SVG_RO
     for split in SPLITS:
         for suffix in ("ims.npy", "caps.txt", "cap2img.txt", "ids.txt", "images.txt", "meta.jsonl"):
             name = f"{split}_{suffix}"
-            files[name] = _sha256(out / name)
+            files[name] = sha256_file(out / name)
     timings["write"] = time.perf_counter() - t3
     timings["total"] = time.perf_counter() - t0
 
@@ -981,7 +940,7 @@ def build_openclipart(out_dir: str | Path, svg_root: str | Path = DEFAULT_SVG_RO
         },  # fmt: skip
         "timings_s": {k: round(v, 2) for k, v in timings.items()},
     }
-    _atomic_json(out / "manifest.json", manifest)
+    atomic_write_json(out / "manifest.json", manifest, ensure_ascii=False)
     return manifest
 
 

@@ -22,10 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
+from vsekit.errors import VseInputError
 from vsekit.utils.io import open_npy
 
 
-class DataFormatError(ValueError):
+class DataFormatError(VseInputError):
     """A dataset file that does not fit the layout; the message names the file and the problem."""
 
 
@@ -88,6 +89,17 @@ class PrecompSplit:
             raise DataFormatError(
                 f"{self.root / f'{self.split}_ims.npy'}: missing; this split has pictures only "
                 f"({self.split}_images.txt), so train a backbone recipe (e.g. vse_infty_grid_e2e) or extract features"
+            )
+
+    def require_width(self, expected: int, model: str = "the model") -> None:
+        """Raise a clear error, before any model runs, when the features are not `expected` wide (a model
+        trained on other features; torch would only say "mat1 and mat2 shapes cannot be multiplied")."""
+        self.require_features()
+        width = int(self.features.shape[2])
+        if expected and width != int(expected):
+            raise DataFormatError(
+                f"{self.root / f'{self.split}_ims.npy'}: features are {width} wide but {model} expects "
+                f"{int(expected)}-wide features: it was trained on other features (another extractor or dataset)"
             )
 
     def image_features(self, index: int) -> np.ndarray:

@@ -6,7 +6,9 @@ Karpathy JSON: {"images": [{"filename", "filepath"?, "split": train|restval|val|
 
 Transforms (VSE∞ `RawImageDataset`, PIL + numpy since torchvision is not required): training takes a
 random crop with side ratio U(0.6, 1), resizes to size x size and flips horizontally with p 0.5;
-evaluation resizes the whole image. ImageNet mean/std normalisation.
+evaluation resizes the whole image. Normalisation and the resize filter are the backbone's own
+(`vsekit.features.backbones.PixelTransform`: timm / torchvision data config), ImageNet mean/std with
+bilinear resizing by default.
 """
 
 from __future__ import annotations
@@ -20,9 +22,14 @@ import torch
 from PIL import Image
 
 from vsekit.data.precomp import DataFormatError
+from vsekit.features.backbones import IMAGENET_TRANSFORM, PixelTransform
 
-IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)
-IMAGENET_STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
+IMAGENET_MEAN = np.array(IMAGENET_TRANSFORM.mean, dtype=np.float32)
+IMAGENET_STD = np.array(IMAGENET_TRANSFORM.std, dtype=np.float32)
+_RESAMPLE = {"nearest": Image.Resampling.NEAREST, "nearest-exact": Image.Resampling.NEAREST,
+             "bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC,
+             "box": Image.Resampling.BOX, "hamming": Image.Resampling.HAMMING,
+             "lanczos": Image.Resampling.LANCZOS}  # fmt: skip
 _SPLIT_ALIASES = {"train": ("train", "restval"), "dev": ("val",), "val": ("val",), "test": ("test",)}
 
 
@@ -86,7 +93,16 @@ def load_karpathy_split(json_path: str | Path, split: str, image_root: str | Pat
     return RawSplit(root, split, captions, np.asarray(cap2img, dtype=np.int64), paths, ids)
 
 
-def load_pixels(path: Path, size: int, rng: np.random.Generator | None) -> torch.Tensor:
+def to_pixels(im: Image.Image, size: int, transform: PixelTransform = IMAGENET_TRANSFORM) -> torch.Tensor:
+    """An RGB picture -> [3, size, size] float tensor: resized with the transform's filter, then normalised."""
+    im = im.resize((size, size), _RESAMPLE[transform.interpolation])
+    mean, std = np.asarray(transform.mean, np.float32), np.asarray(transform.std, np.float32)
+    arr = (np.asarray(im, dtype=np.float32) / 255.0 - mean) / std
+    return torch.from_numpy(arr.transpose(2, 0, 1).copy())
+
+
+def load_pixels(path: Path, size: int, rng: np.random.Generator | None,
+                transform: PixelTransform = IMAGENET_TRANSFORM) -> torch.Tensor:  # fmt: skip
     """[3, size, size] float tensor; training-time crop/flip when `rng` is given."""
     try:
         with Image.open(path) as im:
@@ -106,9 +122,7 @@ def load_pixels(path: Path, size: int, rng: np.random.Generator | None) -> torch
         im = im.crop((x0, y0, x0 + cw, y0 + ch))
         if rng.random() < 0.5:
             im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    im = im.resize((size, size), Image.Resampling.BILINEAR)
-    arr = (np.asarray(im, dtype=np.float32) / 255.0 - IMAGENET_MEAN) / IMAGENET_STD
-    return torch.from_numpy(arr.transpose(2, 0, 1).copy())
+    return to_pixels(im, size, transform)
 
 
 class PixelSource:
@@ -116,16 +130,19 @@ class PixelSource:
 
     kind = "pixels"
 
-    def __init__(self, split, image_size: int = 224, augment: bool = False) -> None:
+    def __init__(self, split, image_size: int = 224, augment: bool = False,
+                 transform: PixelTransform = IMAGENET_TRANSFORM) -> None:  # fmt: skip
         if getattr(split, "image_paths", None) is None:
             raise DataFormatError(f"{split.root}: split {split.split!r} lists no image paths ({split.split}_images.txt)")
         self.split = split
         self.image_size = image_size
         self.augment = augment
+        self.transform = transform
         self.n_images = split.n_images
 
     def load(self, index: int, rng: np.random.Generator | None) -> torch.Tensor:
-        return load_pixels(self.split.abs_image_path(index), self.image_size, rng if self.augment else None)
+        return load_pixels(self.split.abs_image_path(index), self.image_size, rng if self.augment else None,
+                           self.transform)  # fmt: skip
 
 
 def convert_karpathy(json_path: str | Path, out_dir: str | Path, image_root: str | Path | None = None,

@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from vsekit.errors import VseInputError
+
 
 def _lines(path: Path) -> list[str]:
     text = path.read_text(encoding="utf-8")
@@ -71,7 +73,7 @@ def show_dataset(data_dir: str | Path, out_png: str | Path, split: str = "test",
 
     count = min(n, len(paths))
     if count == 0:
-        raise ValueError(f"{images_file}: no images in split {split!r}")
+        raise VseInputError(f"{images_file}: no images in split {split!r}")
     rows_idx = sorted(np.random.default_rng(seed).choice(len(paths), size=count, replace=False).tolist())
     cols = math.ceil(math.sqrt(count))
     nrows = math.ceil(count / cols)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from vsekit.data.precomp import write_precomp_split
+from vsekit.errors import VseInputError
 
 ATTRIBUTES = [
     "red", "blue", "green", "yellow", "black", "white", "small", "large", "old", "new",
@@ -19,6 +20,8 @@ ATTRIBUTES = [
     "beach", "street", "field", "kitchen", "snow", "river", "table", "ball", "bike", "train",
 ]  # fmt: skip
 FILLERS = ["a", "the", "with", "on", "near", "and", "in", "of"]
+SPLITS = ("train", "dev", "test")
+SPLIT_FILES = ("_ims.npy", "_caps.txt", "_cap2img.txt", "_ids.txt", "_images.txt")  # per split, in the precomp layout
 
 
 def make_synthetic_precomp(out_dir: str | Path, n_train: int = 400, n_dev: int = 100, n_test: int = 100,
@@ -27,10 +30,16 @@ def make_synthetic_precomp(out_dir: str | Path, n_train: int = 400, n_dev: int =
                            ids_per_caption: bool = False) -> Path:  # fmt: skip
     """Write train/dev/test splits; with `variable_captions` each image gets 1..captions_per_image captions
     and a `{split}_cap2img.txt` file."""
+    for name, value in (("n_train", n_train), ("n_dev", n_dev), ("n_test", n_test), ("regions", regions), ("dim", dim),
+                        ("captions_per_image", captions_per_image)):  # fmt: skip
+        if value < 1:
+            raise VseInputError(f"{name} must be at least 1, got {value}")
+    if not 1 <= attrs_per_image <= len(ATTRIBUTES):
+        raise VseInputError(f"attrs_per_image must lie in 1..{len(ATTRIBUTES)}, got {attrs_per_image}")
     rng = np.random.default_rng(seed)
     out = Path(out_dir)
     protos = rng.normal(size=(len(ATTRIBUTES), dim)).astype(np.float32)
-    for split, n in (("train", n_train), ("dev", n_dev), ("test", n_test)):
+    for split, n in zip(SPLITS, (n_train, n_dev, n_test)):
         attrs = np.stack([rng.choice(len(ATTRIBUTES), attrs_per_image, replace=False) for _ in range(n)])
         feats = np.empty((n, regions, dim), dtype=np.float32)
         for i in range(n):

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
+from array import array
 from collections import Counter
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+
+from vsekit.errors import MissingPackageError, VseInputError
 
 PAD, START, END, UNK, MASK = "<pad>", "<start>", "<end>", "<unk>", "<mask>"
 SPECIALS = (PAD, START, END, UNK, MASK)
@@ -20,24 +25,45 @@ _WORD_RE = re.compile(r"[a-z0-9]+(?:'[a-z]+)?|[^\sa-z0-9]")
 
 TOKENIZERS = ("regex", "nltk")
 
+# Abbreviations after which a period does not end a sentence (checked on the lower-cased caption). nltk's
+# English punkt model, which the released `word_tokenize` call loads, learned a longer list from news text;
+# these are the ones a caption plausibly holds. Only captions with a period *inside* them are affected.
+_ABBREVIATIONS = frozenset({"mr", "mrs", "ms", "dr", "st", "jr", "sr", "vs", "etc", "mt", "ft", "a.m", "p.m",
+                            "u.s", "e.g", "i.e"})  # fmt: skip
+
+
+@lru_cache(maxsize=1)
+def _nltk_tokenizers():
+    """(sentence splitter, word tokenizer) of `nltk.word_tokenize`, built offline: nltk's punkt algorithm
+    with `_ABBREVIATIONS` instead of the downloaded English model (punkt data is often not installed),
+    then the Treebank word tokenizer `word_tokenize` runs on each sentence."""
+    try:
+        from nltk.tokenize import NLTKWordTokenizer
+        from nltk.tokenize.punkt import PunktParameters, PunktSentenceTokenizer
+    except ImportError as e:
+        raise MissingPackageError("model.text.tokenizer=nltk needs the nltk package: pip install nltk") from e
+    params = PunktParameters()
+    params.abbrev_types = set(_ABBREVIATIONS)
+    return PunktSentenceTokenizer(params), NLTKWordTokenizer()
+
 
 def tokenize_words(caption: str, tokenizer: str = "regex") -> list[str]:
     """Lower-cased words and punctuation.
 
-    `regex`: dependency-free (keeps "man's" whole, splits "t-shirt"). `nltk`: the Treebank-style tokens the
-    released VSE++/SCAN/VSE∞/VSE+2AD code gets from `nltk.word_tokenize` ("man" "'s", "t-shirt" whole), which
-    SCAN vocabularies were built with; run on the caption as one line (`preserve_line`), so no punkt data is
-    needed — it differs from the released call only on a period inside a multi-sentence caption.
+    `nltk` (the BiGRU recipes' default): the Treebank-style tokens the released VSE++/SCAN/VSE∞/VSE+2AD
+    code gets from `nltk.tokenize.word_tokenize(caption.lower())` ("man" "'s", "does" "n't",
+    "black-and-white" whole), which SCAN vocabularies were built with. Like that call it splits the caption
+    into sentences with punkt, then runs the Treebank tokenizer on each, so "bike. he" gives "bike" "." "he";
+    it needs no punkt data (see `_nltk_tokenizers`), and differs from the released call only where nltk's
+    English model knows an abbreviation that `_ABBREVIATIONS` lacks. `regex`: dependency-free, keeps "man's"
+    and "doesn't" whole and splits "black" "-" "and" "-" "white".
     """
     if tokenizer == "regex":
         return _WORD_RE.findall(caption.lower())
     if tokenizer == "nltk":
-        try:
-            from nltk.tokenize import word_tokenize
-        except ImportError as e:
-            raise RuntimeError("model.text.tokenizer=nltk needs the nltk package: pip install nltk") from e
-        return word_tokenize(caption.lower(), preserve_line=True)
-    raise ValueError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
+        sentences, words = _nltk_tokenizers()
+        return [w for sent in sentences.tokenize(caption.lower()) for w in words.tokenize(sent)]
+    raise VseInputError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
 
 
 def augment_words(
@@ -65,12 +91,15 @@ class Vocabulary:
 
     def __init__(self, words: list[str], tokenizer: str = "regex") -> None:
         if list(words[:4]) != list(SPECIALS[:4]) or MASK not in words:
-            raise ValueError(f"vocabulary must start with {SPECIALS[:4]} and contain {MASK}")
+            raise VseInputError(f"vocabulary must start with {SPECIALS[:4]} and contain {MASK}")
         if tokenizer not in TOKENIZERS:
-            raise ValueError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
+            raise VseInputError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
         self.tokenizer = tokenizer
         self.idx2word = list(words)
         self.word2idx = {w: i for i, w in enumerate(self.idx2word)}
+        # word ids of each caption seen, for the nltk tokenizer (~100 µs a caption; regex takes ~2 µs), so a
+        # training epoch after the first does not tokenise again
+        self._ids: dict[str, array] = {}
 
     @classmethod
     def build(cls, captions: list[str], min_count: int = 1, tokenizer: str = "regex") -> Vocabulary:
@@ -80,40 +109,63 @@ class Vocabulary:
         return cls(list(SPECIALS) + words, tokenizer)
 
     @classmethod
-    def load(cls, path: str | Path, tokenizer: str = "regex") -> Vocabulary:
+    def load(cls, path: str | Path, tokenizer: str | None = None) -> Vocabulary:
+        """vsekit's `{"words": [...]}` (tokenised with `tokenizer`, default regex) or SCAN's vocabulary JSON.
+
+        A SCAN vocabulary holds nltk's Treebank tokens ("'s", "n't"), so it is always read with the `nltk`
+        tokenizer: with `regex`, "man's" would be looked up whole and become <unk>. Asking for another
+        tokenizer with one is a warning, and the returned vocabulary's `tokenizer` says what is used.
+        """
         path = Path(path)
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: cannot read vocabulary JSON ({e})") from e
+            raise VseInputError(f"{path}: cannot read vocabulary JSON ({e})") from e
         if isinstance(data, dict) and "idx2word" in data:  # SCAN's vocab JSON
             i2w = data["idx2word"]
             try:
                 words = [i2w[str(i)] for i in range(len(i2w))] if isinstance(i2w, dict) else list(i2w)
             except KeyError as e:
-                raise ValueError(f"{path}: idx2word has no entry for id {e}; ids must be 0..{len(i2w) - 1}") from e
+                raise VseInputError(
+                    f"{path}: idx2word has no entry for id {e}; ids must be 0..{len(i2w) - 1}"
+                ) from e
             # SCAN ids are kept as they are (a released model's embedding rows follow them); the released
             # training and evaluation code append <mask> after the last word, and so do we
             if MASK not in words:
                 words.append(MASK)
-            return cls(words, tokenizer)
+            if tokenizer not in (None, "nltk"):
+                warnings.warn(f"{path}: a SCAN vocabulary holds nltk's Treebank tokens; tokenizer={tokenizer!r} "
+                              "would turn words like \"man's\" into <unk>, so nltk is used", stacklevel=2)  # fmt: skip
+            return cls(words, "nltk")
         if isinstance(data, dict) and "words" in data:
-            return cls(data["words"], tokenizer)
-        raise ValueError(f"{path}: expected {{'words': [...]}} or SCAN's {{'idx2word': ...}}")
-
-    def to_json(self) -> dict:
-        return {"words": self.idx2word}
+            return cls(data["words"], tokenizer or "regex")
+        raise VseInputError(f"{path}: expected {{'words': [...]}} or SCAN's {{'idx2word': ...}}")
 
     def __len__(self) -> int:
         return len(self.idx2word)
 
-    def encode(self, caption: str, rng: np.random.Generator | None = None, augment_prob: float = 0.0) -> list[int]:
-        ids = [self.word2idx.get(w, self.word2idx[UNK]) for w in tokenize_words(caption, self.tokenizer)]
-        ids = [self.word2idx[START]] + ids + [self.word2idx[END]]
+    def word_ids(self, caption: str) -> list[int]:
+        """Ids of the caption's words (no <start>/<end>), unknown words as <unk>."""
+        ids = self._ids.get(caption)
+        if ids is None:
+            unk = self.word2idx[UNK]
+            ids = array("l", [self.word2idx.get(w, unk) for w in tokenize_words(caption, self.tokenizer)])
+            if self.tokenizer != "regex":
+                self._ids[caption] = ids
+        return ids.tolist()
+
+    def encode(
+        self, caption: str, rng: np.random.Generator | None = None, augment_prob: float = 0.0
+    ) -> list[int]:
+        ids = [self.word2idx[START]] + self.word_ids(caption) + [self.word2idx[END]]
         if rng is not None and augment_prob > 0:
             n = len(self)
             ids = augment_words(
-                ids, rng, augment_prob, self.word2idx[MASK], lambda _w: int(rng.integers(len(SPECIALS), max(n, len(SPECIALS) + 1)))
+                ids,
+                rng,
+                augment_prob,
+                self.word2idx[MASK],
+                lambda _w: int(rng.integers(len(SPECIALS), max(n, len(SPECIALS) + 1))),
             )
             if not ids:
                 ids = [self.word2idx[START], self.word2idx[END]]
@@ -132,7 +184,9 @@ class HFTextProcessor:
         self.pad_id = tokenizer.pad_token_id or 0
         self.vocab_size = len(tokenizer)
 
-    def encode(self, caption: str, rng: np.random.Generator | None = None, augment_prob: float = 0.0) -> list[int]:
+    def encode(
+        self, caption: str, rng: np.random.Generator | None = None, augment_prob: float = 0.0
+    ) -> list[int]:
         words = caption.split()
         pieces = [self.tok.encode(w, add_special_tokens=False) for w in words]
         pieces = [p for p in pieces if p]

@@ -12,6 +12,7 @@ from vsekit.data.datasets import CaptionDataset, Collate, FeatureSource, ImageDa
 from vsekit.data.precomp import load_precomp_split
 from vsekit.data.raw_images import PixelSource
 from vsekit.data.text import HFTextProcessor, Vocabulary
+from vsekit.features.backbones import pixel_transform_of
 from vsekit.metrics import evaluate_sims
 from vsekit.models.text import load_tokenizer
 from vsekit.models.vse import VSEModel
@@ -32,7 +33,12 @@ def pad_id_for(text) -> int:
 
 def image_source_for(model: VSEModel, split):
     if model.recipe.model.image.kind in ("backbone", "vit"):  # pixels: a CNN backbone or the ViT of imported AVSE
-        return PixelSource(split, model.recipe.model.image.image_size, augment=False)
+        return PixelSource(split, model.recipe.model.image.image_size, augment=False,
+                           transform=pixel_transform_of(model))  # fmt: skip
+    split.require_width(model.spec.img_dim)  # a clear error naming the file, not a matmul shape error
+    from vsekit.data.validate import check_split_features
+
+    check_split_features(split)  # NaN/inf features: name the file and row, not "NaN in the similarity matrix"
     return FeatureSource(split, aug=None)
 
 

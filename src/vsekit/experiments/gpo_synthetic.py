@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
+from vsekit.errors import VseInputError
 from vsekit.pooling.gpo import GPO, positional_encoding_1d
 
 PATTERNS = ("A", "M-1", "M-10", "T-50%", "L")
@@ -53,7 +54,7 @@ PAPER = {
 def true_weights(pattern: str, n: int) -> torch.Tensor:
     """Ground-truth coefficients theta*_1..theta*_N (largest first) of a pattern for a set of size n."""
     if n < 1:
-        raise ValueError(f"set size must be >= 1, got {n}")
+        raise VseInputError(f"set size must be >= 1, got {n}")
     k = torch.arange(1, n + 1, dtype=torch.float64)
     if pattern == "A":
         w = torch.ones(n, dtype=torch.float64)
@@ -64,7 +65,7 @@ def true_weights(pattern: str, n: int) -> torch.Tensor:
     elif pattern == "L":
         w = (n - k) if n > 1 else torch.ones(1, dtype=torch.float64)
     else:
-        raise ValueError(f"unknown pattern {pattern!r}; choose from A, M-K, T-P%, L")
+        raise VseInputError(f"unknown pattern {pattern!r}; choose from A, M-K, T-P%, L")
     return (w / w.sum()).float()
 
 
@@ -150,7 +151,7 @@ def make_generator(design: str) -> nn.Module:
         return IndexGRUGenerator()
     if design == "Cos/Sin+BiGRU":
         return GPOGenerator()
-    raise ValueError(f"unknown design {design!r}; choose from {', '.join(DESIGNS)}")
+    raise VseInputError(f"unknown design {design!r}; choose from {', '.join(DESIGNS)}")
 
 
 def train_generator(design: str, pattern: str, steps: int = 300, sets_per_size: int = 1, dim: int = 16,
@@ -170,7 +171,7 @@ def train_generator(design: str, pattern: str, steps: int = 300, sets_per_size: 
     opt = torch.optim.Adam(gen.parameters(), lr=lr)
     lo, hi = sizes
     if not 1 <= lo <= hi:
-        raise ValueError(f"training sizes must satisfy 1 <= low <= high, got {sizes}")
+        raise VseInputError(f"training sizes must satisfy 1 <= low <= high, got {sizes}")
     unique = torch.arange(lo, hi + 1)
     sizes_t = unique.repeat(sets_per_size)
     max_len = hi

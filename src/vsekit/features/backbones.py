@@ -9,22 +9,73 @@
 All but the first need a local weights file (`model.image.backbone_weights`, safetensors or a plain state-dict
 `.pth`): nothing is ever downloaded, and `.pth` files are read with `weights_only=True` (no unpickling of
 code). Every backbone exposes `stages` (input -> output order) so the encoder can unfreeze the last few.
+
+Every backbone also carries its `pixel_transform` (`PixelTransform`: mean, std, resize interpolation), which
+training, evaluation, `vse index` and `vsekit.load(...).preprocess` apply to pictures: timm's own data config
+(`timm.data.resolve_data_config`), the torchvision weights' transforms (`get_model_weights(arch).DEFAULT`),
+a factory model's `pretrained_cfg` / `default_cfg`, else ImageNet mean/std with bilinear resizing (what the
+packaged EfficientNet-Lite0 uses). The input size is the recipe's `model.image.image_size`; like VSE∞, the
+whole picture is resized (no centre crop).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from vsekit.errors import MissingPackageError, VseInputError
+
 EXTRA_HINT = "pip install 'torchvision==0.28.*' timm  (the versions that match torch 2.13)"
+INTERPOLATIONS = ("nearest", "nearest-exact", "bilinear", "bicubic", "box", "hamming", "lanczos")
+
+
+@dataclass(frozen=True)
+class PixelTransform:
+    """How a picture becomes a backbone's input: resize to size x size with `interpolation` (a PIL filter
+    name, as timm and torchvision spell them), scale to [0, 1], subtract `mean` and divide by `std` per RGB
+    channel. `source` says where the values came from."""
+
+    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
+    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    interpolation: str = "bilinear"
+    source: str = "ImageNet default"
+
+    def __post_init__(self) -> None:
+        if len(self.mean) != 3 or len(self.std) != 3 or any(float(v) <= 0 for v in self.std):
+            raise VseInputError(f"pixel transform needs 3 means and 3 positive stds, got {self.mean}, {self.std}")
+        if self.interpolation not in INTERPOLATIONS:
+            raise VseInputError(f"interpolation {self.interpolation!r}; choose one of {', '.join(INTERPOLATIONS)}")
+
+    @classmethod
+    def from_config(cls, mean, std, interpolation, source: str) -> PixelTransform:
+        """From a data config's values: sequences of floats and an interpolation name or enum (`.value`)."""
+        name = str(getattr(interpolation, "value", interpolation) or "bilinear").lower()
+        return cls(tuple(float(v) for v in mean), tuple(float(v) for v in std), name, source)
+
+    def describe(self) -> dict:
+        return {"mean": list(self.mean), "std": list(self.std), "interpolation": self.interpolation,
+                "source": self.source}  # fmt: skip
+
+
+IMAGENET_TRANSFORM = PixelTransform()
+
+
+def pixel_transform_of(model: nn.Module) -> PixelTransform:
+    """The picture transform a pixel model (a `VSEModel` or its image encoder) expects: its CNN backbone's
+    `pixel_transform`, else ImageNet mean/std with bilinear resizing."""
+    encoder = getattr(model, "image_encoder", model)
+    transform = getattr(getattr(encoder, "cnn", None), "pixel_transform", None)
+    return transform if isinstance(transform, PixelTransform) else IMAGENET_TRANSFORM
 
 
 class GridBackbone(nn.Module):
     """A CNN trunk returning its last feature map [B, C, h, w]; `stages` are unfrozen from the end."""
 
-    def __init__(self, net: nn.Module, extract, stages: list[nn.Module], out_dim: int, name: str) -> None:
+    def __init__(self, net: nn.Module, extract, stages: list[nn.Module], out_dim: int, name: str,
+                 pixel_transform: PixelTransform = IMAGENET_TRANSFORM) -> None:  # fmt: skip
         super().__init__()
         self.net = net
         # plain attributes, not submodules: their parameters are already registered under `net`, and a second
@@ -33,6 +84,7 @@ class GridBackbone(nn.Module):
         self.__dict__["stages"] = stages
         self.out_dim = out_dim
         self.name = name
+        self.pixel_transform = pixel_transform
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         return self._extract(pixels)
@@ -50,11 +102,11 @@ def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling refusal or corruption: one clear message
-        raise ValueError(f"{path}: not a plain state dict of tensors ({type(e).__name__}: {e})") from e
+        raise VseInputError(f"{path}: not a plain state dict of tensors ({type(e).__name__}: {e})") from e
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"{path}: expected a state dict of tensors")
+        raise VseInputError(f"{path}: expected a state dict of tensors")
     return state
 
 
@@ -63,7 +115,7 @@ def _load_strict(model: nn.Module, weights: str | Path, name: str) -> None:
     state = {k.removeprefix("module."): v for k, v in state.items()}
     result = model.load_state_dict(state, strict=False)
     if result.missing_keys or result.unexpected_keys:
-        raise ValueError(
+        raise VseInputError(
             f"{weights}: does not fit {name}: missing {result.missing_keys[:5]}, "
             f"unexpected {result.unexpected_keys[:5]}"
         )
@@ -105,15 +157,15 @@ def _from_factory(spec: str, weights: str | None, label: str) -> GridBackbone:
 
     module_name, _, fn_name = spec.partition(":")
     if not module_name or not fn_name:
-        raise ValueError(f"backbone {label!r}: expected module.path:function")
+        raise VseInputError(f"backbone {label!r}: expected module.path:function")
     try:
         factory = getattr(importlib.import_module(module_name), fn_name)
     except ImportError as e:
-        raise ImportError(f"backbone {label!r}: cannot import {module_name} ({e}); {EXTRA_HINT}") from e
+        raise MissingPackageError(f"backbone {label!r}: cannot import {module_name} ({e}); {EXTRA_HINT}") from e
     except AttributeError:
-        raise ValueError(f"backbone {label!r}: {module_name} has no {fn_name!r}") from None
+        raise VseInputError(f"backbone {label!r}: {module_name} has no {fn_name!r}") from None
     if not weights:
-        raise ValueError(f"backbone {label!r} needs model.image.backbone_weights (a local file; nothing is downloaded)")
+        raise VseInputError(f"backbone {label!r} needs model.image.backbone_weights (a local file; nothing is downloaded)")
     try:
         net = factory(weights=None)
     except TypeError:
@@ -121,21 +173,51 @@ def _from_factory(spec: str, weights: str | None, label: str) -> GridBackbone:
     _load_strict(net, weights, label)
     net.eval()  # before the probe forward in _out_dim: BatchNorm statistics must not move
     extract, stages = grid_trunk(net)
-    return GridBackbone(net, extract, stages, _out_dim(extract), label)
+    if module_name == "torchvision.models":
+        transform = torchvision_transform(fn_name)
+    else:
+        transform = pretrained_cfg_transform(net, label)
+    return GridBackbone(net, extract, stages, _out_dim(extract), label, transform)
+
+
+def torchvision_transform(arch: str) -> PixelTransform:
+    """Mean, std and interpolation of the transforms torchvision ships with `arch`'s default weights (their
+    metadata only: nothing is downloaded); ImageNet's values for an architecture without a weights enum."""
+    try:
+        from torchvision.models import get_model_weights
+
+        t = get_model_weights(arch).DEFAULT.transforms()
+    except (ImportError, AttributeError, ValueError, KeyError) as e:
+        return PixelTransform(source=f"ImageNet default (no torchvision weights transforms for {arch}: {e})")
+    return PixelTransform.from_config(t.mean, t.std, t.interpolation, f"torchvision {arch} weights transforms")
+
+
+def pretrained_cfg_transform(net: nn.Module, label: str) -> PixelTransform:
+    """The mean/std/interpolation a timm-style model declares (`pretrained_cfg` or `default_cfg`), if any."""
+    for attr in ("pretrained_cfg", "default_cfg"):
+        cfg = getattr(net, attr, None)
+        if isinstance(cfg, dict) and cfg.get("mean") and cfg.get("std"):
+            return PixelTransform.from_config(cfg["mean"], cfg["std"], cfg.get("interpolation") or "bilinear",
+                                              f"{label} {attr}")  # fmt: skip
+    return IMAGENET_TRANSFORM
 
 
 def _timm(name: str, weights: str | None) -> GridBackbone:
     try:
         import timm
+        import timm.data
     except ImportError as e:
-        raise ImportError(f"timm backbones need timm: {EXTRA_HINT}") from e
+        raise MissingPackageError(f"timm backbones need timm: {EXTRA_HINT}") from e
     if not weights:
-        raise ValueError(f"timm:{name} needs model.image.backbone_weights (a local file; nothing is downloaded)")
+        raise VseInputError(f"timm:{name} needs model.image.backbone_weights (a local file; nothing is downloaded)")
     net = timm.create_model(name, pretrained=False)
     _load_strict(net, weights, f"timm:{name}")
     net.eval()
     extract, stages = grid_trunk(net)
-    return GridBackbone(net, extract, stages, _out_dim(extract), f"timm:{name}")
+    cfg = timm.data.resolve_data_config({}, model=net)  # the model's own preprocessing (its pretrained_cfg)
+    transform = PixelTransform.from_config(cfg["mean"], cfg["std"], cfg.get("interpolation") or "bilinear",
+                                           f"timm {name} data config")  # fmt: skip
+    return GridBackbone(net, extract, stages, _out_dim(extract), f"timm:{name}", transform)
 
 
 def build_backbone(name: str, weights: str | None = None) -> GridBackbone:
@@ -149,7 +231,7 @@ def build_backbone(name: str, weights: str | None = None) -> GridBackbone:
     elif name.startswith("python:"):
         backbone = _from_factory(name.split(":", 1)[1], weights, name)
     else:
-        raise ValueError(
+        raise VseInputError(
             f"unknown backbone {name!r}: use efficientnet_lite0, torchvision:<arch>, timm:<name> "
             "or python:<module>:<function>"
         )

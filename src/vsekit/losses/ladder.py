@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vsekit.config import LossConfig
+from vsekit.config import ConfigError, LossConfig
 from vsekit.losses.triplet import positive_mask, triplet_loss
 
 VARIANTS = ("paper", "reference")
@@ -305,20 +305,6 @@ def _reference_levels(relevance: torch.Tensor, thresholds: Sequence[float] | Non
     return fixed_levels(relevance, torch.zeros_like(relevance, dtype=torch.bool), thresholds or ())
 
 
-def ladder_terms(sims: torch.Tensor, levels: torch.Tensor, margins: Sequence[float], weights: Sequence[float],
-                 n_levels: int, cumulative: bool = False, variant: str = "paper") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Σ_{l=2..n_levels} β_l Σ_q L^l(q) with hard contrastive sampling for the query rows of `sims` ([B, B],
-    diagonal = positives; or [D, B, B]: D directions sharing `levels` [B, B], or each with its own [D, B, B]);
-    also returns the fraction of rows of the first direction where ladder 2 has a (possibly zero-cost) term.
-
-    Every ladder and direction is computed at once on [D, L − 1, B, B] masks: a handful of kernels instead
-    of a loop, which is what bounds the step time on a GPU.
-    """
-    s = sims if sims.dim() == 3 else sims[None]
-    margin, weight = ladder_constants(margins, weights, n_levels, cumulative, s.device, s.dtype)
-    return _ladder_terms(s, levels, margin, weight, n_levels, cumulative, variant)
-
-
 def ladder_constants(margins: Sequence[float], weights: Sequence[float], n_levels: int, cumulative: bool,
                      device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Per-ladder margins [L − 1, 1] (α_l, or α_1 + … + α_l when cumulative) and weights [L − 1] (β_l)."""
@@ -330,6 +316,14 @@ def ladder_constants(margins: Sequence[float], weights: Sequence[float], n_level
 
 def _ladder_terms(s: torch.Tensor, levels: torch.Tensor, margin: torch.Tensor, weight: torch.Tensor, n_levels: int,
                   cumulative: bool, variant: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Σ_{l=2..n_levels} β_l Σ_q L^l(q) with hard contrastive sampling for the query rows of `s` ([D, B, B]:
+    D directions, diagonal = positives, sharing `levels` [B, B] or each with its own [D, B, B]), with the
+    margins and weights of `ladder_constants`; also returns the fraction of rows of the first direction where
+    ladder 2 has a (possibly zero-cost) term.
+
+    Every ladder and direction is computed at once on [D, L − 1, B, B] masks: a handful of kernels instead
+    of a loop, which is what bounds the step time on a GPU.
+    """
     lvl = torch.arange(2, n_levels + 1, device=s.device)[:, None, None]  # [M, 1, 1], M = L − 1 ladders
     lv = levels[None] if levels.dim() == 2 else levels[:, None]  # [1 or D, 1, B, B] against lvl [M, 1, 1]
     far = lv >= lvl  # [M, B, B] or [D, M, B, B]
@@ -367,16 +361,25 @@ class LadderLoss(nn.Module):
     def __init__(self, margins: Sequence[float], weights: Sequence[float], thresholds: Sequence[float] = (0.40,),
                  cumulative: bool = False, adaptive: bool = False, levels_min: int = 2, levels_max: int = 4,
                  max_violation: bool = True, mask_same_image: bool = True, variant: str = "paper",
-                 cuda_graphs: bool = True, percentile: float | None = None) -> None:  # fmt: skip
+                 cuda_graphs: bool = True, percentile: float | None = None,
+                 threshold_share: float | None = None) -> None:  # fmt: skip
         super().__init__()
         if variant not in VARIANTS:
-            raise ValueError(f"loss.ladder_variant={variant!r}; choose one of {', '.join(VARIANTS)}")
+            raise ConfigError(f"loss.ladder_variant={variant!r}; choose one of {', '.join(VARIANTS)}")
         if percentile is not None and (adaptive or not 0 <= percentile <= 100):
-            raise ValueError(f"loss.ladder_percentile={percentile!r} needs loss.name=ladder and a value "
+            raise ConfigError(f"loss.ladder_percentile={percentile!r} needs loss.name=ladder and a value "
                              "in [0, 100]")  # fmt: skip
+        if threshold_share is not None and not 0 < threshold_share < 1:
+            raise ConfigError(f"loss.ladder_threshold_share={threshold_share!r}; must lie in (0, 1)")
+        if adaptive or percentile is not None:
+            threshold_share = None  # it sets ladder_thresholds, which these levels do not use either
+        if threshold_share is not None:
+            if len(thresholds) != 1:
+                raise ConfigError(f"loss.ladder_threshold_share sets θ_1 of a 2-level ladder, but loss.ladder_thresholds "
+                                 f"has {len(thresholds)} thresholds {list(thresholds)}")  # fmt: skip
         if adaptive:
             if not 1 <= levels_min <= levels_max <= MAX_LEVELS:
-                raise ValueError(f"loss.ladder_levels_min/max must satisfy 1 <= min <= max <= {MAX_LEVELS}, "
+                raise ConfigError(f"loss.ladder_levels_min/max must satisfy 1 <= min <= max <= {MAX_LEVELS}, "
                                  f"got ({levels_min}, {levels_max})")  # fmt: skip
             n_levels = levels_max
         elif percentile is not None:  # one threshold per row: its percentile of the relevance
@@ -384,10 +387,10 @@ class LadderLoss(nn.Module):
         else:
             th = list(thresholds)
             if any(b >= a for a, b in zip(th, th[1:])):
-                raise ValueError(f"loss.ladder_thresholds must be strictly decreasing (θ_1 > θ_2 > …), got {th}")
+                raise ConfigError(f"loss.ladder_thresholds must be strictly decreasing (θ_1 > θ_2 > …), got {th}")
             n_levels = len(th) + 1
         if len(margins) < n_levels or len(weights) < n_levels:
-            raise ValueError(
+            raise ConfigError(
                 f"{'adaptive' if adaptive else 'fixed'} ladder with {n_levels} levels needs {n_levels} "
                 f"loss.ladder_margins and loss.ladder_weights, got {len(margins)} and {len(weights)}"
             )
@@ -396,6 +399,8 @@ class LadderLoss(nn.Module):
         self.thresholds = [float(t) for t in thresholds]
         self.cumulative = cumulative
         self.percentile = None if percentile is None else float(percentile)
+        self.threshold_share = None if threshold_share is None else float(threshold_share)
+        self.derived_thresholds: list[float] | None = None  # set by `prepare` when threshold_share is given
         self.adaptive = adaptive
         self.levels_min, self.levels_max = levels_min, levels_max
         self.n_levels = n_levels
@@ -409,11 +414,31 @@ class LadderLoss(nn.Module):
 
     # -------------------------------------------------------------------------------- relevance
     def prepare(self, data_dir: str | Path, train_split, log: Callable[[str], None] = print) -> None:
-        """Load (computing and caching on first use) the train captions' sentence embeddings."""
-        from vsekit.data.relevance import split_caption_embeddings
+        """Load (computing and caching on first use) the train captions' sentence embeddings; with
+        `threshold_share`, set θ_1 to the value that share of the split's different-image caption pairs reach."""
+        from vsekit.relevance import split_caption_embeddings
 
         emb = split_caption_embeddings(data_dir, train_split.split, train_split.captions, log=log)
         self.set_caption_embeddings(torch.from_numpy(emb))
+        if self.threshold_share is not None:
+            self.derive_threshold(train_split.cap2img, log)
+
+    def derive_threshold(self, cap2img, log: Callable[[str], None] = print) -> float:
+        """θ_1 := the (1 − threshold_share) quantile of the relevance of the loaded captions' different-image
+        pairs (every pair up to 20M of them, else a fixed-seed sample: deterministic, so a resumed run gets
+        the same θ)."""
+        from vsekit.relevance import pair_relevance_from_embeddings, share_at_or_above, threshold_for_share
+
+        if self.threshold_share is None or self.caption_emb is None:
+            raise RuntimeError("derive_threshold needs threshold_share and the caption embeddings")
+        values = pair_relevance_from_embeddings(self.caption_emb.float().cpu().numpy(), cap2img)
+        theta = threshold_for_share(values, self.threshold_share)
+        self.thresholds = [theta]
+        self.derived_thresholds = [theta]
+        at_paper = float(share_at_or_above(values, [0.40])[0])
+        log(f"ladder: θ_1 = {theta:.4f}, reached by {self.threshold_share:.1%} of {len(values):,} train caption "
+            f"pairs of different images (loss.ladder_threshold_share; θ = 0.40 would keep {at_paper:.1%})")  # fmt: skip
+        return theta
 
     def set_caption_embeddings(self, emb: torch.Tensor) -> None:
         if emb.ndim != 2:
@@ -527,4 +552,5 @@ def create_ladder_loss(cfg: LossConfig) -> LadderLoss:
         levels_min=cfg.ladder_levels_min, levels_max=cfg.ladder_levels_max,
         max_violation=cfg.max_violation, mask_same_image=cfg.mask_same_image,
         variant=cfg.ladder_variant, percentile=cfg.ladder_percentile,
+        threshold_share=cfg.ladder_threshold_share,
     )  # fmt: skip

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from vsekit.errors import VseInputError
+
 RECALL_KS = (1, 5, 10)
 METRIC_KEYS = (
     "i2t_r1", "i2t_r5", "i2t_r10", "i2t_medr", "i2t_meanr",
@@ -26,11 +28,13 @@ METRIC_KEYS = (
 )  # fmt: skip
 
 
-class MetricsInputError(ValueError):
+class MetricsInputError(VseInputError):
     """A similarity matrix or caption->image map that cannot be evaluated."""
 
 
-def check_inputs(sims: np.ndarray, cap2img: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def check_inputs(sims: np.ndarray, cap2img: np.ndarray, finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(sims, cap2img as int64) after checking shapes, types and the map; `finite=False` leaves the NaN/inf scan
+    to the caller (`ranks_both` does it in its one pass over the matrix)."""
     sims = np.asarray(sims)
     cap2img = np.asarray(cap2img)
     if sims.ndim != 2:
@@ -55,10 +59,48 @@ def check_inputs(sims: np.ndarray, cap2img: np.ndarray) -> tuple[np.ndarray, np.
     missing = np.setdiff1d(np.arange(n_img), cap2img)
     if len(missing):
         raise MetricsInputError(f"{len(missing)} image row(s) have no caption, e.g. row {missing[0]}")
-    if not np.isfinite(sims).all():
-        bad = np.argwhere(~np.isfinite(sims))[0]
-        raise MetricsInputError(f"similarity matrix has NaN/inf values, first at (image {bad[0]}, caption {bad[1]})")
+    if finite and not np.isfinite(sims).all():
+        _raise_not_finite(sims)
     return sims, cap2img.astype(np.int64)
+
+
+def _raise_not_finite(block: np.ndarray, row0: int = 0) -> None:
+    bad = np.argwhere(~np.isfinite(block))[0]
+    raise MetricsInputError(f"similarity matrix has NaN/inf values, first at (image {row0 + bad[0]}, caption {bad[1]})")
+
+
+def ranks_both(sims: np.ndarray, cap2img: np.ndarray, block_bytes: int = 4 << 20) -> tuple[np.ndarray, np.ndarray]:
+    """(i2t ranks, t2i ranks) as `ranks_i2t` and `ranks_t2i` compute them, in one pass over contiguous row
+    blocks of about `block_bytes` (a memory-mapped .npy is read once, straight from the page cache), which
+    also checks that every score is finite (the error names the first bad entry, as `check_inputs` does).
+
+    Scores are compared in their own floating dtype: float16/32 values are exact in float64, so this gives
+    the very counts of the float64 comparisons in `ranks_i2t`. Inputs as `check_inputs` returns them.
+    """
+    n_img, n_cap = sims.shape
+    cols = np.arange(n_cap)
+    own = np.asarray(sims[cap2img, cols])  # each caption's score with its own image
+    best = np.full(n_img, -np.inf, dtype=own.dtype)  # each image's best own caption
+    with np.errstate(invalid="ignore"):  # a NaN here is reported by the pass below, naming its place
+        np.maximum.at(best, cap2img, own)
+        own_at_best = np.zeros(n_img, dtype=np.int64)  # own captions tied with the best: not negatives
+        np.add.at(own_at_best, cap2img, (own >= best[cap2img]).astype(np.int64))
+    i2t = np.empty(n_img, dtype=np.int64)
+    t2i = np.zeros(n_cap, dtype=np.int64)
+    rows_per_block = max(1, block_bytes // max(1, n_cap * sims.dtype.itemsize))
+    mask = np.empty((min(rows_per_block, n_img), n_cap), dtype=bool)
+    for start in range(0, n_img, rows_per_block):
+        stop = min(start + rows_per_block, n_img)
+        block = np.asarray(sims[start:stop])
+        if not (np.isfinite(block.min()) and np.isfinite(block.max())):  # NaN propagates through min/max
+            _raise_not_finite(block, start)
+        m = mask[: stop - start]
+        np.greater_equal(block, own, out=m)  # image above (or tied with) each caption's own image
+        t2i += np.count_nonzero(m, axis=0)
+        np.greater_equal(block, best[start:stop, None], out=m)  # captions at or above the best own one
+        i2t[start:stop] = np.count_nonzero(m, axis=1)
+    # `>=` counted the own image once (t2i) and the own captions tied with the best (i2t)
+    return i2t - own_at_best, t2i - 1
 
 
 def ranks_t2i(sims: np.ndarray, cap2img: np.ndarray, shard: int = 2048) -> np.ndarray:
@@ -101,9 +143,10 @@ def summarize_ranks(ranks: np.ndarray, prefix: str) -> dict[str, float]:
 
 def retrieval_metrics(sims: np.ndarray, cap2img: np.ndarray) -> dict[str, float]:
     """R@1/5/10, medr, meanr in both directions and rsum for one similarity matrix."""
-    sims, cap2img = check_inputs(sims, cap2img)
-    out = summarize_ranks(ranks_i2t(sims, cap2img), "i2t")
-    out.update(summarize_ranks(ranks_t2i(sims, cap2img), "t2i"))
+    sims, cap2img = check_inputs(sims, cap2img, finite=False)  # ranks_both scans for NaN/inf in its pass
+    i2t, t2i = ranks_both(sims, cap2img)
+    out = summarize_ranks(i2t, "i2t")
+    out.update(summarize_ranks(t2i, "t2i"))
     out["rsum"] = sum(out[f"{d}_r{k}"] for d in ("i2t", "t2i") for k in RECALL_KS)
     return {k: out[k] for k in METRIC_KEYS}
 
@@ -134,18 +177,33 @@ def retrieval_metrics_fold5(sims: np.ndarray, cap2img: np.ndarray, n_folds: int 
 
 
 def evaluate_sims(sims: np.ndarray, cap2img: np.ndarray, fold5: bool = False, relevance=None,
-                  cs_k: tuple[int, ...] | list[int] = (100, 500)) -> dict:  # fmt: skip
+                  cs_k: tuple[int, ...] | list[int] = (100, 1000), cs_protocol: str = "paper") -> dict:  # fmt: skip
     """Entry point used by every model, ensemble and search evaluation.
 
     With a caption x caption `relevance` matrix (array or .npy path) the coherence keys of the ladder-loss
-    paper are added on the whole matrix: `i2t_cs@K`, `t2i_cs@K` for K in `cs_k`, and `i2t_map`.
+    paper are added: CS@K for K in `cs_k` (`cs_protocol` "paper": `i2t_cs@K`, `t2i_cs@K`, one caption per
+    image; "all_captions": `i2t_cs_allcap@K`, …) and `i2t_map`. With `fold5` they are, like the recalls,
+    means over the five 1K-image folds (and each fold's values are in `folds`).
     """
     out = retrieval_metrics_fold5(sims, cap2img) if fold5 else retrieval_metrics(sims, cap2img)
     if relevance is not None:
-        from vsekit.metrics.coherence import coherence_metrics
-
-        out.update(coherence_metrics(sims, cap2img, relevance, cs_k))
+        add_coherence(out, sims, cap2img, relevance, cs_k, cs_protocol, fold5)
     return out
+
+
+def add_coherence(metrics: dict, sims: np.ndarray, cap2img: np.ndarray, relevance, cs_k, cs_protocol: str = "paper",
+                  fold5: bool = False) -> dict:  # fmt: skip
+    """Add the coherence keys to `metrics` (in place), per fold into `metrics["folds"]` under `fold5`."""
+    from vsekit.metrics.coherence import coherence_metrics, coherence_metrics_by_fold, mean_over_folds
+
+    if not fold5:
+        metrics.update(coherence_metrics(sims, cap2img, relevance, cs_k, protocol=cs_protocol))
+        return metrics
+    folds = coherence_metrics_by_fold(sims, cap2img, relevance, cs_k, protocol=cs_protocol)
+    metrics.update(mean_over_folds(folds))
+    for row, extra in zip(metrics.get("folds", []), folds):
+        row.update(extra)
+    return metrics
 
 
 def cap2img_for_k(n_img: int, n_cap: int, captions_per_image: int) -> np.ndarray:

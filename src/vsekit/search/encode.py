@@ -19,6 +19,7 @@ from PIL import Image
 
 from vsekit.data.datasets import pad_tokens
 from vsekit.data.precomp import DataFormatError
+from vsekit.errors import VseInputError
 from vsekit.models.vse import VSEModel
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
@@ -95,17 +96,17 @@ def open_image(path: str | Path) -> Image.Image:
         raise DataFormatError(f"{path}: cannot read image ({e})") from e
 
 
-def backbone_pixels(img: Image.Image, size: int) -> torch.Tensor:
-    """Same transform as `vsekit.data.raw_images.load_pixels` at evaluation (alpha on white, bilinear)."""
-    from vsekit.data.raw_images import IMAGENET_MEAN, IMAGENET_STD
+def backbone_pixels(img: Image.Image, size: int, transform=None) -> torch.Tensor:
+    """Same transform as `vsekit.data.raw_images.load_pixels` at evaluation: alpha on white, then the
+    backbone's `PixelTransform` (resize filter, mean/std; ImageNet's with bilinear resizing when None)."""
+    from vsekit.data.raw_images import to_pixels
+    from vsekit.features.backbones import IMAGENET_TRANSFORM
 
     if img.mode in ("RGBA", "LA", "P"):
         img = img.convert("RGBA")
         bg = Image.new("RGBA", img.size, (255, 255, 255, 255))
         img = Image.alpha_composite(bg, img)
-    img = img.convert("RGB").resize((size, size), Image.Resampling.BILINEAR)
-    arr = (np.asarray(img, dtype=np.float32) / 255.0 - IMAGENET_MEAN) / IMAGENET_STD
-    return torch.from_numpy(arr.transpose(2, 0, 1).copy())
+    return to_pixels(img.convert("RGB"), size, transform or IMAGENET_TRANSFORM)
 
 
 class ImageEmbedder:
@@ -118,18 +119,21 @@ class ImageEmbedder:
         self.extractor = None
         self.spec: dict[str, Any] | None = None
         if img_cfg.kind in ("backbone", "vit"):  # pixels in: a CNN backbone, or the ViT of an imported AVSE run
+            from vsekit.features.backbones import pixel_transform_of
+
             self.mode = "backbone"
             self.image_size = img_cfg.image_size
+            self.transform = pixel_transform_of(model)
         else:
             spec = run_extractor_spec(run_cfg)
             if spec is None:
-                raise ValueError(
+                raise VseInputError(
                     "this run was trained on precomputed features and records no feature extractor (no 'extractor' "
                     "in its config.json nor in its dataset's manifest.json), so it cannot embed raw pictures; "
                     "index a dataset split with features instead (DATASET_DIR:SPLIT)"
                 )
             if spec.get("name") not in SUPPORTED_EXTRACTORS:
-                raise ValueError(f"feature extractor {spec.get('name')!r} is not supported for raw pictures "
+                raise VseInputError(f"feature extractor {spec.get('name')!r} is not supported for raw pictures "
                                  f"(supported: {', '.join(SUPPORTED_EXTRACTORS)})")  # fmt: skip
             from vsekit.features.efficientnet import GridFeatureExtractor
 
@@ -137,18 +141,18 @@ class ImageEmbedder:
             self.extractor = GridFeatureExtractor(device=self.device, image_size=self.image_size)
             local = self.extractor.describe()
             if spec.get("weights_sha256") and spec["weights_sha256"] != local["weights_sha256"]:
-                raise ValueError(
+                raise VseInputError(
                     f"the run's features came from extractor weights {spec['weights_sha256']}, but the installed "
                     f"EfficientNet-Lite0 weights are {local['weights_sha256']}; features would not match training"
                 )
             if model.spec.img_dim != local["dim"]:
-                raise ValueError(f"the extractor makes {local['dim']}-d features but the model expects {model.spec.img_dim}")
+                raise VseInputError(f"the extractor makes {local['dim']}-d features but the model expects {model.spec.img_dim}")
             self.mode = "extractor"
             self.spec = spec
 
     def describe(self) -> dict:
         if self.mode == "backbone":
-            return {"mode": "backbone", "image_size": self.image_size}
+            return {"mode": "backbone", "image_size": self.image_size, "transform": self.transform.describe()}
         return {"mode": "extractor", "extractor": self.spec}
 
     def load(self, path: str | Path) -> torch.Tensor:
@@ -158,7 +162,7 @@ class ImageEmbedder:
     def prepare(self, img: Image.Image) -> torch.Tensor:
         """The model's evaluation-time input: the extractor's preprocessing, or `load_pixels` for backbones."""
         if self.mode == "backbone":
-            return backbone_pixels(img, self.image_size)
+            return backbone_pixels(img, self.image_size, self.transform)
         from vsekit.features.efficientnet import preprocess_image
 
         return preprocess_image(img, self.image_size)
@@ -183,7 +187,7 @@ def embed_features(model: VSEModel, feats: list[np.ndarray], device: str | torch
     """Precomputed feature sets [(R_i, D)] -> image embeddings as float32 on the CPU."""
     from vsekit.data.datasets import pad_sets
 
-    x, lengths = pad_sets([torch.from_numpy(np.asarray(f, dtype=np.float32)) for f in feats])
+    x, lengths = pad_sets([torch.from_numpy(np.array(f, dtype=np.float32)) for f in feats])  # a writable copy
     return model.encode_images(x.to(device), lengths.to(device)).float().cpu()
 
 

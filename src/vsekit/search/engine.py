@@ -16,8 +16,17 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vsekit.search.encode import ImageEmbedder, TextEmbedder, needs_rerank, proxy_vectors
-from vsekit.search.index import IndexFormatError, SearchIndex, _sha256, run_weights
+from vsekit.errors import VseInputError
+from vsekit.search.encode import (
+    SUPPORTED_EXTRACTORS,
+    ImageEmbedder,
+    TextEmbedder,
+    needs_rerank,
+    proxy_vectors,
+    run_extractor_spec,
+)
+from vsekit.search.index import IndexFormatError, SearchIndex, run_weights
+from vsekit.utils.io import sha256_file
 
 
 @dataclass
@@ -65,7 +74,7 @@ class SearchEngine:
         weights = run_weights(run, m["checkpoint"])
         if not weights.is_file():
             raise IndexFormatError(f"{index_dir}: its model {weights} is missing; pass the run with --run RUN_DIR")
-        if _sha256(weights) != m["weights_sha256"]:
+        if sha256_file(weights) != m["weights_sha256"]:
             raise IndexFormatError(
                 f"{weights} differs from the weights this index was built with (sha256 {m['weights_sha256'][:12]}); "
                 "queries would not match the stored embeddings — rebuild the index with `vse index`"
@@ -125,6 +134,21 @@ class SearchEngine:
                 self._images = ImageEmbedder(self.model, self.run_cfg, self.device)
         return self._images
 
+    def picture_query_problem(self) -> str | None:
+        """Why this index's model cannot embed a query picture, or None when it can; known from the run's
+        config alone, so it is said before any picture is read or any extractor is built."""
+        if self.model.recipe.model.image.kind != "precomp":  # a backbone or ViT: pixels in
+            return None
+        spec = run_extractor_spec(self.run_cfg)
+        if spec is None:
+            return ("its model was trained on precomputed features and its run records no feature extractor (no "
+                    "'extractor' in its config.json nor in its dataset's manifest.json), so a picture cannot be "
+                    "turned into the features the model reads; only text queries work")  # fmt: skip
+        if spec.get("name") not in SUPPORTED_EXTRACTORS:
+            return (f"its model was trained on features from {spec.get('name')!r}, an extractor vsekit cannot run on "
+                    f"pictures (it runs {', '.join(SUPPORTED_EXTRACTORS)}); only text queries work")  # fmt: skip
+        return None
+
     @torch.no_grad()
     def search_image_vectors(self, image_emb: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
         """Image embeddings [Q, ...] -> per query [(caption id, score)] best first."""
@@ -151,6 +175,8 @@ class SearchEngine:
 
         With `distinct`, a caption text shared by several pictures ("a red circle") is listed once.
         """
+        if why := self.picture_query_problem():
+            raise VseInputError(why)
         pixels = self.images.load(image) if isinstance(image, (str, Path)) else self.images.prepare(image)
         emb = self.images.embed(pixels.unsqueeze(0))
         wide = 4 * k + 20 if distinct else k

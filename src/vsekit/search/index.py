@@ -10,7 +10,7 @@ INDEX_DIR/
   images.gN.faiss            inner-product index over the pictures' proxy vectors (generation N)
   captions.gN.faiss          the same over the captions
   .work/JOB/chunk_*.npz      finished encoding chunks of an interrupted run; reused on restart, then removed
-  .lock                      held (flock) by the one `vse index` writing here
+  .lock                      held (flock) by the one `vse index` writing here; records its pid, removed when it exits
 
 A reader that opens index.json sees a consistent set of files: new files get new names, index.json is
 replaced in one rename, and the old files are deleted only after that. Picture paths are stored relative
@@ -19,12 +19,12 @@ to a recorded root, and are only ever resolved inside it (the server depends on 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from vsekit.data.precomp import DataFormatError, PrecompSplit, load_precomp_split, read_lines
+from vsekit.errors import MissingPackageError, VseInputError
 from vsekit.search.encode import (
     IMAGE_SUFFIXES,
     ImageEmbedder,
@@ -47,14 +48,21 @@ from vsekit.search.encode import (
     run_extractor_spec,
     same_extractor,
 )
-from vsekit.utils.io import atomic_save_npy, atomic_write_bytes, atomic_write_json, atomic_write_text
+from vsekit.utils.io import (
+    atomic_path,
+    atomic_save_npy,
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    sha256_file,
+)
 
 INDEX_FORMAT = "vsekit-index/1"
 INDEX_KINDS = ("flat", "ivf", "hnsw")
 LOCK_NAME = ".lock"
 
 
-class IndexFormatError(ValueError):
+class IndexFormatError(VseInputError):
     """An index directory that cannot be read or extended safely; the message names the file."""
 
 
@@ -75,19 +83,19 @@ class FaissParams:
 
     def validate(self) -> None:
         if self.kind not in INDEX_KINDS:
-            raise ValueError(f"index kind {self.kind!r}; choose one of {', '.join(INDEX_KINDS)}")
+            raise VseInputError(f"index kind {self.kind!r}; choose one of {', '.join(INDEX_KINDS)}")
         for name in ("nprobe", "hnsw_m", "ef_construction", "ef_search"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise VseInputError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.nlist < 0:
-            raise ValueError(f"nlist must be >= 0 (0 = automatic), got {self.nlist}")
+            raise VseInputError(f"nlist must be >= 0 (0 = automatic), got {self.nlist}")
 
 
 def _faiss():
     try:
         import faiss
     except ImportError as e:
-        raise ImportError("search needs FAISS: pip install 'vsekit[search]' (faiss-cpu)") from e
+        raise MissingPackageError("search needs FAISS: pip install 'vsekit[search]' (faiss-cpu)") from e
     return faiss
 
 
@@ -111,7 +119,7 @@ def build_faiss(vectors: np.ndarray, params: FaissParams, seed: int = 0):
     else:
         nlist = params.nlist or auto_nlist(n)
         if n < nlist:
-            raise ValueError(f"an IVF index with {nlist} lists needs at least {nlist} vectors to train, got {n}; "
+            raise VseInputError(f"an IVF index with {nlist} lists needs at least {nlist} vectors to train, got {n}; "
                              "use a smaller --nlist or --index flat")  # fmt: skip
         index = faiss.IndexIVFFlat(faiss.IndexFlatIP(d), d, nlist, faiss.METRIC_INNER_PRODUCT)
         index.cp.seed = seed
@@ -135,17 +143,8 @@ def tune_faiss(index, params: FaissParams) -> None:
 def write_faiss(index, path: Path) -> None:
     """Temp file + fsync + rename (FAISS writes large indexes straight to disk, not through memory)."""
     faiss = _faiss()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        faiss.write_index(index, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_path(path) as tmp:
+        faiss.write_index(index, str(tmp))
 
 
 def read_faiss(path: Path):
@@ -171,6 +170,9 @@ class Source:
     ids: list[str]
     captions: list[tuple[str, int]] = field(default_factory=list)  # (text, picture index in this source)
     split: PrecompSplit | None = None
+    # a split without `{split}_images.txt`: only its stored features can be indexed; `paths` are then
+    # "SPLIT:ROW" labels (the image's 0-based row, as in `vse eval --save-sims`), which name no file
+    features_only: bool = False
 
     def first_caption(self) -> list[str | None]:
         out: list[str | None] = [None] * len(self.paths)
@@ -185,11 +187,14 @@ def _is_dataset_dir(path: Path) -> bool:
 
 
 def split_source(root: Path, split: str, captions_per_image: int) -> Source:
+    """A dataset split: its pictures (`{split}_images.txt`), or without that file its stored features only,
+    each image then labelled "SPLIT:ROW"."""
     data = load_precomp_split(root, split, captions_per_image)
-    if data.image_paths is None:
-        raise DataFormatError(f"{root / f'{split}_images.txt'}: missing, so split {split!r} names no pictures to "
-                              "index (it needs one image path per image row)")  # fmt: skip
     caps = [(c, int(i)) for c, i in zip(data.captions, data.cap2img)]
+    if data.image_paths is None:
+        data.require_features()  # neither pictures nor features: nothing to index
+        rows = [f"{split}:{i}" for i in range(data.n_images)]
+        return Source(f"{root}:{split}", root.resolve(), rows, list(data.image_ids), caps, data, features_only=True)
     return Source(f"{root}:{split}", root.resolve(), list(data.image_paths), list(data.image_ids), caps, data)
 
 
@@ -301,14 +306,6 @@ def encode_resumable(work_dir: Path, n: int, load: Callable[[int], Any], embed: 
 
 
 # ------------------------------------------------------------------------------------- the index
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def run_weights(run_dir: Path, which: str) -> Path:
@@ -458,27 +455,114 @@ def _check_same_model(meta: dict, fingerprint: dict, out_dir: Path) -> None:
         )
 
 
-@contextmanager
-def writer_lock(out_dir: Path) -> Iterator[None]:
-    """One writer per index directory: two `vse index` runs adding to the same index at once would both write
-    segment N and one would be lost, so the second fails fast instead (an advisory lock, released on exit
-    or crash; on systems without fcntl, e.g. Windows, running one writer at a time is up to the user)."""
+def _lock_owner(path: Path) -> int | None:
+    """The pid a lock file records (None: empty, unreadable or not a pid)."""
     try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / LOCK_NAME, "a+b") as f:
+        return int(path.read_text(encoding="ascii").split()[0])
+    except (OSError, ValueError, IndexError, UnicodeDecodeError):
+        return None
+
+
+def _pid_alive(pid: int) -> bool | None:
+    """Whether process `pid` runs on this machine (None: cannot tell here)."""
+    if os.name != "posix":  # os.kill(pid, 0) is not a probe on Windows
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists, owned by someone else
+        return True
+    return True
+
+
+def _lock_busy(lock: Path, pid: int | None) -> IndexFormatError:
+    who = f" (pid {pid})" if pid is not None else ""
+    return IndexFormatError(f"{lock}: another `vse index` is writing to this index right now{who}; wait for it to finish")
+
+
+def _acquire_flock(lock: Path):
+    """An flock on `lock` (the kernel drops it when its holder dies, so a dead writer never blocks); returns the fd."""
+    import fcntl
+
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise IndexFormatError(f"{out_dir / LOCK_NAME}: another `vse index` is writing to this index right now; "
-                                   "wait for it to finish") from None  # fmt: skip
+            os.close(fd)
+            raise _lock_busy(lock, _lock_owner(lock)) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:  # a writer that finished between our open and flock removed the file: lock the current one
+            if os.path.samestat(os.fstat(fd), os.stat(lock)):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def _acquire_pidfile(lock: Path, log: Callable[[str], None]) -> int:
+    """Without fcntl (Windows): the lock is the file itself, created exclusively; a leftover one whose pid
+    is not running any more is taken over, one we cannot check is refused with how to clear it."""
+    for _ in range(3):
         try:
+            return os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            pid = _lock_owner(lock)
+            alive = _pid_alive(pid) if pid is not None else None
+            if alive:
+                raise _lock_busy(lock, pid) from None
+            if alive is None:
+                by = f"`vse index` (pid {pid})" if pid is not None else "a `vse index` that recorded no pid"
+                raise IndexFormatError(f"{lock}: held by {by}; if no `vse index` is writing to this index any "
+                                       f"more, delete {lock} and run again") from None  # fmt: skip
+            log(f"note: {lock}: its writer (pid {pid}) is not running any more; taking the lock over")
+            lock.unlink(missing_ok=True)
+    raise _lock_busy(lock, _lock_owner(lock))
+
+
+@contextmanager
+def writer_lock(out_dir: Path, log: Callable[[str], None] = print) -> Iterator[None]:
+    """One writer per index directory: two `vse index` runs adding to the same index at once would both write
+    segment N and one would be lost, so the second fails fast instead, naming the pid that holds the lock.
+
+    The lock file records the holder's pid and is removed on every exit, error or Ctrl-C included; an
+    `--out` folder this call created is removed too when nothing else was written in it. A lock left by a
+    killed writer does not block: flock dies with its holder (elsewhere the recorded pid is checked).
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise IndexFormatError(f"{out_dir}: exists and is not a folder; choose another --out")
+    created = not out_dir.exists()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lock = out_dir / LOCK_NAME
+    try:
+        try:
+            import fcntl  # noqa: F401
+
+            flocked, fd = True, _acquire_flock(lock)
+            prev = _lock_owner(lock)
+            if prev is not None and prev != os.getpid():  # its holder is gone, or we would not hold the flock
+                log(f"note: {lock}: left by a `vse index` (pid {prev}) that stopped without finishing; taking it over")
+        except ImportError:
+            flocked, fd = False, _acquire_pidfile(lock, log)
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode("ascii"))
             yield
         finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            if flocked:
+                lock.unlink(missing_ok=True)  # while still held, so no other writer can be holding this file
+                os.close(fd)  # releases the flock
+            else:  # Windows cannot delete an open file
+                os.close(fd)
+                lock.unlink(missing_ok=True)
+    finally:
+        if created:
+            with contextlib.suppress(OSError):
+                out_dir.rmdir()  # only when empty: a failed first run leaves no folder behind
 
 
 def build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, checkpoint: str = "best",
@@ -491,7 +575,7 @@ def build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, checkp
     Pictures already in the index are skipped, so rerunning after new files arrive only adds those. A run
     that is interrupted resumes from its last finished chunk. Returns the new index.json contents.
     """
-    with writer_lock(Path(out_dir)):
+    with writer_lock(Path(out_dir), log):
         return _build_index(run_dir, source, out_dir, checkpoint=checkpoint, params=params, device=device,
                             batch_size=batch_size, chunk_size=chunk_size, pixels=pixels, strict=strict,
                             captions_file=captions_file, progress=progress, log=log)  # fmt: skip
@@ -508,7 +592,7 @@ def _build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, check
     model, run_cfg = load_run(run_dir, checkpoint, device)
     fingerprint = {
         "run_dir": str(run_dir.resolve()), "checkpoint": checkpoint, "weights": weights.name,
-        "weights_sha256": _sha256(weights), "recipe": model.recipe.name,
+        "weights_sha256": sha256_file(weights), "recipe": model.recipe.name,
         "similarity": model.recipe.model.similarity.name, "embed_dim": model.recipe.model.embed_dim,
         "rerank": needs_rerank(model),
     }  # fmt: skip
@@ -534,15 +618,20 @@ def _build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, check
     if old is not None and len(todo) < len(src.paths):
         log(f"{len(src.paths) - len(todo)} of {len(src.paths)} pictures are already in the index; adding {len(todo)}")
 
+    if src.features_only:
+        _check_features_only(src, model, pixels, run_cfg, run_dir)
     use_features = (src.split is not None and not pixels and model.recipe.model.image.kind == "precomp"
                     and src.split.feature_shape[1] == model.spec.img_dim)  # fmt: skip
-    if use_features:
+    if use_features and not src.features_only:
         theirs, ours = read_manifest_extractor(src.root), run_extractor_spec(run_cfg)
         if theirs and ours and not same_extractor(theirs, ours):
             log(f"note: {src.root}'s features come from another extractor ({theirs.get('name')}) than the run's "
                 f"({ours.get('name')}); embedding its pictures instead")  # fmt: skip
             use_features = False
     if use_features:
+        from vsekit.data.validate import check_split_features
+
+        check_split_features(src.split)  # NaN/inf rows: name the file and row before anything is embedded
         mode = {"mode": "features", "dataset": src.label}
         split = src.split
 
@@ -600,6 +689,23 @@ def _build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, check
     if (out_dir / ".work").is_dir() and not any((out_dir / ".work").iterdir()):
         (out_dir / ".work").rmdir()
     return meta
+
+
+def _check_features_only(src: Source, model, pixels: bool, run_cfg: dict, run_dir: Path) -> None:
+    """A split without pictures can only be indexed from its features, by a model trained on such features."""
+    missing = src.root / f"{src.split.split}_images.txt"
+    if pixels:
+        raise DataFormatError(f"{missing}: missing, so --pixels has no pictures to read; drop --pixels to index "
+                              "the split's stored features")  # fmt: skip
+    if model.recipe.model.image.kind != "precomp":
+        raise DataFormatError(f"{missing}: missing, and this run embeds pictures ({model.recipe.model.image.kind} "
+                              "image encoder), not stored features: the split has nothing it can index")  # fmt: skip
+    src.split.require_width(model.spec.img_dim, f"the run {run_dir}")
+    theirs, ours = read_manifest_extractor(src.root), run_extractor_spec(run_cfg)
+    if theirs and ours and not same_extractor(theirs, ours):
+        raise DataFormatError(f"{src.root}: its features come from another extractor ({theirs.get('name')}) than the "
+                              f"run's ({ours.get('name')}), and {missing.name} is missing, so there are no pictures "
+                              "to embed instead")  # fmt: skip
 
 
 def append_segment(out_dir: Path, old: SearchIndex | None, *, fingerprint: dict, params: FaissParams, roots: list[str],

@@ -279,6 +279,8 @@ def create_app(index_dir: str | Path | SearchEngine, *, device: str = "cpu", run
     async def search_image(request: Request, k: str | None = None) -> dict:
         """Picture -> indexed captions: the raw picture bytes as the body (PNG, JPEG, …)."""
         kk = _parse_k(k, limits)
+        if why := engine.picture_query_problem():  # before the upload is read
+            raise HTTPException(501, f"picture queries are not available for this index: {why}")
         data = await request.body()
         if not data:
             raise HTTPException(422, "the body is empty; send the picture's bytes")

@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from vsekit.errors import VseInputError
+
 COLORS = {"red": (220, 30, 30), "green": (30, 160, 40), "blue": (30, 60, 220), "yellow": (235, 200, 20)}
 SHAPES = ("circle", "square", "triangle")
 SPLITS = (("train", 6), ("dev", 1), ("test", 2))  # images per (colour, shape) pair
@@ -35,7 +37,7 @@ def draw_shape(color: str, shape: str, rng: np.random.Generator, size: int = 96)
     elif shape == "triangle":
         d.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
     else:
-        raise ValueError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
+        raise VseInputError(f"unknown shape {shape!r}; choose one of {', '.join(SHAPES)}")
     return img
 
 

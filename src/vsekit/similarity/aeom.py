@@ -3,12 +3,19 @@
 An image embedding of `views * d` dims and a caption embedding of `d` dims are each cut into blocks of
 `d2` dims (p = views*d/d2 image blocks, q = d/d2 caption blocks). A[i, j] is the cosine of image block i
 and caption block j (Eq. 1). The p×q matrix gets one dustbin row and column, every dustbin cell holding
-one learnable score z; `c` Sinkhorn iterations in log space (entropic temperature 1, as written) push it
-towards the paper's marginals a = [1_p, q] (rows) and b = [1_q, p] (columns); the dustbins are dropped
-and S(I, T) = Σ_j max_i A*_ij (Eq. 2).
+one learnable score z; `c` Sinkhorn iterations in log space on A / ε (entropic temperature ε, `temperature`; 1 by default: the
+paper names none and the released code divides by nothing) push it towards the paper's marginals
+a = [1_p, q] (rows) and b = [1_q, p] (columns); the dustbins are dropped and S(I, T) = Σ_j max_i A*_ij
+(Eq. 2). What A* is, is the `readout`:
 
-`use_sinkhorn=False` is the released code's variant (its Sinkhorn call is commented out): the block
-max-sum of the raw cosines, S = Σ_j max_i A_ij.
+- "log_plan" (default): A* = the log of the plan, as the released code's Sinkhorn line reads it
+  (`log_optimal_transport(...)[:, :-1, :-1]` then max/sum; with our unnormalised marginals the log plan
+  equals that function's output, tested on the released-code fixtures). On random embeddings
+  (d1 = 1024, d2 = 512, 2 views) its scores have a standard deviation of ~0.03;
+- "plan": A* = the plan's probabilities exp(log plan) — Eq. 2 read literally. With ε = 1 and cosines in
+  [−1, 1] the plan is nearly uniform, and the scores barely vary (std ~0.004 on the same embeddings);
+- "maxsum" (= `use_sinkhorn=False`): no Sinkhorn, the block max-sum of the raw cosines
+  S = Σ_j max_i A_ij — the released code's active line (its Sinkhorn call is commented out); std ~0.04.
 
 The optimal transport is written from the mathematics (reference notes §8), not from SuperGlue's code.
 Two implementations of the same iteration are kept on purpose:
@@ -30,8 +37,10 @@ from torch import nn
 
 from vsekit.config import SimilarityConfig
 
-# past this |dustbin score| the scaling form could under/overflow in float32; use log space instead
-_SCALED_MAX_ABS_Z = 30.0
+# past this spread of (scaled) scores and dustbin score the scaling form could under/overflow in float32; use log
+# space instead (with temperature 1: |z| up to ~30)
+_SCALED_MAX_SPREAD = 32.0
+READOUTS = ("log_plan", "plan", "maxsum")
 
 
 def split_blocks(x: torch.Tensor, block_dim: int) -> torch.Tensor:
@@ -93,8 +102,10 @@ def max_sum(a: torch.Tensor) -> torch.Tensor:
     return a.amax(dim=-2).sum(dim=-1)
 
 
-def _scaled_sinkhorn_scores(k: torch.Tensor, e: float, p: int, q: int, iters: int, tol: float = 0.0) -> torch.Tensor:
-    """Eq. 2 after Sinkhorn in scaling form on K = exp(A) laid out [p, q, n] (n pairs), dustbin cells = e.
+def _scaled_sinkhorn_scores(k: torch.Tensor, e: float, p: int, q: int, iters: int, tol: float = 0.0,
+                            log: bool = False) -> torch.Tensor:  # fmt: skip
+    """Eq. 2 after Sinkhorn in scaling form on K = exp(A) laid out [p, q, n] (n pairs), dustbin cells = e;
+    `log`: read the log plan (Σ_j log max_i P_ij) instead of the plan.
 
     Same iteration as `log_sinkhorn_dustbin` with u = exp(u_log), v = exp(v_log): the dustbin row/column
     being constant, the real rows update as u_i = 1 / (Σ_j K_ij v_j + e·v_d) and the dustbin row as
@@ -122,8 +133,9 @@ def _scaled_sinkhorn_scores(k: torch.Tensor, e: float, p: int, q: int, iters: in
         vd = u.sum(0).add_(ud).mul_(e / p).reciprocal_()
         if v_old is not None and float((v_old.div_(v).sub_(1.0)).abs_().max()) <= tol:
             break
-    # max_i u_i K_ij v_j = v_j · max_i u_i K_ij (v_j > 0)
-    return k.mul_(u.unsqueeze(1)).amax(0).mul_(v).sum(0)
+    # max_i u_i K_ij v_j = v_j · max_i u_i K_ij (v_j > 0); log is monotone, so max_i log P_ij = log max_i P_ij
+    best = k.mul_(u.unsqueeze(1)).amax(0).mul_(v)
+    return (best.log_() if log else best).sum(0)
 
 
 class AEOMSimilarity(nn.Module):
@@ -135,14 +147,22 @@ class AEOMSimilarity(nn.Module):
             raise ValueError(
                 f"model.embed_dim={embed_dim} must be a multiple of model.similarity.block_dim={cfg.block_dim}"
             )
-        if cfg.use_sinkhorn and cfg.sinkhorn_iters < 1:
+        readout = getattr(cfg, "readout", "log_plan")
+        if readout not in READOUTS:
+            raise ValueError(f"model.similarity.readout={readout!r}; choose one of {', '.join(READOUTS)}")
+        temperature = float(getattr(cfg, "temperature", 1.0))
+        if not temperature > 0:
+            raise ValueError(f"model.similarity.temperature must be positive, got {temperature}")
+        self.readout = readout if cfg.use_sinkhorn else "maxsum"  # use_sinkhorn=False: the block max-sum
+        self.use_sinkhorn = self.readout != "maxsum"
+        if self.use_sinkhorn and cfg.sinkhorn_iters < 1:
             raise ValueError(f"model.similarity.sinkhorn_iters must be >= 1, got {cfg.sinkhorn_iters}")
         self.embed_dim, self.views = embed_dim, views
         self.block_dim = cfg.block_dim
         self.p = views * embed_dim // cfg.block_dim  # image blocks
         self.q = embed_dim // cfg.block_dim  # caption blocks
         self.iters = cfg.sinkhorn_iters
-        self.use_sinkhorn = cfg.use_sinkhorn
+        self.temperature = temperature
         self.dustbin = nn.Parameter(torch.tensor(float(cfg.dustbin_init)))  # z; unused without Sinkhorn
         # p·q·pairs per no-grad chunk: 1 MiB of K on CPU (stays in cache); large on GPUs (few launches)
         self.chunk_elems: int | None = None
@@ -151,7 +171,8 @@ class AEOMSimilarity(nn.Module):
         self.converged_tol = 1e-6
 
     def extra_repr(self) -> str:
-        return f"p={self.p}, q={self.q}, block_dim={self.block_dim}, sinkhorn={self.use_sinkhorn}, iters={self.iters}"
+        return (f"p={self.p}, q={self.q}, block_dim={self.block_dim}, readout={self.readout}, iters={self.iters}, "
+                f"temperature={self.temperature}")  # fmt: skip
 
     def _check(self, image_emb: torch.Tensor, text_emb: torch.Tensor) -> None:
         if image_emb.ndim != 2 or image_emb.shape[1] != self.views * self.embed_dim:
@@ -162,13 +183,19 @@ class AEOMSimilarity(nn.Module):
                 f"AEOM expects caption embeddings [N, {self.embed_dim}], got {tuple(text_emb.shape)}"
             )
 
+    def _read(self, log_plan: torch.Tensor) -> torch.Tensor:
+        """A* from the log plan without dustbins, as the readout says."""
+        return log_plan if self.readout == "log_plan" else log_plan.exp()
+
     def matched_affinity(self, image_emb: torch.Tensor, text_emb: torch.Tensor) -> torch.Tensor:
-        """A* [Ni, Nt, p, q]: the Sinkhorn plan without dustbins (or the raw cosines without Sinkhorn)."""
+        """A* [Ni, Nt, p, q]: the Sinkhorn (log) plan without dustbins, or the raw cosines without Sinkhorn."""
         self._check(image_emb, text_emb)
         a = block_affinity(image_emb.float(), text_emb.float(), self.block_dim)
         if not self.use_sinkhorn:
             return a
-        return log_sinkhorn_dustbin(a, self.dustbin, self.iters)[..., : self.p, : self.q].exp()
+        return self._read(
+            log_sinkhorn_dustbin(a / self.temperature, self.dustbin, self.iters)[..., : self.p, : self.q]
+        )
 
     def forward(self, image_emb: torch.Tensor, text_emb: torch.Tensor) -> torch.Tensor:
         """S [Ni, Nt] (Eq. 2). Differentiable when gradients are on; chunked and allocation-light when not."""
@@ -193,10 +220,11 @@ class AEOMSimilarity(nn.Module):
         # caption blocks as one [d2, q*Nt] matrix: one GEMM per chunk gives all block cosines
         tb = split_blocks(text_emb.float(), d2).permute(2, 1, 0).reshape(d2, q * nt)
         out = torch.empty(ni, nt, device=image_emb.device, dtype=torch.float32)
-        z = float(self.dustbin)
-        scaled = abs(z) <= _SCALED_MAX_ABS_Z
+        z, inv_t = float(self.dustbin), 1.0 / self.temperature
+        # the Sinkhorn sees cosines / temperature in [-inv_t, inv_t] and the dustbin score z
+        scaled = max(z, inv_t) - min(z, -inv_t) <= _SCALED_MAX_SPREAD
         # shift every score by m (the plan is invariant to it) so exp() stays in range
-        m = max(z, 1.0)
+        m = max(z, inv_t)
         e = math.exp(z - m)
         budget = chunk_elems or self.chunk_elems or (1 << 25 if image_emb.device.type == "cuda" else 1 << 18)
         # on CPU the GEMM gets 16x larger chunks (small GEMMs are slow); the Sinkhorn then walks them in
@@ -211,14 +239,15 @@ class AEOMSimilarity(nn.Module):
                 out[s : s + c] = a.amax(0).sum(1)
                 continue
             if not scaled:
-                a = a.permute(1, 3, 0, 2)  # [c, Nt, p, q]
+                a = a.permute(1, 3, 0, 2).mul(inv_t)  # [c, Nt, p, q]
                 out[s : s + c] = max_sum(
-                    log_sinkhorn_dustbin(a, self.dustbin.detach(), self.iters)[..., :p, :q].exp()
+                    self._read(log_sinkhorn_dustbin(a, self.dustbin.detach(), self.iters)[..., :p, :q])
                 )
                 continue
-            k = a.permute(0, 2, 1, 3).reshape(p, q, c * nt).sub_(m).exp_()
+            k = a.permute(0, 2, 1, 3).reshape(p, q, c * nt).mul_(inv_t).sub_(m).exp_()
             flat = out[s : s + c].view(-1)
+            log = self.readout == "log_plan"
             for t in range(0, c * nt, pairs):
                 flat[t : t + pairs] = _scaled_sinkhorn_scores(k[:, :, t : t + pairs], e, p, q, self.iters,
-                                                              self.converged_tol)  # fmt: skip
+                                                              self.converged_tol, log)  # fmt: skip
         return out

@@ -27,20 +27,16 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
 from vsekit.config import ConfigError, Recipe, recipe_from_dict, to_dict
+from vsekit.errors import VseInputError
 from vsekit.models.vse import DataSpec, VSEModel
-from vsekit.utils.io import atomic_write_bytes, atomic_write_json
+from vsekit.utils.io import atomic_write_bytes, atomic_write_json, sha256_file
 
 RUN_FORMAT = "vsekit-run/1"
 CHECKPOINT_FORMAT = "vsekit-checkpoint/1"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(VseInputError):
     """A run directory or checkpoint file that cannot be loaded safely."""
-
-
-def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    data = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    atomic_write_bytes(path, save(data, metadata=metadata))
 
 
 def tensor_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
@@ -65,9 +61,9 @@ def write_run_config(run_dir: Path, recipe: Recipe, spec: DataSpec, extra: dict[
                       **({"vision_config": spec.vision_config} if spec.vision_config else {})},
         **extra,
     }
-    atomic_write_json(run_dir / "config.json", cfg)
-    if spec.vocab_words:
+    if spec.vocab_words:  # before config.json, the file that makes the folder a run
         atomic_write_json(run_dir / "vocab.json", {"words": spec.vocab_words})
+    atomic_write_json(run_dir / "config.json", cfg)
 
 
 def read_run_config(run_dir: str | Path) -> tuple[Recipe, DataSpec, dict]:
@@ -96,6 +92,57 @@ def read_run_config(run_dir: str | Path) -> tuple[Recipe, DataSpec, dict]:
     spec = DataSpec(img_dim=int(spec_d.get("img_dim", 0)), vocab_words=vocab, text_model_path=text_path,
                     vision_config=dict(spec_d.get("vision_config", {})))
     return recipe, spec, cfg
+
+
+RUN_ARTIFACTS = frozenset({
+    "config.json", "vocab.json", "metrics.jsonl", "tb", "ckpt", "text_model",
+    "last.safetensors", "last_optim.safetensors", "last_state.json", "last.manifest.json",
+    "best.safetensors", "best.json", "best.manifest.json",
+})  # fmt: skip
+"""What vsekit itself writes in a run directory (`text_model/`: imported runs); `.*.tmp` are its temp files."""
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """True when `path` holds a vsekit run: a config.json of this format (not any folder with a config.json)."""
+    cfg = Path(path) / "config.json"
+    try:
+        return cfg.is_file() and json.loads(cfg.read_text(encoding="utf-8")).get("format") == RUN_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def split_run_dir(run_dir: str | Path) -> tuple[list[Path], list[Path]]:
+    """The entries of `run_dir`: (written by vsekit, anything else). A config.json is vsekit's only when it is
+    a run's (a model folder has one too)."""
+    ours, others = [], []
+    run = is_run_dir(run_dir)
+    for p in sorted(Path(run_dir).iterdir()):
+        mine = p.name in RUN_ARTIFACTS or (p.name.startswith(".") and p.name.endswith(".tmp"))
+        mine = mine and (run or p.name != "config.json")
+        (ours if mine else others).append(p)
+    return ours, others
+
+
+def clear_run_dir(run_dir: str | Path) -> list[Path]:
+    """Delete what a previous run wrote in `run_dir` (TensorBoard events and checkpoint sets included); files
+    vsekit did not write are kept and returned. Only call it on a run directory (or a fresh one)."""
+    import shutil
+
+    ours, others = split_run_dir(run_dir)
+    for p in ours:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink(missing_ok=True)
+    return others
+
+
+def update_run_epochs(run_dir: str | Path, epochs: int) -> None:
+    """Record a new train.epochs in config.json (a resumed run extended with `--epochs`)."""
+    path = Path(run_dir) / "config.json"
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    cfg["recipe"]["train"]["epochs"] = int(epochs)
+    atomic_write_json(path, cfg)
 
 
 def load_weights(model: torch.nn.Module, path: Path) -> None:
@@ -157,14 +204,6 @@ def optimizer_from_files(optimizer: torch.optim.Optimizer, tensors: dict[str, to
 
 
 # ------------------------------------------------------------------------------ checkpoint sets
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _same(a: Path, b: Path) -> bool:

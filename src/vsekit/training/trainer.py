@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from vsekit.config import Recipe, to_dict
+from vsekit.config import Recipe
 from vsekit.data.datasets import AugmentConfig, Collate, FeatureSource, PairDataset
 from vsekit.data.precomp import DataFormatError, load_precomp_split
 from vsekit.data.raw_images import PixelSource
@@ -42,6 +42,7 @@ from vsekit.distributed import (
     shard_slice,
 )
 from vsekit.evaluation import pad_id_for, split_similarities
+from vsekit.features.backbones import pixel_transform_of
 from vsekit.losses import create_loss
 from vsekit.metrics import evaluate_sims, format_table
 from vsekit.models.image import BackboneImageEncoder
@@ -49,13 +50,17 @@ from vsekit.models.text import default_transformer_path, load_tokenizer
 from vsekit.models.vse import DataSpec, VSEModel
 from vsekit.training.checkpoint import (
     CheckpointError,
+    clear_run_dir,
+    is_run_dir,
     load_tensors,
     load_weights,
     optimizer_from_files,
     optimizer_to_files,
     read_checkpoint_set,
     read_run_config,
+    split_run_dir,
     tensor_bytes,
+    update_run_epochs,
     write_checkpoint_set,
     write_run_config,
 )
@@ -121,6 +126,7 @@ def load_text_processor(recipe: Recipe, train_captions: list[str], spec: DataSpe
     if t.kind in ("bigru", "bow"):
         if t.vocab_path:
             vocab = Vocabulary.load(t.vocab_path, t.tokenizer)
+            t.tokenizer = vocab.tokenizer  # a SCAN vocabulary is read with nltk: the run records what it used
         else:
             vocab = Vocabulary.build(train_captions, t.vocab_min_count, t.tokenizer)
         spec.vocab_words = vocab.idx2word
@@ -128,6 +134,23 @@ def load_text_processor(recipe: Recipe, train_captions: list[str], spec: DataSpe
     path = spec.text_model_path or t.model_path or default_transformer_path()
     spec.text_model_path = path
     return HFTextProcessor(load_tokenizer(path), t.max_tokens)
+
+
+# Recipes whose settings (1024-d, hardest-negative triplet, from-scratch BiGRU, 25-epoch schedule) were chosen
+# for Flickr30K / MS-COCO (29k-113k images); below SMALL_DATA_IMAGES they do not beat the bag-of-words floor
+# on openclipart (docs/floor.md), so `vse train` names the recipe that does.
+COCO_SCALE_RECIPES = ("vse_infty", "vsepp", "vse_2ad", "cvsepp", "cvsepp_auto", "avse")
+SMALL_DATA_IMAGES = 10_000
+SMALL_DATA_RECIPE = "small_data"
+
+
+def small_data_advice(recipe: Recipe, train_images: int) -> str | None:
+    """A one-line hint when a COCO-scale recipe meets a small training split (None otherwise)."""
+    if recipe.name not in COCO_SCALE_RECIPES or train_images >= SMALL_DATA_IMAGES:
+        return None
+    return (f"recipe {recipe.name!r} was built for 29k-113k training images and this split has {train_images:,}; "
+            f"on small data it does not beat the bag-of-words floor (docs/floor.md): try `--recipe {SMALL_DATA_RECIPE}`, "
+            f"and `--recipe bow` for the floor itself")  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -259,6 +282,8 @@ class Trainer:
             self.train_split = self.train_split.sample_images(cfg.train_fraction, cfg.train_subset_seed)
             self.log(f"training on {self.train_split.n_images} of {full} training images "
                      f"(data.train_fraction={cfg.train_fraction}, subset seed {cfg.train_subset_seed})")  # fmt: skip
+        if advice := small_data_advice(recipe, self.train_split.n_images):
+            self.log(f"note: {advice}")
         self.val_split = load_precomp_split(self.data_dir, cfg.val_split, cfg.captions_per_image).truncate(cfg.val_max_images)
         if self.train_split.feature_shape[1] != self.val_split.feature_shape[1]:
             raise DataFormatError(
@@ -267,8 +292,9 @@ class Trainer:
             )
         self._prepare_run_dir(resume, overwrite)
         spec = DataSpec(img_dim=self.train_split.feature_shape[1])
+        self._saved_cfg: dict = {}
         if resume:
-            _, saved_spec, _ = read_run_config(self.run_dir)
+            _, saved_spec, self._saved_cfg = read_run_config(self.run_dir)
             spec = saved_spec
         self.text = load_text_processor(recipe, self.train_split.captions, spec)
         self.model = VSEModel(recipe, spec).to(self.device)
@@ -278,6 +304,8 @@ class Trainer:
         if hasattr(self.loss_fn, "prepare"):
             with main_first(self.dist):  # rank 0 computes and caches, the others read the cache
                 self.loss_fn.prepare(self.data_dir, self.train_split, self.log)
+            if getattr(self.loss_fn, "derived_thresholds", None) is not None:  # config.json shows the θ used
+                recipe.loss.ladder_thresholds = list(self.loss_fn.derived_thresholds)
         self.loss_fn.to(self.device)
         params = self.model.parameter_groups(recipe.optim.lr)
         params += [{"params": list(self.loss_fn.parameters()), "lr": recipe.optim.lr, "lr_mult": 1.0}] if list(self.loss_fn.parameters()) else []
@@ -287,6 +315,7 @@ class Trainer:
         if resume:
             self._load_state()
         elif self.dist.is_main:
+            self._start_run_dir()  # only now: an error or Ctrl-C before this point leaves the folder as it was
             manifest = self._dataset_manifest()
             write_run_config(self.run_dir, recipe, spec, {
                 "data_dir": str(self.data_dir.resolve()),
@@ -312,33 +341,48 @@ class Trainer:
         return {}
 
     def _prepare_run_dir(self, resume: bool, overwrite: bool) -> None:
-        exists = (self.run_dir / "config.json").exists()
-        if resume and not exists:
-            raise CheckpointError(f"{self.run_dir}: nothing to resume (no config.json)")
-        if not resume and exists and not overwrite:
-            raise CheckpointError(
-                f"{self.run_dir} already holds a run; resume it with `vse train --resume {self.run_dir}`, "
-                "choose another --out, or pass --overwrite"
-            )
+        """Check the run directory; nothing is changed here (see `_start_run_dir`)."""
+        run = self.run_dir
+        if run.exists() and not run.is_dir():
+            raise CheckpointError(f"{run}: exists and is not a folder; choose another --out")
+        if resume:
+            if not (run / "config.json").exists():
+                raise CheckpointError(f"{run}: nothing to resume (no config.json)")
+        elif is_run_dir(run):
+            if not overwrite:
+                raise CheckpointError(
+                    f"{run} already holds a run; resume it with `vse train --resume {run}`, "
+                    "choose another --out, or pass --overwrite"
+                )
+        elif run.is_dir():
+            _, others = split_run_dir(run)  # only vsekit's own files: a run whose setup was interrupted
+            if others:
+                names = ", ".join(p.name for p in others[:3]) + (", …" if len(others) > 3 else "")
+                raise CheckpointError(
+                    f"{run}: exists, is not empty and is not a vsekit run (it holds {names}); nothing was written "
+                    "there: choose a new or empty --out"
+                )
         barrier(self.dist)  # every rank has checked the directory before rank 0 changes it
-        if not self.dist.is_main:
-            return
-        if overwrite and not resume:
-            for name in ("last.safetensors", "last_optim.safetensors", "last_state.json", "best.safetensors",
-                         "best.json", "metrics.jsonl", "config.json", "vocab.json"):  # fmt: skip
-                (self.run_dir / name).unlink(missing_ok=True)
-            for name in ("last.manifest.json", "best.manifest.json"):
-                (self.run_dir / name).unlink(missing_ok=True)
-            for old in (self.run_dir / "ckpt").glob("*"):
-                old.unlink(missing_ok=True)
+
+    def _start_run_dir(self) -> None:
+        """A new run: clear what an earlier run (`--overwrite`) or an interrupted setup left, then create."""
+        if self.run_dir.is_dir():
+            kept = clear_run_dir(self.run_dir)
+            if kept:
+                self.log(f"note: {self.run_dir}: kept {len(kept)} file(s) vsekit did not write: "
+                         f"{', '.join(p.name for p in kept[:5])}{', …' if len(kept) > 5 else ''}")  # fmt: skip
         self.run_dir.mkdir(parents=True, exist_ok=True)
 
     def _image_source(self, split, train: bool):
         img = self.recipe.model.image
         if img.kind in ("backbone", "vit"):
-            return PixelSource(split, img.image_size, augment=train)
+            return PixelSource(split, img.image_size, augment=train, transform=pixel_transform_of(self.model))
         d = self.recipe.data
-        aug = AugmentConfig(d.size_augment, img.feature_type, d.region_keep_prob, d.grid_drop_max, d.text_augment_prob)
+        # multi-view (AVSE): the views are the size augmentation, each drawn from the full set (paper §4.2:
+        # 75 % / 90 % of it); model.image.view_size_augment=true drops regions/cells first, as vsekit did before
+        drop = d.size_augment and (img.views <= 1 or img.view_size_augment)
+        aug = AugmentConfig(drop, img.feature_type, d.region_keep_prob, d.grid_drop_max, d.text_augment_prob)
+        split.require_width(self.model.spec.img_dim, f"the run in {self.run_dir}")  # --resume with other --data
         return FeatureSource(split, aug if train else None)
 
     def _build_loader(self) -> None:
@@ -377,6 +421,7 @@ class Trainer:
         files = read_checkpoint_set(self.run_dir, "last", (".safetensors", "_optim.safetensors", "_state.json"))
         if files is None:  # killed before the first checkpoint: start over (same seed, same result)
             self._truncate_metrics(0)
+            self._record_epochs()
             self.log(f"{self.run_dir}: no complete checkpoint yet; training from the start")
             return
         load_weights(self.model, files[".safetensors"])
@@ -391,9 +436,39 @@ class Trainer:
         if rng is not None:
             torch.set_rng_state(rng)
         self.state = TrainState(**saved["train_state"])
+        self._check_resume_epochs()  # before anything in the run directory changes
         self.history = saved.get("history", [])
         self._truncate_metrics(saved.get("metrics_bytes"))
-        self.log(f"resumed {self.run_dir} at epoch {self.state.epoch} step {self.state.step_in_epoch}")
+        self._record_epochs()
+        st, total = self.state, self.recipe.train.epochs
+        if st.step_in_epoch:
+            self.log(f"resumed {self.run_dir} in epoch {st.epoch + 1}/{total}, after its step {st.step_in_epoch}")
+        elif st.epoch < total:
+            self.log(f"resumed {self.run_dir} after epoch {st.epoch}/{total}")
+        else:
+            self.log(f"resumed {self.run_dir}: all {total} epochs are trained, nothing to do "
+                     f"(`vse train --resume {self.run_dir} --epochs N` trains it on to N epochs)")  # fmt: skip
+
+    def _check_resume_epochs(self) -> None:
+        """A resumed run may be given more epochs (or fewer, down to the epoch it is in), never fewer than it has."""
+        st, want = self.state, self.recipe.train.epochs
+        needed = st.epoch + (1 if st.step_in_epoch else 0)
+        if want < needed:
+            done = f"{st.epoch} epoch(s)" + (f" and {st.step_in_epoch} steps of epoch {st.epoch + 1}" if st.step_in_epoch else "")
+            raise CheckpointError(f"{self.run_dir}: has already trained {done}; train.epochs (--epochs) {want} is "
+                                  f"fewer: give --epochs {needed} or more")  # fmt: skip
+
+    def _record_epochs(self) -> None:
+        """A resumed run given another train.epochs: config.json records it (a later --resume keeps it)."""
+        saved = self._saved_cfg.get("recipe", {}).get("train", {}).get("epochs")
+        want = self.recipe.train.epochs
+        if saved is None or saved == want:
+            return
+        if self.dist.is_main:
+            update_run_epochs(self.run_dir, want)
+        o = self.recipe.optim
+        self.log(f"{self.run_dir}: train.epochs {saved} -> {want}; the lr schedule is unchanged "
+                 f"(optim.lr_decay_epochs={o.lr_decay_epochs}, optim.lr_decay={o.lr_decay})")  # fmt: skip
 
     def _truncate_metrics(self, size: int | None) -> None:
         """Drop metrics.jsonl lines written after the checkpoint (they are replayed), torn last line included."""
@@ -421,9 +496,9 @@ class Trainer:
                     self._tb.add_scalar(f"{record.get('kind', 'train')}/{k}", v, step)
 
     # ---------------------------------------------------------------------------------------- train
-    def _set_lr(self, epoch: int) -> None:
+    def _set_lr(self, epoch: int, scale: float = 1.0) -> None:
         o = self.recipe.optim
-        lr = lr_at_epoch(o.lr, epoch, o.lr_decay_epochs, o.lr_decay)
+        lr = lr_at_epoch(o.lr, epoch, o.lr_decay_epochs, o.lr_decay) * scale
         for g in self.optimizer.param_groups:
             g["lr"] = lr * g.get("lr_mult", 1.0)
 
@@ -450,7 +525,7 @@ class Trainer:
     def _check_finite(self, epoch: int) -> None:
         """Read the flag back (one sync) at log intervals and before anything is saved or validated."""
         if self._first_bad is not None and int(self._first_bad) >= 0:
-            raise FloatingPointError(f"loss became NaN/inf at step {int(self._first_bad)} (epoch {epoch}); "
+            raise FloatingPointError(f"loss became NaN/inf at step {int(self._first_bad)} (epoch {epoch + 1}); "
                                      f"last good checkpoint: {self.run_dir / 'last.safetensors'}")  # fmt: skip
 
     def validate(self) -> dict:
@@ -465,7 +540,9 @@ class Trainer:
         while self.state.epoch < total_epochs:
             epoch = self.state.epoch
             self._set_lr(epoch)
-            loss_warmup = self._backbone_phase(epoch)
+            # first unfrozen backbone epoch: ramp the loss (released code) or the lr (paper) in over its steps
+            warmup = r.model.image.backbone_warmup if self._backbone_phase(epoch) else "none"
+            loss_warmup = warmup == "loss"
             self.train_set.set_epoch(epoch)
             self.sampler.epoch, self.sampler.skip = epoch, self.state.step_in_epoch
             epoch_batches = self.sampler.batches()
@@ -480,10 +557,12 @@ class Trainer:
                 t0 = time.perf_counter()
                 step = self.state.step_in_epoch
                 sizes = shard_sizes(len(epoch_batches[step]), self.dist.world_size) if self.dist.enabled else None
+                if warmup == "lr":
+                    self._set_lr(epoch, (step + 1) / steps_in_epoch)
                 out = self.train_step(batch, epoch, step, steps_in_epoch, loss_warmup, sizes)
                 self._track_finite(out["loss"])  # no float(loss) here: that would sync with the GPU every step
                 if self._step_keys:
-                    self._emit({"kind": "step", "epoch": epoch, "step": self.state.global_step + 1,
+                    self._emit({"kind": "step", "epoch": epoch + 1, "step": self.state.global_step + 1,
                                 **{k: float(out[k]) for k in self._step_keys if k in out}})  # fmt: skip
                 step_time = time.perf_counter() - t0  # host time; the device may still be working
                 self.state.step_in_epoch += 1
@@ -499,7 +578,7 @@ class Trainer:
                     n = meter["n"]
                     wall = time.perf_counter() - t_log
                     rec = {
-                        "kind": "train", "epoch": epoch, "step": self.state.global_step,
+                        "kind": "train", "epoch": epoch + 1, "step": self.state.global_step,
                         "loss": float(meter["loss"]) / n, "data_time": meter["data_time"] / n,
                         "step_time": meter["step_time"] / n,
                         "samples_per_s": r.train.batch_size * n / max(wall, 1e-9),
@@ -509,7 +588,7 @@ class Trainer:
                     bar.set_postfix(loss=f"{rec['loss']:.3f}")
                     self._emit(rec)
                     if not self.progress:
-                        self.log(f"epoch {epoch} step {self.state.global_step} loss {rec['loss']:.4f} "
+                        self.log(f"epoch {epoch + 1} step {self.state.global_step} loss {rec['loss']:.4f} "
                                  f"data {rec['data_time'] * 1e3:.1f}ms step {rec['step_time'] * 1e3:.1f}ms "
                                  f"{rec['samples_per_s']:.0f} samples/s")  # fmt: skip
                     meter = {"loss": 0.0, "data_time": 0.0, "step_time": 0.0, "n": 0}
@@ -528,7 +607,7 @@ class Trainer:
             train_time = time.perf_counter() - t_epoch
             metrics = self.validate()
             improved = metrics["rsum"] > self.state.best_rsum
-            record = {"kind": "val", "epoch": epoch, "step": self.state.global_step, "train_time_s": train_time, **metrics}
+            record = {"kind": "val", "epoch": epoch + 1, "step": self.state.global_step, "train_time_s": train_time, **metrics}
             self.history.append(record)
             self._emit(record)
             self.log(f"epoch {epoch + 1}/{total_epochs} dev: {format_table(metrics)}{'  (best)' if improved else ''}")
@@ -537,7 +616,7 @@ class Trainer:
             if improved:
                 self.state.best_rsum, self.state.best_epoch = metrics["rsum"], epoch
             if improved and self.dist.is_main:
-                best = {"epoch": epoch, "split": r.data.val_split, **metrics}
+                best = {"epoch": epoch + 1, "split": r.data.val_split, **metrics}
                 write_checkpoint_set(self.run_dir, "best", {
                     ".safetensors": tensor_bytes(self.model.state_dict()),
                     ".json": (json.dumps(best, indent=2) + "\n").encode("utf-8"),
@@ -550,8 +629,3 @@ class Trainer:
 
 def train(recipe: Recipe, data_dir: str | Path, run_dir: str | Path, **kwargs) -> dict:
     return Trainer(recipe, data_dir, run_dir, **kwargs).fit()
-
-
-def recipe_summary(recipe: Recipe) -> str:
-    d = to_dict(recipe)
-    return json.dumps({k: d[k] for k in ("name", "model", "loss")}, indent=None)[:400]

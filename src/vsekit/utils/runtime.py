@@ -7,13 +7,22 @@ import random
 import numpy as np
 import torch
 
+from vsekit.errors import SetupError, check_device_name
 
-def resolve_device(name: str = "auto") -> torch.device:
+
+def resolve_device(name: str | torch.device = "auto") -> torch.device:
+    """auto = cuda when available, else cpu; a name that is no device, or a CUDA device on a machine without
+    CUDA, is an input error naming the valid choices (cpu, cuda, cuda:N, mps, auto)."""
+    name = check_device_name(str(name))
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {name!r} requested but CUDA is not available on this machine")
+        raise SetupError(f"device {name!r} requested but CUDA is not available on this machine; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise SetupError(f"device {name!r} requested but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise SetupError(f"device {name!r} requested but MPS is not available on this machine; use --device cpu")
     return device
 
 
