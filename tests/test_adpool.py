@@ -210,9 +210,14 @@ def test_bench_pool_cli_prints_table_and_writes_json(tmp_path, capsys):
     from vsekit.bench.pool import main
 
     out = tmp_path / "bench.json"
+    # `python -m vsekit.bench.pool` is `vse bench pool`: the same flags, table and JSON
     assert main(["--batch", "3", "--n", "4", "--dim", "8", "--repeats", "1", "--warmup", "0", "--poolings", "avg",
-                 "adpool", "--json", str(out)]) == 0  # fmt: skip
+                 "adpool", "--json-out", str(out)]) == 0  # fmt: skip
     table = capsys.readouterr().out
-    assert table.startswith("| pooling |") and "| adpool | 16 | cpu |" in table
-    rows = json.loads(out.read_text())
+    assert "| pooling |" in table and "| adpool | 3x4x8 | 16 |" in table
+    assert "`vse bench pool --batch 3 --n 4 --dim 8 --repeats 1 --warmup 0 --poolings avg adpool`" in table
+    rows = json.loads(out.read_text())["rows"]
     assert [r["pooling"] for r in rows] == ["avg", "adpool"] and rows[0]["vs_avg"] == 1.0
+    assert main(["--batch", "3", "--n", "4", "--dim", "8", "--poolings", "nope"]) == 2
+    assert "unknown pooling" in capsys.readouterr().err
+

@@ -85,11 +85,11 @@ def test_unknown_device_names_the_valid_choices(verb, run, data, tmp_path, capsy
     assert not (tmp_path / "t").exists() and not (tmp_path / "i").exists()
 
 
-@pytest.mark.parametrize("lr", ["0", "-1", "-1e-4", "nan"])
+@pytest.mark.parametrize("lr", ["0", "-1", "-1e-4", "nan", "inf"])
 def test_learning_rate_must_be_positive(lr, data, tmp_path, capsys):
     err = one_line_error(capsys, ["train", "--data", str(data), "--out", str(tmp_path / "r"), "--no-progress",
                                   "--set", f"optim.lr={lr}"], "train")  # fmt: skip
-    assert "optim.lr=" in err and "must be positive" in err and "Invalid learning rate" not in err
+    assert "optim.lr=" in err and "must be a positive finite number" in err and "Invalid learning rate" not in err
     assert not (tmp_path / "r").exists()
 
 

@@ -37,10 +37,16 @@ def tiny_data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_run(tiny_data, tmp_path_factory):
-    """A finished 1-epoch run (copy it before changing it) and the lines its trainer logged."""
+    """A finished 1-epoch run (copy it before changing it) and the lines its trainer logged. Trained with one
+    thread, as the tests that compare their runs with it (a module fixture is set up before `_one_thread`)."""
     run = tmp_path_factory.mktemp("runs") / "one"
     logs: list[str] = []
-    Trainer(load_recipe("vsepp", TINY + ["train.epochs=1"]), tiny_data, run, progress=False, log=logs.append).fit()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        Trainer(load_recipe("vsepp", TINY + ["train.epochs=1"]), tiny_data, run, progress=False, log=logs.append).fit()
+    finally:
+        torch.set_num_threads(threads)
     return run, logs
 
 
@@ -116,7 +122,33 @@ def test_resume_with_epochs_extends_the_run_like_a_longer_run(tiny_data, tiny_ru
     assert _snapshot(run) == before
 
 
-@pytest.mark.parametrize("extra,flag", [(["--set", "optim.lr=1"], "--set"), (["--recipe", "vsepp"], "--recipe"),
+def test_resume_takes_a_new_lr_schedule_and_records_it(tiny_data, tiny_run, tmp_path, capsys):
+    # the tiny runs decay the lr after epoch 1; told otherwise on resume, epoch 2 trains at the base lr, exactly as
+    # a run started with that schedule does
+    ref = tmp_path / "no_decay"
+    recipe = load_recipe("vsepp", TINY + ["train.epochs=2", "optim.lr_decay_epochs=[]"])
+    Trainer(recipe, tiny_data, ref, progress=False, log=lambda *_: None).fit()
+    run = _copy(tiny_run[0], tmp_path / "extended")
+    assert main(["train", "--resume", str(run), "--epochs", "2", "--set", "optim.lr_decay_epochs=[]", "--no-progress"]) == 0
+    assert "optim.lr_decay_epochs [1] -> []" in capsys.readouterr().out
+    _same_weights(ref / "last.safetensors", run / "last.safetensors")
+    lrs = {r["lr"] for r in _records(run, "train") if r["epoch"] == 2}
+    assert lrs == {recipe.optim.lr}
+    saved = json.loads((run / "config.json").read_text())["recipe"]
+    assert saved["optim"]["lr_decay_epochs"] == [] and saved["train"]["epochs"] == 2
+
+
+@pytest.mark.parametrize("item", ["optim.lr=1", "model.embed_dim=64", "train.batch_size=8"])
+def test_resume_refuses_recipe_changes_other_than_the_schedule(tiny_run, item, capsys):
+    before = _snapshot(tiny_run[0])
+    assert main(["train", "--resume", str(tiny_run[0]), "--epochs", "3", "--set", item]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--set {item}: a resumed run keeps its recipe" in err and "optim.lr_decay_epochs" in err
+    assert len(err.splitlines()) == 1
+    assert _snapshot(tiny_run[0]) == before
+
+
+@pytest.mark.parametrize("extra,flag", [(["--recipe", "vsepp"], "--recipe"),
                                         (["--out", "elsewhere"], "--out"), (["--batch-size", "8"], "--batch-size"),
                                         (["--seed", "0"], "--seed"), (["--overwrite"], "--overwrite")])  # fmt: skip
 def test_resume_refuses_flags_it_would_ignore(tiny_run, extra, flag, capsys):
@@ -235,6 +267,15 @@ def test_epochs_are_one_based_in_logs_metrics_and_best(tiny_run):
     assert [r["epoch"] for r in _records(run, "val")] == [1]
     assert json.loads((run / "best.json").read_text())["epoch"] == 1
     assert any(line.startswith("epoch 1 step 1 ") for line in logs) and not any(line.startswith("epoch 0") for line in logs)
+
+
+def test_fit_reports_the_best_epoch_as_best_json_does(tiny_data, tmp_path, capsys):
+    run = tmp_path / "two"
+    result = Trainer(load_recipe("vsepp", TINY + ["train.epochs=2"]), tiny_data, run, progress=False,
+                     log=lambda *_: None).fit()  # fmt: skip
+    best = json.loads((run / "best.json").read_text())
+    assert result["best_epoch"] == best["epoch"] in (1, 2)
+    assert max(_records(run, "val"), key=lambda r: r["rsum"])["epoch"] == best["epoch"]
 
 
 # ------------------------------------------------------------------------------ 5. vse data synthetic

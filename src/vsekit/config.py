@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -471,8 +472,8 @@ def validate_recipe(r: Recipe) -> None:
 
 def _validate_numbers(r: Recipe) -> None:
     """Values the model, loss and optimiser would otherwise refuse late, with torch's words or not at all."""
-    if not r.optim.lr > 0:  # `not >` also refuses NaN; torch says only "Invalid learning rate", and 0 trains nothing
-        raise ConfigError(f"optim.lr={r.optim.lr}: the learning rate must be positive")
+    if not 0 < r.optim.lr < math.inf:  # `not <` also refuses NaN; torch says only "Invalid learning rate"
+        raise ConfigError(f"optim.lr={r.optim.lr}: the learning rate must be a positive finite number")
     if r.optim.weight_decay < 0:
         raise ConfigError(f"optim.weight_decay={r.optim.weight_decay}: must be >= 0")
     if r.loss.name in ("adopt", "infonce") and not r.loss.temperature > 0:

@@ -95,33 +95,12 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import json
-    from pathlib import Path
+    """`python -m vsekit.bench.pool [OPTIONS]` is `vse bench pool [OPTIONS]`: one parser, one set of defaults."""
+    import sys
 
-    p = argparse.ArgumentParser(prog="python -m vsekit.bench.pool", description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--n", type=int, default=36, help="set size (regions / tokens)")
-    p.add_argument("--dim", type=int, default=1024)
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:1 ...")
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = leave as is)")
-    p.add_argument("--variable-lengths", action="store_true", help="set sizes drawn in [1, n] (text-like)")
-    p.add_argument("--poolings", nargs="+", default=list(POOLINGS), choices=list(POOLINGS))
-    p.add_argument("--json", type=Path, default=None, help="also write the rows to this JSON file")
-    args = p.parse_args(argv)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error(f"--device {args.device}: CUDA is not available on this machine")
-    rows = bench_pool(args.batch, args.n, args.dim, args.device, args.repeats, args.warmup, tuple(args.poolings),
-                      args.variable_lengths)  # fmt: skip
-    print(format_rows(rows))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
-    return 0
+    from vsekit.cli import main as vse_main
+
+    return vse_main(["bench", "pool", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

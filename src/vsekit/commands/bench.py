@@ -175,14 +175,20 @@ def run_eval_sims_process(args: argparse.Namespace) -> int:
 
 
 def run_pool(args: argparse.Namespace) -> int:
+    import torch
+
     from vsekit.bench.pool import POOLINGS, bench_pool
 
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     rows = bench_pool(batch=args.batch, n=args.n, dim=args.dim, device=args.device, repeats=args.repeats,
-                      poolings=tuple(args.poolings or POOLINGS), variable_lengths=args.variable_lengths)  # fmt: skip
+                      warmup=args.warmup, poolings=tuple(args.poolings or POOLINGS),
+                      variable_lengths=args.variable_lengths)  # fmt: skip
     for r in rows:
         r["shape"] = f"{r['batch']}x{r['n']}x{r['dim']}" + (" (variable sizes)" if r["variable_lengths"] else "")
     emit(args, [("pooling", "pooling"), ("shape", "B x N x D"), ("params", "params"),
                 ("ms_median", "fwd+bwd ms (median)"), ("ms_std", "std"), ("vs_avg", "x avg")], rows, args.device)  # fmt: skip
+    _write_json(args, {"rows": rows})
     return 0
 
 
@@ -302,12 +308,15 @@ def register(sub) -> None:
 
     po = add("pool", "forward+backward time of each pooling", run_pool)
     po.add_argument("--batch", type=int, default=128)
-    po.add_argument("--n", type=int, default=36)
+    po.add_argument("--n", type=int, default=36, help="set size (regions / tokens)")
     po.add_argument("--dim", type=int, default=1024)
-    po.add_argument("--device", default="cpu")
+    po.add_argument("--device", default="cpu", help="cpu | cuda | cuda:1 ...")
     po.add_argument("--repeats", type=int, default=20)
-    po.add_argument("--poolings", nargs="+")
-    po.add_argument("--variable-lengths", action="store_true")
+    po.add_argument("--warmup", type=int, default=3, help="untimed runs first")
+    po.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = leave as is)")
+    po.add_argument("--poolings", nargs="+", help="a subset of avg max kmax gpo adpool adpool-ref (default: all)")
+    po.add_argument("--variable-lengths", action="store_true", help="set sizes drawn in [1, n] (text-like)")
+    add_json_args(po, "the rows", path_form=True)
 
     la = add("ladder", "training step with the (adaptive) ladder loss vs VSE++", run_ladder)
     la.add_argument("--batch", type=int, default=128)

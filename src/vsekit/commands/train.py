@@ -30,8 +30,10 @@ def recipe_from_args(args: argparse.Namespace):
 
 
 # flags a resumed run cannot take: it continues with the recipe, batches and folder it was started with
-_NOT_WITH_RESUME = (("recipe", "--recipe"), ("set", "--set"), ("out", "--out"), ("batch_size", "--batch-size"),
+_NOT_WITH_RESUME = (("recipe", "--recipe"), ("out", "--out"), ("batch_size", "--batch-size"),
                     ("seed", "--seed"), ("overwrite", "--overwrite"))  # fmt: skip
+# recipe keys a resumed run may be given with --set: the lr schedule of the epochs still to train
+RESUME_KEYS = ("optim.lr_decay_epochs", "optim.lr_decay")
 
 
 def _resume_command(args: argparse.Namespace) -> str:
@@ -39,6 +41,8 @@ def _resume_command(args: argparse.Namespace) -> str:
     for flag, value in (("--data", args.data), ("--epochs", args.epochs), ("--device", args.device)):
         if value is not None:
             parts += [flag, str(value)]
+    for item in args.set:
+        parts += ["--set", item]
     return shlex.join(parts + (["--no-progress"] if args.no_progress else []))
 
 
@@ -82,17 +86,25 @@ def run_train(args: argparse.Namespace) -> int:
             value = getattr(args, attr, None)
             if not (value is None or value is False or value == []):  # `--seed 0` is given too
                 raise VseInputError(f"{flag} cannot be combined with --resume: a resumed run keeps its recipe, batches and "
-                                 f"folder ({args.resume}); only --epochs, --data, --device and --no-progress apply")  # fmt: skip
+                                 f"folder ({args.resume}); only --epochs, --data, --device, --no-progress and "
+                                 f"--set {'/'.join(RESUME_KEYS)} apply")  # fmt: skip
+        for item in args.set:
+            key = item.split("=", 1)[0].strip()
+            if key not in RESUME_KEYS:
+                raise VseInputError(f"--set {item}: a resumed run keeps its recipe; with --resume only the lr schedule "
+                                    f"can change ({', '.join(RESUME_KEYS)}); start a new run to change {key}")  # fmt: skip
     elif not args.data or not args.out:
         raise VseInputError("vse train needs --data DIR and --out RUN_DIR (or --resume RUN_DIR)")
     before = _config_stamp(args.out) if not args.resume else None
     try:
-        from vsekit.config import validate_recipe
+        from vsekit.config import apply_overrides, recipe_from_dict, validate_recipe
         from vsekit.training.checkpoint import read_run_config
         from vsekit.training.trainer import Trainer
 
         if args.resume:
             recipe, _, cfg = read_run_config(args.resume)
+            if args.set:  # a new lr schedule for the epochs still to train; config.json records it
+                recipe = recipe_from_dict(apply_overrides(to_dict(recipe), args.set))
             if args.epochs is not None:  # train on to N epochs in all; the lr schedule stays the recipe's
                 recipe.train.epochs = args.epochs
             if args.device is not None:
@@ -105,7 +117,7 @@ def run_train(args: argparse.Namespace) -> int:
         result = trainer.fit()
     except KeyboardInterrupt:
         raise KeyboardInterrupt(_interrupt_hint(args, before)) from None
-    print(f"best dev rsum {result['best_rsum']:.2f} at epoch {result['best_epoch'] + 1}; run: {trainer.run_dir}")
+    print(f"best dev rsum {result['best_rsum']:.2f} at epoch {result['best_epoch']}; run: {trainer.run_dir}")
     return 0
 
 

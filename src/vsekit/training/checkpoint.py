@@ -137,11 +137,17 @@ def clear_run_dir(run_dir: str | Path) -> list[Path]:
     return others
 
 
-def update_run_epochs(run_dir: str | Path, epochs: int) -> None:
-    """Record a new train.epochs in config.json (a resumed run extended with `--epochs`)."""
+def update_run_recipe(run_dir: str | Path, changes: dict[str, Any]) -> None:
+    """Record recipe values a resumed run was given (`--epochs`, a new lr schedule) in its config.json, so a
+    later `--resume` keeps them. `changes` maps dotted keys (``train.epochs``) to their new values."""
     path = Path(run_dir) / "config.json"
     cfg = json.loads(path.read_text(encoding="utf-8"))
-    cfg["recipe"]["train"]["epochs"] = int(epochs)
+    for key, value in changes.items():
+        *parents, leaf = key.split(".")
+        node = cfg["recipe"]
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
     atomic_write_json(path, cfg)
 
 

@@ -60,7 +60,7 @@ from vsekit.training.checkpoint import (
     read_run_config,
     split_run_dir,
     tensor_bytes,
-    update_run_epochs,
+    update_run_recipe,
     write_checkpoint_set,
     write_run_config,
 )
@@ -459,16 +459,28 @@ class Trainer:
                                   f"fewer: give --epochs {needed} or more")  # fmt: skip
 
     def _record_epochs(self) -> None:
-        """A resumed run given another train.epochs: config.json records it (a later --resume keeps it)."""
-        saved = self._saved_cfg.get("recipe", {}).get("train", {}).get("epochs")
-        want = self.recipe.train.epochs
-        if saved is None or saved == want:
+        """A resumed run given another train.epochs or lr schedule (`--epochs`, `--set optim.lr_decay…`):
+        config.json records the new values, so a later --resume keeps them."""
+        saved = self._saved_cfg.get("recipe", {})
+        o = self.recipe.optim
+        now = {"train.epochs": self.recipe.train.epochs, "optim.lr_decay_epochs": list(o.lr_decay_epochs),
+               "optim.lr_decay": o.lr_decay}  # fmt: skip
+        changes = {}
+        for key, value in now.items():
+            section, leaf = key.split(".")
+            before = saved.get(section, {}).get(leaf)
+            if before is not None and before != value:
+                changes[key] = (before, value)
+        if not changes:
             return
         if self.dist.is_main:
-            update_run_epochs(self.run_dir, want)
-        o = self.recipe.optim
-        self.log(f"{self.run_dir}: train.epochs {saved} -> {want}; the lr schedule is unchanged "
-                 f"(optim.lr_decay_epochs={o.lr_decay_epochs}, optim.lr_decay={o.lr_decay})")  # fmt: skip
+            update_run_recipe(self.run_dir, {k: v for k, (_, v) in changes.items()})
+        said = "; ".join(f"{k} {b} -> {v}" for k, (b, v) in changes.items())
+        if "optim.lr_decay_epochs" in changes or "optim.lr_decay" in changes:
+            self.log(f"{self.run_dir}: {said}")
+        else:
+            self.log(f"{self.run_dir}: {said}; the lr schedule is unchanged "
+                     f"(optim.lr_decay_epochs={o.lr_decay_epochs}, optim.lr_decay={o.lr_decay})")  # fmt: skip
 
     def _truncate_metrics(self, size: int | None) -> None:
         """Drop metrics.jsonl lines written after the checkpoint (they are replayed), torn last line included."""
@@ -624,7 +636,8 @@ class Trainer:
             self._save_state()
         if self._tb:
             self._tb.flush()
-        return {"best_rsum": self.state.best_rsum, "best_epoch": self.state.best_epoch, "history": self.history}
+        # epochs count from 1 for users (logs, metrics.jsonl, best.json); the trainer's state counts finished epochs
+        return {"best_rsum": self.state.best_rsum, "best_epoch": self.state.best_epoch + 1, "history": self.history}
 
 
 def train(recipe: Recipe, data_dir: str | Path, run_dir: str | Path, **kwargs) -> dict:
