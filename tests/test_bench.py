@@ -13,6 +13,7 @@ import pytest
 
 from conftest import StepClock, brute_force_topk, recall_vs, spy_search_ids
 from vsekit.bench.eval import bench_eval, planted_sims, reference_loop_metrics
+from vsekit.errors import VseInputError
 from vsekit.bench.train_step import bench_train_step, synthetic_batch
 from vsekit.cli import main
 from vsekit.commands.bench import SECTIONS, append_markdown
@@ -272,3 +273,24 @@ def test_bench_search_module_entry_point_is_vse_bench_search(monkeypatch, capsys
     printed = capsys.readouterr().out
     assert "`vse bench search --n 5000 --nprobe 2 8 --hnsw-m 16`" in printed  # --json is not part of the command
     assert module.main(["nope"]) == 2
+
+
+def test_bench_startup_medians_and_torch_detection(monkeypatch):
+    import vsekit.bench.startup as startup
+
+    assert startup.imports_torch(["-c", "import torch"]) is True
+    assert startup.imports_torch(["-c", "import json"]) is False
+    assert startup.imports_torch(["-m", "vsekit.cli", "--help"]) is False  # the verbs that need no model stay light
+    # known durations, one (start, stop) pair per timed run: 2 rounds over the 4 commands, alternated
+    durations = [0.01, 0.10, 0.20, 0.30, 0.03, 0.14, 0.22, 0.50]
+    StepClock(durations).install(monkeypatch, startup)
+    monkeypatch.setattr(startup, "_run", lambda argv: None)
+    monkeypatch.setattr(startup, "imports_torch", lambda args: args[-1] == "recipes")
+    rows = startup.bench_startup(repeats=2)
+    assert [r["verb"] for r in rows] == ["python -c pass", "vse --help", "vse recipes", "vse eval-sims --help"]
+    assert [r["median_s"] for r in rows] == pytest.approx([0.02, 0.12, 0.21, 0.40])
+    assert [r["min_s"] for r in rows] == pytest.approx([0.01, 0.10, 0.20, 0.30])
+    assert [r["over_python_s"] for r in rows] == pytest.approx([0.0, 0.10, 0.19, 0.38])
+    assert [r["imports_torch"] for r in rows] == [False, False, True, False]
+    with pytest.raises(VseInputError):
+        startup.bench_startup(repeats=0)

@@ -23,6 +23,7 @@ SECTIONS = {
     "search": "FAISS search (`vse bench search`)",
     "aeom": "AEOM similarity (`vse bench aeom`)",
     "serve": "Server load test (`vse bench serve`)",
+    "startup": "Start-up of the verbs that need no model (`vse bench startup`)",
 }
 
 
@@ -174,6 +175,18 @@ def run_eval_sims_process(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_startup(args: argparse.Namespace) -> int:
+    from vsekit.bench.startup import bench_startup
+
+    rows = bench_startup(repeats=args.repeats)
+    for r in rows:
+        r["torch"] = "yes" if r["imports_torch"] else "no"
+    emit(args, [("verb", "process"), ("median_s", "wall s (median)"), ("min_s", "min"),
+                ("over_python_s", "s over `python -c pass`"), ("torch", "imports torch")], rows)  # fmt: skip
+    _write_json(args, {"rows": rows})
+    return 0
+
+
 def run_pool(args: argparse.Namespace) -> int:
     import torch
 
@@ -305,6 +318,10 @@ def register(sub) -> None:
     es.add_argument("--images", type=int, default=5000)
     es.add_argument("--captions-per-image", type=int, default=5)
     es.add_argument("--repeats", type=int, default=5, help="timed runs of each, alternated (median reported)")
+
+    st = add("startup", "wall time of `vse --help`, `vse recipes`, `vse eval-sims --help` as processes", run_startup)
+    st.add_argument("--repeats", type=int, default=5, help="timed runs of each, alternated (median reported)")
+    add_json_args(st, "the rows")
 
     po = add("pool", "forward+backward time of each pooling", run_pool)
     po.add_argument("--batch", type=int, default=128)
