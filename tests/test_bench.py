@@ -13,10 +13,10 @@ import pytest
 
 from conftest import StepClock, brute_force_topk, recall_vs, spy_search_ids
 from vsekit.bench.eval import bench_eval, planted_sims, reference_loop_metrics
-from vsekit.errors import VseInputError
 from vsekit.bench.train_step import bench_train_step, synthetic_batch
 from vsekit.cli import main
 from vsekit.commands.bench import SECTIONS, append_markdown
+from vsekit.errors import VseInputError
 from vsekit.metrics import cap2img_for_k, evaluate_sims
 
 TINY = dict(regions=5, img_dim=12, embed_dim=16, vocab=60, min_tokens=3, max_tokens=7, steps=1, warmup=1)
