@@ -86,6 +86,9 @@ def build_jobs(groups: list[str], seeds: tuple[int, ...]) -> list[Job]:
                             demo_variant="bow", label="Floor: bag of words (linear)"))  # fmt: skip
             jobs.append(Job("floor", "bow_noaug", "bow", ("train.log_every=0", "data.size_augment=false"), seed,
                             label="bag of words, no augmentation"))  # fmt: skip
+            jobs.append(Job("floor", "bow_bare", "bow", ("train.log_every=0", "data.size_augment=false",
+                                                         "loss.mask_same_image=false", "model.text.tokenizer=regex"),
+                            seed, label="bag of words, no augmentation, same-image captions as negatives, regex tokens"))  # fmt: skip
         if "curve" in groups:
             for fraction in FRACTIONS:
                 jobs.append(Job("curve", "bow", "bow", ("train.log_every=0", f"data.train_fraction={fraction}"), seed,
