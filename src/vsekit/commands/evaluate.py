@@ -66,19 +66,74 @@ def write_report(metrics: dict, args: argparse.Namespace) -> None:
         for i, f in enumerate(metrics["folds"]):
             cs = format_coherence(f)
             print(f"  fold {i + 1}: {format_table(f)}" + (f" | {cs}" if cs else ""))
+    if any(k.startswith("eccv_") for k in metrics):
+        from vsekit.metrics.eccv import format_eccv
+
+        print(format_eccv(metrics))
     emit_json(args, metrics, ensure_ascii=True)
+
+
+def eccv_preflight(sims_shape: tuple[int, ...], source: str, cap2img: np.ndarray | None = None) -> None:
+    """Before any other work: the eccv-caption package is there (its ids load), the matrix is 5K x 25K and
+    captions are 5 per image in image order, as the package's ids require; else a one-line error naming
+    `source`."""
+    from vsekit.metrics.eccv import CAPTIONS_PER_IMAGE, N_CAPTIONS, check_shape, ground_truth
+
+    ground_truth()  # MissingPackageError: pip install 'vsekit[eccv]'
+    check_shape(sims_shape, source)
+    if cap2img is not None and not np.array_equal(cap2img, np.arange(N_CAPTIONS) // CAPTIONS_PER_IMAGE):
+        bad = int(np.flatnonzero(cap2img != np.arange(N_CAPTIONS) // CAPTIONS_PER_IMAGE)[0])
+        raise MetricsInputError(f"{source}: caption {bad} belongs to image {int(cap2img[bad])}; --eccv needs image i "
+                                f"to own captions 5i..5i+4 (eccv_caption's coco_test_ids.npy order)")  # fmt: skip
+
+
+def check_eccv_split(data: str, split: str, captions_per_image: int = 5) -> None:
+    """`vse eval --eccv`, before the model runs: the split is COCO 5K test in the package's order, i.e. 5,000
+    images x 25,000 captions, image i owning captions 5i..5i+4, and, where the dataset has `{split}_ids.txt`,
+    the same COCO image ids in the same order as eccv_caption's coco_test_ids.npy."""
+    from vsekit.data.precomp import load_precomp_split
+    from vsekit.metrics.eccv import N_CAPTIONS, N_IMAGES, standard_image_ids
+
+    where = f"{data} split {split!r}"
+    sp = load_precomp_split(data, split, captions_per_image)
+    if (sp.n_images, sp.n_captions) != (N_IMAGES, N_CAPTIONS):
+        raise VseInputError(f"--eccv: {where} has {sp.n_images:,} images x {sp.n_captions:,} captions, not COCO 5K "
+                            f"test's {N_IMAGES:,} x {N_CAPTIONS:,} (coco_precomp: --split testall)")  # fmt: skip
+    eccv_preflight((sp.n_images, sp.n_captions), where, sp.cap2img)
+    ids_file = Path(data) / f"{split}_ids.txt"
+    if not ids_file.is_file():
+        return  # nothing to compare: the order is taken on trust, as for `vse eval-sims`
+    expected = [str(i) for i in standard_image_ids().tolist()]
+    got = [s.strip() for s in sp.image_ids]
+    if got != expected:
+        row = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
+        how = "the same images in another order" if sorted(got) == sorted(expected) else "not the same images"
+        raise VseInputError(f"--eccv: {ids_file}: image row {row} has id {got[row]!r} where eccv_caption's COCO 5K "
+                            f"test order has {expected[row]!r} ({how}); ECCV Caption / CxC need that order")  # fmt: skip
+
+
+def sims_source(paths: list[str]) -> str:
+    return paths[0] if len(paths) == 1 else f"the mean of {', '.join(paths)}"
 
 
 def run_eval_sims(args: argparse.Namespace) -> int:
     sims = load_sims(args.sims)
     n_img, n_cap = sims.shape
+    if args.eccv:  # the package and the shape first: a wrong matrix is named as such, before any other check
+        eccv_preflight(sims.shape, sims_source(args.sims))
     if args.cap2img:
         cap2img = read_cap2img(args.cap2img, n_cap)
     else:
         cap2img = cap2img_for_k(n_img, n_cap, args.captions_per_image)
+    if args.eccv:
+        eccv_preflight(sims.shape, sims_source(args.sims), cap2img)
     # the relevance path (not a loaded array) so that a missing or malformed file is a clear error naming it
     metrics = evaluate_sims(sims, cap2img, fold5=args.fold5, relevance=args.relevance, cs_k=args.cs_k,
                             cs_protocol=args.cs_protocol)  # fmt: skip
+    if args.eccv:
+        from vsekit.metrics.eccv import eccv_metrics
+
+        metrics.update(eccv_metrics(sims, sims_source(args.sims)))
     write_report(metrics, args)
     return 0
 
@@ -95,6 +150,8 @@ def run_eval(args: argparse.Namespace) -> int:
         data = args.data or cfg.get("data_dir")
         if not data:
             raise VseInputError(f"{run}: no --data given and the run does not record its dataset")
+        if args.eccv:  # checked before the encoding, which takes minutes
+            check_eccv_split(data, args.split, model.recipe.data.captions_per_image)
         metrics, sims, cap2img = evaluate_model(model, data, args.split, fold5=args.fold5, device=device,
                                                 batch_size=args.batch_size)  # fmt: skip
         per_run.append(metrics)
@@ -121,6 +178,10 @@ def run_eval(args: argparse.Namespace) -> int:
         add_coherence(metrics, sims_sum, cap2img, relevance, args.cs_k, args.cs_protocol, args.fold5)
     else:
         print(f"(no CS@K / mAP: run `vse data relevance {data} --split {args.split}` to prepare the relevance)")
+    if args.eccv:
+        from vsekit.metrics.eccv import eccv_metrics
+
+        metrics.update(eccv_metrics(sims_sum, f"{data} split {args.split!r}"))
     write_report(metrics, args)
     return 0
 
@@ -128,6 +189,8 @@ def run_eval(args: argparse.Namespace) -> int:
 CS_PROTOCOL_HELP = ("paper: one caption per image (the first), as the paper's CS@100/CS@1000 on 1K images "
                     "(keys i2t_cs@K); all_captions: every caption ranked (keys i2t_cs_allcap@K). With --fold5 "
                     "both are means over the 1K folds")  # fmt: skip
+ECCV_HELP = ("COCO 5K test only: add COCO 1K/5K, CxC and ECCV Caption keys (mAP@R, R-Precision, R@1) computed "
+             "with the eccv-caption package, pip install 'vsekit[eccv]'; docs/evaluation.md")  # fmt: skip
 
 
 def register(sub) -> None:
@@ -144,6 +207,7 @@ def register(sub) -> None:
     p.add_argument("--cs-k", type=int, nargs="+", default=[100, 1000],
                    help="K of CS@K, reported when the split's relevance is cached (vse data relevance)")
     p.add_argument("--cs-protocol", choices=CS_PROTOCOLS, default="paper", help=CS_PROTOCOL_HELP)
+    p.add_argument("--eccv", action="store_true", help=ECCV_HELP + " (--split testall)")
     p.set_defaults(func=run_eval)
     s = sub.add_parser("eval-sims", help="evaluate similarity matrices (rows = images, columns = captions)")
     s.add_argument("sims", nargs="+", metavar="SIMS.npy", help="several files are averaged (an ensemble)")
@@ -154,5 +218,6 @@ def register(sub) -> None:
     s.add_argument("--relevance", help="caption x caption relevance matrix (.npy) for CS@K and mAP")
     s.add_argument("--cs-k", type=int, nargs="+", default=[100, 1000])
     s.add_argument("--cs-protocol", choices=CS_PROTOCOLS, default="paper", help=CS_PROTOCOL_HELP)
+    s.add_argument("--eccv", action="store_true", help=ECCV_HELP + " (SIMS: 5,000 x 25,000, image i owns captions 5i..5i+4)")
     add_json_args(s, "the metrics", path_form=True)
     s.set_defaults(func=run_eval_sims)
