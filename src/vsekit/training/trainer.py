@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from vsekit.config import Recipe
+from vsekit.config import Recipe, to_dict
 from vsekit.data.datasets import AugmentConfig, Collate, FeatureSource, PairDataset
 from vsekit.data.precomp import DataFormatError, load_precomp_split
 from vsekit.data.raw_images import PixelSource
@@ -64,8 +65,11 @@ from vsekit.training.checkpoint import (
     write_checkpoint_set,
     write_run_config,
 )
+from vsekit.training.reporting import check_report_to, make_reporters
 from vsekit.utils.progress import progress_bar
 from vsekit.utils.runtime import derived_seed, resolve_device, seed_everything
+
+logger = logging.getLogger(__name__)
 
 
 class EpochBatches(Sampler[list[int]]):
@@ -256,7 +260,8 @@ def _quiet(*_args, **_kwargs) -> None:
 
 class Trainer:
     def __init__(self, recipe: Recipe, data_dir: str | Path, run_dir: str | Path, *, resume: bool = False,
-                 overwrite: bool = False, progress: bool = True, log=print) -> None:  # fmt: skip
+                 overwrite: bool = False, progress: bool = True, log=print, report_to: Sequence[str] = ()) -> None:  # fmt: skip
+        report_to = check_report_to(report_to)  # `--report-to wandb` without wandb: fail before any work
         self.recipe = recipe
         self.data_dir = Path(data_dir)
         self.run_dir = Path(run_dir)
@@ -329,6 +334,8 @@ class Trainer:
         self._first_bad: torch.Tensor | None = None  # global step of the first non-finite loss, on the device
         self._build_loader()
         self._tb = None
+        # --report-to wandb: the records of _emit, also sent to W&B (rank 0 only)
+        self._reporters = make_reporters(report_to, self.run_dir, to_dict(recipe)) if self.dist.is_main else []
 
     # ----------------------------------------------------------------------------------------- setup
     def _dataset_manifest(self) -> dict:
@@ -499,13 +506,17 @@ class Trainer:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._tb = SummaryWriter(str(self.run_dir / "tb"))
+                logger.debug("TensorBoard scalars go to %s", self.run_dir / "tb")
             except ImportError:
                 self._tb = False
+                logger.debug("tensorboard is not installed; the records are in %s only", self.run_dir / "metrics.jsonl")
         if self._tb:
             step = record.get("step", 0)
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k not in ("step", "epoch"):
                     self._tb.add_scalar(f"{record.get('kind', 'train')}/{k}", v, step)
+        for reporter in self._reporters:
+            reporter.log(record)
 
     # ---------------------------------------------------------------------------------------- train
     def _set_lr(self, epoch: int, scale: float = 1.0) -> None:
@@ -546,7 +557,21 @@ class Trainer:
 
     def fit(self, max_steps: int | None = None) -> dict:
         """Train to the recipe's last epoch (or stop after `max_steps` steps, for tests/benchmarks)."""
+        failed = True
+        try:
+            result = self._fit(max_steps)
+            failed = False
+            return result
+        finally:
+            for reporter in self._reporters:  # a W&B run is closed however training ends (exit code 1: it failed)
+                reporter.finish(exit_code=int(failed))
+
+    def _fit(self, max_steps: int | None) -> dict:
         r = self.recipe
+        if self.state.epoch < r.train.epochs and self.dist.is_main and logger.isEnabledFor(logging.INFO):
+            logger.info("training %s: recipe %s, epochs %d-%d, %d steps per epoch, batch %d, on %s", self.run_dir,
+                        r.name, self.state.epoch + 1, r.train.epochs, len(self.sampler.batches()),
+                        r.train.batch_size, self.device)  # fmt: skip
         total_epochs = r.train.epochs
         steps_done = 0
         while self.state.epoch < total_epochs:
