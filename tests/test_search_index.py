@@ -400,3 +400,77 @@ def test_index_scores_equal_the_evaluation_similarities(shapes_model, split_inde
             found[pid, c] = score
     np.testing.assert_allclose(found, sims, atol=1e-5)
     np.testing.assert_array_equal(ranks_t2i(found, split.cap2img), ranks_t2i(sims, split.cap2img))
+
+
+def test_ivfpq_parameters_follow_the_documented_rule():
+    from vsekit.search.index import auto_nlist, auto_pq, ivfpq_train_size
+
+    assert auto_pq(512, 1_000_000) == (64, 8)  # 8 dims per sub-quantizer, 8-bit codes: 64 bytes per vector
+    assert auto_pq(1024, 10**6) == (128, 8) and auto_pq(100, 10**6) == (10, 8)  # 12 does not divide 100
+    assert auto_pq(64, 3000) == (8, 6)  # too few vectors for 256 centroids of 39 vectors each
+    assert auto_nlist(1_000_000) == 4096 and ivfpq_train_size(1_000_000, 4096) == 163_840
+    assert ivfpq_train_size(5000, 64) == 5000
+
+
+def test_ivfpq_recall_against_brute_force():
+    rng = np.random.default_rng(0)
+    x, q = clustered(12000, 64, 100, rng), clustered(100, 64, 100, rng)
+    truth = brute_force_topk(q, x, 10)
+    params = FaissParams("ivfpq", nprobe=64)
+    index = build_faiss(x, params)
+    assert type(index).__name__ == "IndexIVFPQ" and index.pq.M == 8 and params.trained_on == 12000
+    _, ids = index.search(q, 10)
+    assert recall_vs(ids, truth) >= 0.5  # 8-byte codes of 64-d vectors (1/32 of float32): approximate
+    params.nprobe = 1
+    narrow = build_faiss(x, params)
+    assert recall_vs(narrow.search(q, 10)[1], truth) < recall_vs(ids, truth)
+    with pytest.raises(ValueError, match="--pq-m 7 must divide the vector dimension 64"):
+        build_faiss(x, FaissParams("ivfpq", pq_m=7))
+
+
+def _synthetic_segment(out, old, x, start, params):
+    n, d = x.shape
+    pictures = [{"root": 0, "path": f"p{start + i}.png", "caption": None, "id": str(start + i)} for i in range(n)]
+    return append_segment(out, old, fingerprint={"similarity": "cosine", "weights_sha256": "x"}, params=params,
+                          roots=[str(out)], pictures=pictures, image_emb=x, emb_shape=[d], proxies=x, captions=[],
+                          caption_emb=np.zeros((0, d), np.float32), segment={"source": "test"})  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["ivf", "ivfpq"])
+def test_ivf_lists_are_retrained_when_the_index_outgrows_them(tmp_path, kind):
+    """The first segment's lists are fitted to its own clusters; later segments bring clusters it never saw.
+    Appending to stale lists piles the new vectors into a few lists; past RETRAIN_GROWTH x the trained count the
+    index is rebuilt on a fresh sample (nlist re-chosen), and recall against numpy brute force holds up."""
+    from vsekit.search.index import RETRAIN_GROWTH, auto_nlist
+
+    rng = np.random.default_rng(0)
+    d = 32 if kind == "ivf" else 64  # ivfpq: 8-byte codes
+    first = clustered(2000, d, 20, rng)
+    params = FaissParams(kind, nprobe=4)
+    meta = _synthetic_segment(tmp_path, None, first, 0, params)
+    assert meta["faiss"]["trained_on"] == 2000
+    nlist0 = SearchIndex(tmp_path).image_faiss.nlist
+    grown = [first]
+    added = clustered(1500, d, 40, np.random.default_rng(1))  # 3,500 <= 2 x 2,000: appended, lists kept
+    meta = _synthetic_segment(tmp_path, SearchIndex(tmp_path), added, 2000, params := FaissParams(**meta["faiss"]))
+    grown.append(added)
+    assert meta["faiss"]["trained_on"] == 2000 and SearchIndex(tmp_path).image_faiss.nlist == nlist0
+    more = clustered(6000, d, 60, np.random.default_rng(2))  # 9,500 > 2 x 2,000: re-trained
+    old = SearchIndex(tmp_path)
+    meta = _synthetic_segment(tmp_path, old, more, 3500, FaissParams(**meta["faiss"]))
+    grown.append(more)
+    x = np.concatenate(grown)
+    assert 9500 > RETRAIN_GROWTH * 2000 and meta["faiss"]["trained_on"] == 9500
+    index = SearchIndex(tmp_path)
+    assert index.image_faiss.ntotal == 9500 and index.image_faiss.nlist == auto_nlist(9500) > nlist0
+    q = np.concatenate([clustered(50, d, 60, np.random.default_rng(3)), first[:50]])
+    truth = brute_force_topk(q, x, 10)
+    retrained = recall_vs(index.image_faiss.search(q, 10)[1], truth)
+    stale = old.image_faiss  # the lists trained on the first segment only, with everything appended
+    stale.add(more)
+    stale_recall = recall_vs(stale.search(q, 10)[1], truth)
+    floor = 0.8 if kind == "ivf" else 0.35  # ivfpq: 0.43 here, against 0.19 for the stale lists
+    assert retrained >= floor, (retrained, stale_recall)
+    assert retrained >= stale_recall - 0.02, (retrained, stale_recall)
+    hits = sum(1 for i in index.image_faiss.search(q, 1)[1][:, 0] if i >= 0)
+    assert hits == len(q)

@@ -232,10 +232,13 @@ def plot_curve(curve: dict, png: Path) -> None:
             continue
         xs, ms, ss = zip(*pts)
         style = ":" if label.startswith("Floor") else "-"
+        if len(pts) == 1:
+            label += " (100 % only)"
         ax.errorbar(xs, ms, yerr=ss, marker="o", ms=4, capsize=3, ls=style, label=label)
     ax.set_xscale("log")
-    ax.set_xticks([p[0] for p in next(iter(curve.values()))])
+    ax.set_xticks([p[0] for p in max(curve.values(), key=len)])
     ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())  # only the three sizes are labelled
     ax.set_xlabel("training images (log scale)")
     ax.set_ylabel("test rsum (mean ± std, 3 seeds)")
     ax.set_title("openclipart: learning curve against the bag-of-words floor")

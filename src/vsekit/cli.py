@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMAND_MODULES:
         module.register(sub)
+    from vsekit.commands import embed  # `vse embed` (no torch at import, like every command module)
+
+    embed.register(sub)
     return parser
 
 

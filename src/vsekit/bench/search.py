@@ -122,6 +122,76 @@ class NpyVectors:
             yield self._normalise(self.base[start:min(n, start + chunk)], f"rows {start}..{min(n, start + chunk) - 1}")
 
 
+class EmbeddingFolderVectors(NpyVectors):
+    """The image embeddings of a `vse embed` / clip-retrieval folder (img_emb/img_emb_N.npy in order), read chunk
+    file by chunk file. Queries: its text_emb rows when it has them (caption -> picture search), else the last
+    `holdout` image rows, left out of the database."""
+
+    def __init__(self, folder: str | Path, holdout: int = 200) -> None:
+        from vsekit.search.embed import open_embedding_folder
+
+        self.folder = open_embedding_folder(folder)
+        self.path = self.folder.dir
+        self.dim = self.folder.dim
+        texts = [t for t in self.folder.text if t is not None]
+        if texts:
+            q = open_npy(texts[0])
+            if q.shape[1] != self.dim:
+                raise VseInputError(f"{texts[0]}: {q.shape[1]}-d captions but {self.folder.img[0]} holds {self.dim}-d vectors")
+            self._queries, self.size = q[:holdout], self.folder.n
+        else:
+            if self.folder.n <= holdout:
+                raise VseInputError(f"{self.path}: {self.folder.n} rows leave nothing after holding out {holdout} queries")
+            last = self.folder.img[-1]
+            tail = open_npy(last)
+            if len(tail) < holdout:
+                raise VseInputError(f"{last}: fewer than {holdout} rows to hold out as queries; give fewer --queries")
+            self._queries, self.size = tail[len(tail) - holdout:], self.folder.n - holdout
+
+    def chunks(self, n: int, chunk: int):
+        n = min(n, self.size)
+        start = 0
+        for path, rows in zip(self.folder.img, self.folder.rows):
+            if start >= n:
+                return
+            x = open_npy(path)[: min(rows, n - start)]
+            yield self._normalise(x, f"{path.name}")
+            start += len(x)
+
+
+def write_embedding_folder(data, n: int, out: str | Path, chunk: int = 100_000) -> Path:
+    """Write `data`'s first n database vectors (chunk by chunk) as a clip-retrieval-layout folder: img_emb_N.npy +
+    metadata_N.parquet (image_path = "synthetic:ROW"), no text_emb, so the benchmark holds out its last rows as
+    queries. Used by `vse bench search --save-embeddings`."""
+    from vsekit.search.embed import chunk_name, write_chunk
+
+    out = Path(out)
+    n_chunks = -(-n // chunk)
+    start = 0
+    for c, x in enumerate(data.chunks(n, chunk)):
+        cols = {"image_path": [f"synthetic:{start + i}" for i in range(len(x))], "caption": [None] * len(x)}
+        write_chunk(out, chunk_name(c, n_chunks), x, None, cols, {"chunk": c, "first_row": start, "rows": len(x)})
+        start += len(x)
+    return out
+
+
+class _Reranked:
+    """An index's top `factor`*k shortlist re-scored exactly against the float32 vectors (what vsekit's segments
+    store beside a compressed index), best k returned: the cost and the recall of a refine step."""
+
+    def __init__(self, index, vectors: np.ndarray, factor: int) -> None:
+        self.index, self.vectors, self.factor = index, vectors, factor
+
+    def search(self, q: np.ndarray, k: int):
+        _, cand = self.index.search(q, k * self.factor)
+        out = np.full((len(q), k), -1, dtype=np.int64)
+        for i, (row, c) in enumerate(zip(q, cand)):
+            c = c[c >= 0]
+            top = np.argsort(-(self.vectors[c] @ row), kind="stable")[:k]
+            out[i, : len(top)] = c[top]
+        return None, out
+
+
 def _time_single(index, queries: np.ndarray, k: int, warmup: int = 3) -> tuple[list[float], np.ndarray]:
     for q in queries[:warmup]:
         index.search(q[None], k)
@@ -144,7 +214,9 @@ def bench_search(n: int = 1_000_000, dim: int = 1024, k: int = 10, queries: int 
                  sq8: bool = True, hnsw_m: int = 0, ef_searches: tuple[int, ...] = (32, 64, 128),
                  train_size: int = 0, kmeans_iters: int = 10, threads: int = 1, chunk: int = 50_000,
                  seed: int = 0, vectors: str | Path | None = None, query_vectors: str | Path | None = None,
-                 log=print) -> dict:  # fmt: skip
+                 ivfpq: bool = False, pq_ms: tuple[int, ...] = (), rerank: int = 0, ivf_flat: bool = True,
+                 embeddings: str | Path | None = None,
+                 save_embeddings: str | Path | None = None, log=print) -> dict:  # fmt: skip
     """Exact (flat) vs IVF (and optionally IVF-SQ8 / HNSW) on `n` synthetic `dim`-d unit vectors.
 
     With `vectors` (a (N, D) .npy of your own embeddings) the database is that file's first min(n, N) rows
@@ -154,12 +226,32 @@ def bench_search(n: int = 1_000_000, dim: int = 1024, k: int = 10, queries: int 
     "recall_at_k"}, ...]}; recall is against the exact top-k of the same queries. `nlist=0` picks the
     number of lists as `vse index --index ivf` does (autofaiss' rule, about 4*sqrt(n): 4096 at 1M);
     `train_size=0` trains k-means on max(65,536, 40*nlist) vectors (FAISS wants at least 39 per list).
+
+    `ivfpq` adds IVF-PQ rows with the code `vse index --index ivfpq` picks (`auto_pq`: d/8 bytes, 8-bit codes);
+    `pq_ms` overrides that code size (one IVF-PQ build per m); `rerank=F` adds rows where the IVF-PQ top F*k
+    is re-scored exactly against the float32 vectors (held in memory: one fp32 copy of the database).
+    `ivf_flat=False` leaves out the IVF-Flat rows. `embeddings`: the database is a `vse embed` folder's
+    img_emb files (`EmbeddingFolderVectors`); `save_embeddings`: first write the synthetic set as such a folder
+    and benchmark from it (the index is then built from files on disk, as `vse index --from-embeddings` does).
     """
     faiss = _faiss()
     if n < 1 or dim < 1 or k < 1 or queries < 1:
         raise VseInputError("n, dim, k and queries must be positive")
     faiss.omp_set_num_threads(threads)
-    if vectors is not None:
+    if save_embeddings is not None:
+        if vectors is not None or embeddings is not None:
+            raise VseInputError("--save-embeddings writes the synthetic set; it does not go with --vectors / --from-embeddings")
+        t0 = time.perf_counter()
+        synthetic = ClusteredVectors(dim, clusters, spread, seed)
+        embeddings = write_embedding_folder(synthetic, n + queries, save_embeddings, chunk)
+        log(json.dumps({"wrote": str(embeddings), "rows": n + queries, "s": round(time.perf_counter() - t0, 1)}))
+    if embeddings is not None:
+        data = EmbeddingFolderVectors(embeddings, holdout=queries)
+        n, dim = min(n, data.size), data.dim
+        if save_embeddings is None:
+            clusters, spread = 0, 0.0
+        vectors = embeddings
+    elif vectors is not None:
         data = NpyVectors(vectors, query_vectors, holdout=queries)
         n, dim, clusters, spread = min(n, data.size), data.dim, 0, 0.0
     else:
@@ -202,12 +294,34 @@ def bench_search(n: int = 1_000_000, dim: int = 1024, k: int = 10, queries: int 
         for nprobe in nprobes:
             index.nprobe = nprobe
             ms, ids = _time_single(index, q, k)
+            code = index.code_size if hasattr(index, "code_size") else 4 * dim
             rows.append({"index": label, "params": f"nlist={nlist} nprobe={nprobe}", "build_s": round(build, 1),
-                         "bytes_per_vector": (dim if "SQ8" in label else 4 * dim) + 8, **_percentiles(ms),
+                         "bytes_per_vector": code + 8, **_percentiles(ms),
                          "recall_at_k": round(_recall(ids, truth), 4)})  # fmt: skip
             log(json.dumps(rows[-1]))
+        if rerank and "PQ" in label:
+            exact = np.concatenate(list(data.chunks(n, chunk)))
+            for nprobe in nprobes:
+                index.nprobe = nprobe
+                ms, ids = _time_single(_Reranked(index, exact, rerank), q, k)
+                rows.append({"index": f"{label} + exact re-rank", "params": f"nlist={nlist} nprobe={nprobe} "
+                             f"shortlist={rerank}k", "build_s": round(build, 1), "bytes_per_vector": code + 8,
+                             **_percentiles(ms), "recall_at_k": round(_recall(ids, truth), 4)})  # fmt: skip
+                log(json.dumps(rows[-1]))
+            del exact
 
-    ivf_rows("IVF-Flat", lambda: faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT))
+    if ivf_flat:
+        ivf_rows("IVF-Flat", lambda: faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT))
+    if ivfpq:
+        from vsekit.search.index import auto_pq
+
+        auto_m, nbits = auto_pq(dim, n)
+        setup["pq"] = f"m={auto_m} nbits={nbits}"
+        for m in pq_ms or (auto_m,):
+            if dim % m:
+                raise VseInputError(f"--pq-m {m} must divide the vector dimension {dim}")
+            ivf_rows(f"IVF-PQ{m}", lambda m=m: faiss.IndexIVFPQ(faiss.IndexFlatIP(dim), dim, nlist, m, nbits,
+                                                                faiss.METRIC_INNER_PRODUCT))  # fmt: skip
     if sq8:
         ivf_rows("IVF-SQ8", lambda: faiss.IndexIVFScalarQuantizer(faiss.IndexFlatIP(dim), dim, nlist,
                                                                   faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT))

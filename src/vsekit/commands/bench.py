@@ -237,7 +237,10 @@ def run_search(args: argparse.Namespace) -> int:
                        clusters=args.clusters, spread=args.spread, nlist=args.nlist, nprobes=tuple(args.nprobe),
                        sq8=not args.no_sq8, hnsw_m=args.hnsw_m, ef_searches=tuple(args.ef_search),
                        train_size=args.train_size, kmeans_iters=args.kmeans_iters, threads=args.threads,
-                       vectors=args.vectors, query_vectors=args.query_vectors, log=lambda *_: None)  # fmt: skip
+                       vectors=args.vectors, query_vectors=args.query_vectors, ivfpq=args.ivfpq,
+                       pq_ms=tuple(args.pq_m), rerank=args.rerank,
+                       ivf_flat=not args.no_ivf_flat, embeddings=args.from_embeddings,
+                       save_embeddings=args.save_embeddings, log=lambda *_: None)  # fmt: skip
     _write_json(args, res)
     print(format_search_table(res).split("\n\n", 1)[0] + "\n")
     s = res["setup"]
@@ -397,6 +400,16 @@ def _add_search_args(add) -> None:
     se.add_argument("--train-size", type=int, default=d["train_size"], help="k-means training vectors (0 = max(65536, 40*nlist))")
     se.add_argument("--kmeans-iters", type=int, default=d["kmeans_iters"])
     se.add_argument("--no-sq8", action="store_true", help="skip the IVF-SQ8 rows")
+    se.add_argument("--no-ivf-flat", action="store_true", help="skip the IVF-Flat rows")
+    se.add_argument("--ivfpq", action="store_true",
+                    help="add IVF-PQ rows (the code `vse index --index ivfpq` picks: dim/8 bytes, 8-bit)")
+    se.add_argument("--pq-m", type=int, nargs="+", default=[], help="IVF-PQ code sizes to build (default: the automatic one)")
+    se.add_argument("--rerank", type=int, default=0, metavar="F",
+                    help="also re-score the IVF-PQ top F*k exactly against the float32 vectors (0 = no such rows)")
+    se.add_argument("--from-embeddings", metavar="DIR",
+                    help="index a `vse embed` folder's img_emb files (queries: its text_emb, else its last rows)")
+    se.add_argument("--save-embeddings", metavar="DIR",
+                    help="write the synthetic set (n + queries rows) as an embeddings folder first, then index from it")
     se.add_argument("--hnsw-m", type=int, default=d["hnsw_m"], help="also build HNSW with this M (slow to build at 1M)")
     se.add_argument("--ef-search", type=int, nargs="+", default=list(d["ef_searches"]))
     se.add_argument("--threads", type=int, default=d["threads"], help="FAISS threads")

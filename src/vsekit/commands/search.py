@@ -10,11 +10,22 @@ from vsekit.errors import VseInputError
 
 
 def run_index(args: argparse.Namespace) -> int:
-    from vsekit.search.index import FaissParams, build_index
+    from vsekit.search.index import FaissParams, build_index, build_index_from_embeddings
     from vsekit.utils.runtime import resolve_device
 
     params = FaissParams(kind=args.index, nlist=args.nlist, nprobe=args.nprobe, hnsw_m=args.hnsw_m,
-                         ef_construction=args.ef_construction, ef_search=args.ef_search)  # fmt: skip
+                         ef_construction=args.ef_construction, ef_search=args.ef_search, pq_m=args.pq_m)  # fmt: skip
+    if args.from_embeddings:
+        if args.source is not None:
+            raise VseInputError("--from-embeddings DIR takes no SOURCE (the folder is the source); RUN_DIR only for "
+                                "a folder without embed.json")  # fmt: skip
+        meta = build_index_from_embeddings(args.from_embeddings, args.out, params=params, run_dir=args.run,
+                                           checkpoint=args.checkpoint, log=lambda msg: print(msg, file=sys.stderr))  # fmt: skip
+        c = meta["counts"]
+        print(f"index {args.out}: {c['pictures']} pictures, {c['captions']} captions ({meta['faiss']['kind']})")
+        return 0
+    if args.run is None or args.source is None:
+        raise VseInputError("give RUN_DIR and SOURCE (or --from-embeddings DIR)")
     meta = build_index(
         args.run, args.source, args.out, checkpoint=args.checkpoint, params=params,
         device=resolve_device(args.device), batch_size=args.batch_size, chunk_size=args.chunk_size,
@@ -96,13 +107,16 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("index", help="embed pictures with a trained run into a search index (resumable, incremental)")
-    p.add_argument("run", metavar="RUN_DIR")
-    p.add_argument("source", metavar="SOURCE",
+    p.add_argument("run", metavar="RUN_DIR", nargs="?")
+    p.add_argument("source", metavar="SOURCE", nargs="?",
                    help="a folder of pictures (x.txt beside x.png = its caption), DATASET_DIR:SPLIT, or one picture")
     p.add_argument("--out", required=True, metavar="INDEX_DIR", help="new index, or an existing one to add pictures to")
-    p.add_argument("--index", default="flat", choices=("flat", "ivf", "hnsw"),
-                   help="flat = exact (default); ivf / hnsw = approximate, faster on large sets (docs/search.md)")
-    p.add_argument("--nlist", type=int, default=0, help="ivf: number of lists (0 = about 4*sqrt(n))")
+    p.add_argument("--from-embeddings", metavar="DIR",
+                   help="build from a `vse embed` folder (img_emb/, text_emb/, metadata/) instead: no model forward")
+    p.add_argument("--index", default="flat", choices=("flat", "ivf", "ivfpq", "hnsw"),
+                   help="flat = exact (default); ivf / ivfpq / hnsw = approximate, faster on large sets (docs/search.md)")
+    p.add_argument("--nlist", type=int, default=0, help="ivf/ivfpq: number of lists (0 = about 4*sqrt(n))")
+    p.add_argument("--pq-m", type=int, default=0, help="ivfpq: bytes per code (0 = about dim/8, dividing dim)")
     p.add_argument("--nprobe", type=int, default=16, help="ivf: lists visited per query")
     p.add_argument("--hnsw-m", type=int, default=32, help="hnsw: graph degree")
     p.add_argument("--ef-construction", type=int, default=80, help="hnsw: build beam")

@@ -23,12 +23,13 @@ import contextlib
 import hashlib
 import io
 import json
+import logging
 import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +59,15 @@ from vsekit.utils.io import (
 )
 
 INDEX_FORMAT = "vsekit-index/1"
-INDEX_KINDS = ("flat", "ivf", "hnsw")
+INDEX_KINDS = ("flat", "ivf", "hnsw", "ivfpq")
+IVF_KINDS = ("ivf", "ivfpq")
 LOCK_NAME = ".lock"
+# An IVF index's lists were fitted to the vectors present when it was built. Once it holds more than
+# RETRAIN_GROWTH times that many, an incremental add re-trains the lists on a fresh sample of all stored
+# embeddings and rebuilds the index (nlist re-chosen when automatic) instead of appending to stale lists.
+RETRAIN_GROWTH = 2.0
+
+logger = logging.getLogger(__name__)
 
 
 class IndexFormatError(VseInputError):
@@ -80,6 +88,8 @@ class FaissParams:
     hnsw_m: int = 32  # hnsw: graph degree (memory: 8*M bytes per vector on top of the vector)
     ef_construction: int = 80  # hnsw: build-time beam
     ef_search: int = 64  # hnsw: query-time beam (search time; more = higher recall, slower)
+    pq_m: int = 0  # ivfpq: sub-quantizers (bytes per code); 0 = auto_pq(d): about d/8, dividing d
+    trained_on: int = 0  # ivf/ivfpq: vectors in the index when its lists were last trained (the retrain rule)
 
     def validate(self) -> None:
         if self.kind not in INDEX_KINDS:
@@ -89,6 +99,8 @@ class FaissParams:
                 raise VseInputError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.nlist < 0:
             raise VseInputError(f"nlist must be >= 0 (0 = automatic), got {self.nlist}")
+        if self.pq_m < 0:
+            raise VseInputError(f"pq_m must be >= 0 (0 = automatic), got {self.pq_m}")
 
 
 def _faiss():
@@ -103,6 +115,23 @@ def auto_nlist(n: int) -> int:
     """A power of two near 4*sqrt(n), with at least 39 training vectors per list."""
     target = 2 ** int(round(np.log2(max(1.0, 4 * np.sqrt(n)))))
     return int(max(1, min(target, n // 39)))
+
+
+def auto_pq(d: int, n: int) -> tuple[int, int]:
+    """(m, nbits) of an IVF-PQ code, autofaiss-style: m = the largest divisor of d that is <= d/8 (about 8
+    dimensions per sub-quantizer; 512-d -> 64 bytes per vector, 1/32 of float32) and 8-bit codes; fewer bits
+    (>= 4) when there are too few vectors to train 2**nbits centroids per sub-quantizer (39 each)."""
+    m = max(v for v in range(1, max(1, d // 8) + 1) if d % v == 0)
+    nbits = 8
+    while nbits > 4 and n < 39 * 2**nbits:
+        nbits -= 1
+    return m, nbits
+
+
+def ivfpq_train_size(n: int, nlist: int) -> int:
+    """Vectors k-means sees for IVF-PQ: max(65,536, 40*nlist), at most n and at most 256*nlist (FAISS warns
+    below 39 per list; more only costs time). 1M vectors, 4,096 lists -> 163,840."""
+    return int(min(n, min(256 * nlist, max(65_536, 40 * nlist))))
 
 
 def build_faiss(vectors: np.ndarray, params: FaissParams, seed: int = 0):
@@ -121,11 +150,26 @@ def build_faiss(vectors: np.ndarray, params: FaissParams, seed: int = 0):
         if n < nlist:
             raise VseInputError(f"an IVF index with {nlist} lists needs at least {nlist} vectors to train, got {n}; "
                              "use a smaller --nlist or --index flat")  # fmt: skip
-        index = faiss.IndexIVFFlat(faiss.IndexFlatIP(d), d, nlist, faiss.METRIC_INNER_PRODUCT)
+        if params.kind == "ivfpq":
+            m, nbits = auto_pq(d, n)
+            if params.pq_m:
+                m = params.pq_m
+            if d % m:
+                raise VseInputError(f"--pq-m {m} must divide the vector dimension {d}")
+            if n < 2**nbits:
+                raise VseInputError(f"an IVF-PQ index needs at least {2**nbits} vectors to train its codes, got {n}; "
+                                    "use --index flat or ivf")  # fmt: skip
+            index = faiss.IndexIVFPQ(faiss.IndexFlatIP(d), d, nlist, m, nbits, faiss.METRIC_INNER_PRODUCT)
+            max_train = max(ivfpq_train_size(n, nlist), min(n, 39 * 2**nbits))
+            logger.info("IVF-PQ: %d lists, %d x %d-bit codes, trained on %d of %d vectors", nlist, m, nbits,
+                        min(n, max_train), n)  # fmt: skip
+        else:
+            index = faiss.IndexIVFFlat(faiss.IndexFlatIP(d), d, nlist, faiss.METRIC_INNER_PRODUCT)
+            max_train = 256 * nlist
         index.cp.seed = seed
-        max_train = 256 * nlist
         train = x if n <= max_train else x[np.sort(np.random.default_rng(seed).choice(n, max_train, replace=False))]
         index.train(train)
+        params.trained_on = n
     if n:
         index.add(x)
     tune_faiss(index, params)
@@ -691,6 +735,144 @@ def _build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, check
     return meta
 
 
+def stored_proxies(emb: np.ndarray, shape: list[int]) -> np.ndarray:
+    """The inner-product vectors of stored image embeddings (what `proxy_vectors` gave when they were added):
+    the embedding itself, or for several views [V, D] their mean, L2-normalised (the AEOM shortlist key)."""
+    x = np.asarray(emb, dtype=np.float32)
+    if len(shape) <= 1:
+        return np.ascontiguousarray(x)
+    v = x.reshape(len(x), -1, shape[-1]).mean(1)
+    return np.ascontiguousarray(v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12), dtype=np.float32)
+
+
+def model_fingerprint(run_dir: Path, checkpoint: str, model) -> dict:
+    """What identifies the model of an index or an embeddings folder (its weights' sha256 above all)."""
+    weights = run_weights(Path(run_dir), checkpoint)
+    return {
+        "run_dir": str(Path(run_dir).resolve()), "checkpoint": checkpoint, "weights": weights.name,
+        "weights_sha256": sha256_file(weights), "recipe": model.recipe.name,
+        "similarity": model.recipe.model.similarity.name, "embed_dim": model.recipe.model.embed_dim,
+        "rerank": needs_rerank(model),
+    }  # fmt: skip
+
+
+def build_index_from_embeddings(emb_dir: str | Path, out_dir: str | Path, *, params: FaissParams | None = None,
+                                run_dir: str | Path | None = None, checkpoint: str = "best",
+                                log: Callable[[str], None] = print) -> dict:  # fmt: skip
+    """`vse index --from-embeddings DIR`: an index from a `vse embed` folder, with no model forward.
+
+    The vectors are taken as they are (img_emb rows -> pictures, text_emb rows -> their captions); the
+    model fingerprint comes from DIR/embed.json, so `vse search` later embeds queries with the same run. A
+    folder written by another tool (clip-retrieval's layout, no embed.json) needs `run_dir`: the run whose
+    embeddings these are (only the dimension can be checked; that they come from it is the caller's word).
+    Adding to an existing index follows `vse index`: same model, same dimension, pictures already present skipped.
+    """
+    with writer_lock(Path(out_dir), log):
+        return _build_from_embeddings(Path(emb_dir), Path(out_dir), params, run_dir, checkpoint, log)
+
+
+def _build_from_embeddings(emb_dir: Path, out_dir: Path, params: FaissParams | None, run_dir: str | Path | None,
+                           checkpoint: str, log: Callable[[str], None]) -> dict:  # fmt: skip
+    from vsekit.search.embed import open_embedding_folder
+
+    folder = open_embedding_folder(emb_dir)
+    info = folder.info
+    fingerprint = info.get("model")
+    recorded = isinstance(fingerprint, dict) and bool(fingerprint.get("weights_sha256"))
+    if run_dir is not None:
+        from vsekit.training.checkpoint import load_run
+
+        model, _ = load_run(Path(run_dir), checkpoint, torch.device("cpu"))
+        theirs = model_fingerprint(Path(run_dir), checkpoint, model)
+        if recorded and theirs["weights_sha256"] != fingerprint["weights_sha256"]:
+            raise VseInputError(f"{emb_dir / 'embed.json'}: embedded with {fingerprint.get('run_dir')}, not with "
+                                f"{run_dir} (weights differ); drop RUN_DIR or use the run that embedded them")  # fmt: skip
+        if not recorded and folder.dim != model.recipe.model.embed_dim:
+            raise VseInputError(f"{folder.img[0]}: {folder.dim}-d vectors, but {run_dir} embeds to "
+                                f"{model.recipe.model.embed_dim} dimensions")  # fmt: skip
+        fingerprint = theirs
+    elif not recorded:
+        raise VseInputError(f"{emb_dir / 'embed.json'}: missing or without a model record (not written by `vse embed`); "
+                            "name the run whose embeddings these are: vse index RUN_DIR --from-embeddings DIR")  # fmt: skip
+    shape = list(info.get("image_emb_shape") or [folder.dim])
+    if int(np.prod(shape)) != folder.dim:
+        raise VseInputError(f"{emb_dir / 'embed.json'}: image_emb_shape {shape} does not match the {folder.dim}-d "
+                            f"vectors of {folder.img[0]}")  # fmt: skip
+    meta_path = out_dir / "index.json"
+    old = SearchIndex(out_dir) if meta_path.is_file() else None
+    if old is not None:
+        _check_same_model(old.meta, fingerprint, out_dir)
+        if old.meta.get("image_emb_shape") != shape:
+            raise IndexFormatError(f"{folder.img[0]}: {shape} image embeddings, but the index {meta_path} holds "
+                                   f"{old.meta.get('image_emb_shape')}")  # fmt: skip
+        params = old.params
+    params = params or FaissParams()
+    params.validate()
+    if out_dir.exists() and old is None and any(p for p in out_dir.iterdir() if p.name not in (".work", LOCK_NAME)):
+        raise IndexFormatError(f"{out_dir}: exists, is not empty and holds no index.json; choose an empty or new --out")
+
+    root = info.get("root") or str(emb_dir.resolve())
+    roots = [str(r) for r in (old.roots if old else [])]
+    if root not in roots:
+        roots.append(root)
+    root_id = roots.index(root)
+    present = {(p["root"], p["path"]) for p in old.pictures} if old else set()
+    base = old.n_pictures if old else 0
+    pictures: list[dict] = []
+    captions: list[dict] = []
+    embs, caps = [], []
+    for i in range(len(folder.img)):
+        cols = folder.metadata(i)
+        n = folder.rows[i]
+        paths = cols.get("image_path") or [f"{folder.img[i].stem}:{r}" for r in range(n)]
+        texts = cols.get("caption") or [None] * n
+        ids = cols.get("id") or [Path(str(p)).stem for p in paths]
+        rel = [_relative(str(p), root) for p in paths]
+        keep = [r for r in range(n) if (root_id, rel[r]) not in present]
+        if not keep:
+            continue
+        x = folder.image_chunk(i)
+        embs.append(x[keep])
+        t = folder.text_chunk(i)
+        for j, r in enumerate(keep):
+            pid = base + len(pictures) + j
+            if t is not None and texts[r] is not None:
+                captions.append({"text": texts[r], "image": pid})
+        if t is not None:
+            caps.append(t[[r for r in keep if texts[r] is not None]])
+        pictures += [{"root": root_id, "path": rel[r], "caption": texts[r], "id": str(ids[r])} for r in keep]
+        present.update((root_id, rel[r]) for r in keep)
+    if not pictures:
+        if old is None:
+            raise VseInputError(f"{emb_dir}: no rows to index")
+        log(f"nothing to add to {out_dir}: every row of {emb_dir} is already in it")
+        return old.meta
+    if old is not None and len(pictures) < folder.n:
+        log(f"{folder.n - len(pictures)} of {folder.n} rows are already in the index; adding {len(pictures)}")
+    emb = np.concatenate(embs)
+    cap_emb = np.concatenate(caps) if caps else np.zeros((0, fingerprint.get("embed_dim") or folder.dim), np.float32)
+    if old is not None and old.caption_faiss is not None and len(cap_emb) and cap_emb.shape[1] != old.caption_faiss.d:
+        raise IndexFormatError(f"{folder.text[0]}: {cap_emb.shape[1]}-d caption embeddings, but the index holds "
+                               f"{old.caption_faiss.d}-d ones")  # fmt: skip
+    proxies = stored_proxies(emb, shape)
+    segment = {"source": f"embeddings {emb_dir}", "embedded_from": {"mode": "embeddings", "folder": str(emb_dir.resolve()),
+               **({"model_input": info["embedded_from"]} if info.get("embedded_from") else {})}, "skipped": []}  # fmt: skip
+    return append_segment(out_dir, old, fingerprint=fingerprint, params=params, roots=roots, pictures=pictures,
+                          image_emb=emb, emb_shape=shape, proxies=proxies, captions=captions, caption_emb=cap_emb,
+                          segment=segment)  # fmt: skip
+
+
+def _relative(path: str, root: str) -> str:
+    """A picture path relative to its root (what pictures.jsonl stores); labels like SPLIT:ROW stay as they are."""
+    p = Path(path)
+    if p.is_absolute():
+        try:
+            return p.relative_to(root).as_posix()
+        except ValueError:
+            return p.as_posix()
+    return path
+
+
 def _check_features_only(src: Source, model, pixels: bool, run_cfg: dict, run_dir: Path) -> None:
     """A split without pictures can only be indexed from its features, by a model trained on such features."""
     missing = src.root / f"{src.split.split}_images.txt"
@@ -731,11 +913,19 @@ def append_segment(out_dir: Path, old: SearchIndex | None, *, fingerprint: dict,
         img_index = build_faiss(proxies, params)
     else:
         img_index = old.image_faiss
-        img_index.add(np.ascontiguousarray(proxies, dtype=np.float32))
+        total = img_index.ntotal + len(proxies)
+        trained = params.trained_on or int(old.meta["segments"][0]["pictures"])  # indexes from before the rule
+        if params.kind in IVF_KINDS and total > RETRAIN_GROWTH * trained:
+            logger.info("%s: %d vectors, more than %g x the %d its IVF lists were trained on: re-training them on "
+                        "a fresh sample and rebuilding the index", out_dir, total, RETRAIN_GROWTH, trained)  # fmt: skip
+            stored = stored_proxies(old.all_image_emb(), old.meta.get("image_emb_shape") or [])
+            img_index = build_faiss(np.concatenate([stored, np.asarray(proxies, dtype=np.float32)]), params)
+        else:
+            img_index.add(np.ascontiguousarray(proxies, dtype=np.float32))
     cap_index = old.caption_faiss if old else None
     if cap_index is None and captions:
-        small = params.kind == "ivf" and len(captions) < 39 * max(1, params.nlist)
-        cap_index = build_faiss(caption_emb, FaissParams("flat") if small else params)
+        small = params.kind in IVF_KINDS and len(captions) < max(39 * max(1, params.nlist), 10_000 if params.kind == "ivfpq" else 0)
+        cap_index = build_faiss(caption_emb, FaissParams("flat") if small else replace(params))
     elif cap_index is not None and captions:
         cap_index.add(np.ascontiguousarray(caption_emb, dtype=np.float32))
     gen = int(old.meta["generation"]) + 1 if old else 1

@@ -1,0 +1,55 @@
+"""`vse embed RUN INPUT --out DIR`: embeddings of pictures / captions in clip-retrieval's folder layout
+(resumable chunks; data-parallel under `torchrun --nproc_per_node N vse embed …`, gloo on CPU)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def run_embed(args: argparse.Namespace) -> int:
+    import torch
+
+    from vsekit.distributed import barrier, init_from_env, rank_device
+    from vsekit.search.embed import embed_to_folder
+    from vsekit.utils.runtime import resolve_device
+
+    device = resolve_device(args.device)
+    ctx = init_from_env(device.type)
+    device = rank_device(device, ctx)
+    try:
+        meta = embed_to_folder(
+            args.run, args.input, args.out, checkpoint=args.checkpoint, device=device, batch_size=args.batch_size,
+            chunk_size=args.chunk_size, workers=args.workers, pixels=args.pixels, strict=args.strict,
+            progress=not args.no_progress, rank=ctx.rank, world_size=ctx.world_size, barrier=lambda: barrier(ctx),
+        )  # fmt: skip
+    finally:
+        if ctx.enabled and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    if meta is not None:
+        skipped = f", {len(meta['skipped'])} unreadable skipped" if meta["skipped"] else ""
+        what = "pictures" if meta["with_image"] else "captions"
+        print(f"embeddings {args.out}: {meta['written_rows']} {what} in {meta['chunks']} chunk(s)"
+              f"{', with caption embeddings' if meta['with_image'] and meta['with_text'] else ''}"
+              f"{skipped}", file=sys.stdout)  # fmt: skip
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("embed", help="export a run's embeddings of pictures / captions (clip-retrieval layout; "
+                                     "resumable; torchrun for several processes)")  # fmt: skip
+    p.add_argument("run", metavar="RUN_DIR")
+    p.add_argument("input", metavar="INPUT",
+                   help="a folder of pictures (x.txt beside x.png = its caption), DATASET_DIR:SPLIT (stored features "
+                        "when the run takes them), one picture, or a .txt file of captions (one per line)")  # fmt: skip
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="DIR/img_emb/img_emb_N.npy, DIR/text_emb/text_emb_N.npy, DIR/metadata/metadata_N.parquet")
+    p.add_argument("--chunk-size", type=int, default=10_000, help="rows per file (the resume and sharding unit)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--workers", type=int, default=0, help="DataLoader workers decoding pictures")
+    p.add_argument("--checkpoint", default="best", choices=("best", "last"))
+    p.add_argument("--pixels", action="store_true", help="embed a split from its pictures even when it has features")
+    p.add_argument("--strict", action="store_true", help="stop at the first unreadable picture instead of skipping it")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_embed)
