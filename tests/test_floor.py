@@ -65,17 +65,17 @@ def test_bow_recipe_trains_far_above_chance_on_a_share_of_the_data(synthetic_dir
     assert m["t2i_r1"] > 5 * chance and m["i2t_r1"] > 5 * chance
 
 
-def test_coco_scale_recipe_on_a_small_split_names_the_small_data_recipe(synthetic_dir, tmp_path):
+def test_coco_scale_recipe_on_a_small_split_names_the_best_measured_recipe(synthetic_dir, tmp_path):
     from vsekit.training.trainer import small_data_advice
 
     assert small_data_advice(load_recipe("vse_infty"), 113_287) is None
     assert small_data_advice(load_recipe("bow"), 500) is None
     advice = small_data_advice(load_recipe("vsepp"), 2_506)
-    assert "2,506" in advice and "--recipe small_data" in advice
+    assert "2,506" in advice and "--recipe bow" in advice and "docs/floor.md" in advice
     logs = []
     r = load_recipe("vsepp", ["train.epochs=1", "model.embed_dim=32", "model.text.word_dim=16", "train.log_every=0"])
     Trainer(r, synthetic_dir, tmp_path / "run", progress=False, log=logs.append)
-    assert any(line.startswith("note: recipe 'vsepp'") and "small_data" in line for line in logs)
+    assert any(line.startswith("note: recipe 'vsepp'") and "--recipe bow" in line for line in logs)
 
 
 def test_word_bag_adds_the_mean_of_the_tokens_learned_vectors(tmp_path):
