@@ -184,7 +184,7 @@ def test_index_from_embeddings_searches_like_the_model(shapes_model, split_embed
     assert all("red_circle" in h["path"] for h in hits)
     pq_index = tmp_path / "pq"
     assert main(["index", "--from-embeddings", str(split_embeddings), "--out", str(pq_index), "--index", "ivfpq"]) == 0
-    assert type(SearchIndex(pq_index).image_faiss).__name__ == "IndexIVFPQ"
+    assert type(SearchIndex(pq_index).image_faiss.base).__name__ == "IndexIVFPQ"  # re-scored by default
     capsys.readouterr()
     assert main(["search", str(pq_index), "a red circle", "-k", "1", "--json", "--device", "cpu"]) == 0
     assert "red_circle" in json.loads(capsys.readouterr().out)[0]["path"]

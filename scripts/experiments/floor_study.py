@@ -75,6 +75,10 @@ WHY_ROWS = [
     ("embed1024", ("model.embed_dim=1024",), "embedding 1024-d (the recipe's)"),
     ("schedule30", ("train.epochs=30", "optim.lr_decay_epochs=[]"), "30 epochs, no decay (the floor's schedule)"),
     ("no_augment", ("data.size_augment=false",), "no feature / word augmentation"),
+    # all of the floor's training at once, so only the encoders differ from the floor (BiGRU vs bag of words)
+    ("floor_training", ("loss.name=infonce", "train.epochs=30", "optim.lr_decay_epochs=[]", "optim.lr=1e-3",
+                        "optim.weight_decay=0", "optim.grad_clip=0"),
+     "the floor's loss and schedule together (InfoNCE, Adam 1e-3, no decay, 30 epochs)"),
 ]
 
 

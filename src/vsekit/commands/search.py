@@ -14,7 +14,8 @@ def run_index(args: argparse.Namespace) -> int:
     from vsekit.utils.runtime import resolve_device
 
     params = FaissParams(kind=args.index, nlist=args.nlist, nprobe=args.nprobe, hnsw_m=args.hnsw_m,
-                         ef_construction=args.ef_construction, ef_search=args.ef_search, pq_m=args.pq_m)  # fmt: skip
+                         ef_construction=args.ef_construction, ef_search=args.ef_search, pq_m=args.pq_m,
+                         refine=args.pq_refine)  # fmt: skip
     if args.from_embeddings:
         if args.source is not None:
             raise VseInputError("--from-embeddings DIR takes no SOURCE (the folder is the source); RUN_DIR only for "
@@ -117,6 +118,8 @@ def register(sub) -> None:
                    help="flat = exact (default); ivf / ivfpq / hnsw = approximate, faster on large sets (docs/search.md)")
     p.add_argument("--nlist", type=int, default=0, help="ivf/ivfpq: number of lists (0 = about 4*sqrt(n))")
     p.add_argument("--pq-m", type=int, default=0, help="ivfpq: bytes per code (0 = about dim/8, dividing dim)")
+    p.add_argument("--pq-refine", type=int, default=10, metavar="F",
+                   help="ivfpq: re-score the top F*k exactly with the stored embeddings (0 = PQ scores only)")
     p.add_argument("--nprobe", type=int, default=16, help="ivf: lists visited per query")
     p.add_argument("--hnsw-m", type=int, default=32, help="hnsw: graph degree")
     p.add_argument("--ef-construction", type=int, default=80, help="hnsw: build beam")
