@@ -293,7 +293,7 @@ def report(jobs: list[Job], args) -> str:
     why = group_rows(results, "why")
     if why:
         base = {k: v for k, v in group_rows(results, "curve").items() if k == ("vsepp_bigru", 1.0)}
-        parts += ["## Why the BiGRU recipe sits at the floor (one change per row from the demo's VSE++ BiGRU)\n",
+        parts += ["## Why the BiGRU recipe sits below the floor (one change per row from the demo's VSE++ BiGRU)\n",
                   recall_table({**base, **why}), "", oov_stats(args.data), ""]  # fmt: skip
     small = group_rows(results, "small")
     if small:
