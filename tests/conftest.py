@@ -14,6 +14,12 @@ def _threads():
 
 
 @pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """A very small synthetic precomp set for CLI tests that train for seconds (copy it before changing it)."""
+    return make_synthetic_precomp(tmp_path_factory.mktemp("tiny"), n_train=48, n_dev=12, n_test=12, regions=4, dim=8)
+
+
+@pytest.fixture(scope="session")
 def synthetic_dir(tmp_path_factory):
     return make_synthetic_precomp(tmp_path_factory.mktemp("syn"), n_train=240, n_dev=50, n_test=50, regions=10, dim=32, noise=0.8)
 

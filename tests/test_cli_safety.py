@@ -16,7 +16,6 @@ from safetensors.torch import load_file
 import vsekit.training.trainer as trainer_mod
 from vsekit.cli import main
 from vsekit.config import ConfigError, load_recipe
-from vsekit.data.synthetic import make_synthetic_precomp
 from vsekit.search.index import IndexFormatError, writer_lock
 from vsekit.training.trainer import Trainer
 
@@ -28,11 +27,6 @@ TINY_ARGS = ["--recipe", "vsepp", "--no-progress", *[x for s in TINY for x in ("
 @pytest.fixture(autouse=True)
 def _one_thread(_threads):
     torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory):
-    return make_synthetic_precomp(tmp_path_factory.mktemp("tiny"), n_train=48, n_dev=12, n_test=12, regions=4, dim=8)
 
 
 @pytest.fixture(scope="module")

@@ -156,11 +156,8 @@ def embed_to_folder(run_dir: str | Path, spec: str, out_dir: str | Path, *, chec
         ImageEmbedder,
         TextEmbedder,
         embed_features,
-        read_manifest_extractor,
-        run_extractor_spec,
-        same_extractor,
     )
-    from vsekit.search.index import _check_features_only, model_fingerprint
+    from vsekit.search.index import model_fingerprint, use_stored_features
     from vsekit.training.checkpoint import load_run
     from vsekit.utils.progress import progress_bar
 
@@ -179,13 +176,7 @@ def embed_to_folder(run_dir: str | Path, spec: str, out_dir: str | Path, *, chec
     mode: dict = {"mode": "captions"}
     if inp.kind == "pictures":
         src = inp.source
-        if src.features_only:
-            _check_features_only(src, model, pixels, run_cfg, run_dir)
-        use_features = (src.split is not None and not pixels and model.recipe.model.image.kind == "precomp"
-                        and src.split.feature_shape[1] == model.spec.img_dim)  # fmt: skip
-        if use_features and not src.features_only:
-            theirs, ours = read_manifest_extractor(src.root), run_extractor_spec(run_cfg)
-            use_features = not (theirs and ours and not same_extractor(theirs, ours))
+        use_features = use_stored_features(src, model, pixels, run_cfg, run_dir)
         if use_features:
             from vsekit.data.validate import check_split_features
 

@@ -714,16 +714,7 @@ def _build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, check
     if old is not None and len(todo) < len(src.paths):
         log(f"{len(src.paths) - len(todo)} of {len(src.paths)} pictures are already in the index; adding {len(todo)}")
 
-    if src.features_only:
-        _check_features_only(src, model, pixels, run_cfg, run_dir)
-    use_features = (src.split is not None and not pixels and model.recipe.model.image.kind == "precomp"
-                    and src.split.feature_shape[1] == model.spec.img_dim)  # fmt: skip
-    if use_features and not src.features_only:
-        theirs, ours = read_manifest_extractor(src.root), run_extractor_spec(run_cfg)
-        if theirs and ours and not same_extractor(theirs, ours):
-            log(f"note: {src.root}'s features come from another extractor ({theirs.get('name')}) than the run's "
-                f"({ours.get('name')}); embedding its pictures instead")  # fmt: skip
-            use_features = False
+    use_features = use_stored_features(src, model, pixels, run_cfg, run_dir, log)
     if use_features:
         from vsekit.data.validate import check_split_features
 
@@ -923,6 +914,26 @@ def _relative(path: str, root: str) -> str:
         except ValueError:
             return p.as_posix()
     return path
+
+
+def use_stored_features(src: Source, model, pixels: bool, run_cfg: dict, run_dir: Path,
+                        log: Callable[[str], None] | None = None) -> bool:  # fmt: skip
+    """Whether a split's stored features (not its pictures) are what the run embeds: the run takes features
+    of that width and, where both sides record it, from the same extractor; `--pixels` says pictures. A split
+    without pictures must pass (`_check_features_only`, which raises otherwise). `vse index` and `vse embed`
+    decide alike."""
+    if src.features_only:
+        _check_features_only(src, model, pixels, run_cfg, run_dir)
+    use = (src.split is not None and not pixels and model.recipe.model.image.kind == "precomp"
+           and src.split.feature_shape[1] == model.spec.img_dim)  # fmt: skip
+    if use and not src.features_only:
+        theirs, ours = read_manifest_extractor(src.root), run_extractor_spec(run_cfg)
+        if theirs and ours and not same_extractor(theirs, ours):
+            if log is not None:
+                log(f"note: {src.root}'s features come from another extractor ({theirs.get('name')}) than the "
+                    f"run's ({ours.get('name')}); embedding its pictures instead")  # fmt: skip
+            return False
+    return use
 
 
 def _check_features_only(src: Source, model, pixels: bool, run_cfg: dict, run_dir: Path) -> None:
