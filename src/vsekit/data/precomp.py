@@ -8,6 +8,8 @@ Files of one split in a dataset directory:
   captions `k*i .. k*i+k-1` belong to image `i` (k = captions_per_image, 5 for COCO / Flickr30K);
 - `{split}_images.txt` optional: one image path per image row (relative to the directory), which lets a
   model trained on features index the raw pictures.
+- video: `{split}_frames.npy` + `{split}_frame_offsets.npy` instead of `{split}_ims.npy` (clips with
+  different frame counts; `vsekit.data.frames`): each clip is one "image" row.
 
 Some published files store one image row per caption (the Kaggle F30K dev file has 5,070 rows): when the
 row count equals the caption count, image i is row k*i, exactly as the reference loaders' `im_div` does.
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vsekit.data.frames import has_frames, load_frames
 from vsekit.errors import VseInputError
 from vsekit.utils.io import open_npy
 
@@ -57,7 +60,7 @@ class PrecompSplit:
 
     root: Path
     split: str
-    features: np.ndarray  # (rows, R, D), memory-mapped
+    features: np.ndarray  # (rows, R, D), memory-mapped; for clips a RaggedFrames with the same face
     captions: list[str]
     cap2img: np.ndarray  # caption -> image index (0..n_images-1)
     image_rows: np.ndarray  # image index -> row of `features`
@@ -192,7 +195,15 @@ def load_precomp_split(root: str | Path, split: str, captions_per_image: int = 5
         raise DataFormatError(f"{caps_file}: missing (expected one caption per line)")
     paths_file = root / f"{split}_images.txt"
     ims_file = root / f"{split}_ims.npy"
-    if not ims_file.is_file() and paths_file.is_file():
+    lengths_file = root / f"{split}_ims_lengths.txt"
+    if has_frames(root, split):
+        # video: variable-length clips (vsekit.data.frames), one "image" row per clip
+        for other in (ims_file, lengths_file):
+            if other.is_file():
+                raise DataFormatError(f"{other}: a split holds either {other.name} or {split}_frames.npy "
+                                      f"(clips of frames), not both; remove one")  # fmt: skip
+        feats = load_frames(root, split, DataFormatError)
+    elif not ims_file.is_file() and paths_file.is_file():
         # pixels only (e.g. converted from a Karpathy JSON): a zero-width placeholder, one row per picture;
         # backbone recipes read the pictures, precomp recipes get a clear error from `require_features`
         feats = np.zeros((len(read_lines(paths_file)), 0, 0), dtype=np.float32)
@@ -234,7 +245,7 @@ def load_precomp_split(root: str | Path, split: str, captions_per_image: int = 5
         if len(image_paths) != n_images:
             raise DataFormatError(f"{paths_file}: {len(image_paths)} paths for {n_images} images")
     return PrecompSplit(root, split, feats, captions, cap2img, image_rows, image_ids, image_paths,
-                        read_set_sizes(root / f"{split}_ims_lengths.txt", feats.shape))  # fmt: skip
+                        read_set_sizes(lengths_file, feats.shape))  # fmt: skip
 
 
 def read_set_sizes(path: Path, shape: tuple[int, ...]) -> np.ndarray | None:
