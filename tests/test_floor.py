@@ -72,6 +72,10 @@ def test_coco_scale_recipe_on_a_small_split_names_the_best_measured_recipe(synth
     assert small_data_advice(load_recipe("bow"), 500) is None
     advice = small_data_advice(load_recipe("vsepp"), 2_506)
     assert "2,506" in advice and "--recipe bow" in advice and "docs/floor.md" in advice
+    # the preset: both recipes named, and the ensemble command that scores them together
+    assert "--recipe small_data" in advice and "vse eval RUN_BOW RUN_SMALL_DATA" in advice
+    for name in ("bow", "small_data"):
+        load_recipe(name)  # both recipes the advice names exist
     logs = []
     r = load_recipe("vsepp", ["train.epochs=1", "model.embed_dim=32", "model.text.word_dim=16", "train.log_every=0"])
     Trainer(r, synthetic_dir, tmp_path / "run", progress=False, log=logs.append)

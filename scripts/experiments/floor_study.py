@@ -8,7 +8,7 @@ The demo models use the demo's own settings (`vsekit.demo.demo_overrides`), so t
 demo table's runs: with `--demo-out runs/demo` they are written where `vse demo` finds and reuses them.
 
     nice -n 10 .venv/bin/python scripts/experiments/floor_study.py --data /work/data/openclipart \\
-        --out /work/runs/floor --demo-out /work/runs/demo --jobs 2 --groups floor curve small why
+        --out /work/runs/floor --demo-out /work/runs/demo --jobs 2 --groups floor curve small why ensemble
     .venv/bin/python scripts/experiments/floor_study.py --out /work/runs/floor --demo-out /work/runs/demo --report-only
 
 Finished runs (result.json present) are skipped, so an interrupted study resumes. Tables go to
@@ -85,7 +85,7 @@ WHY_ROWS = [
 def build_jobs(groups: list[str], seeds: tuple[int, ...]) -> list[Job]:
     jobs: list[Job] = []
     for seed in seeds:
-        if "floor" in groups:
+        if "floor" in groups or "ensemble" in groups:
             jobs.append(Job("floor", "bow", "bow", ("train.log_every=0", "data.train_fraction=1.0"), seed,
                             demo_variant="bow", label="Floor: bag of words (linear)"))  # fmt: skip
             jobs.append(Job("floor", "bow_noaug", "bow", ("train.log_every=0", "data.size_augment=false"), seed,
@@ -101,7 +101,7 @@ def build_jobs(groups: list[str], seeds: tuple[int, ...]) -> list[Job]:
                     if variant == "vsepp_minilm" and fraction < 1.0:
                         continue  # in the demo table, not on the curve
                     jobs.append(demo_job("curve", variant, seed, fraction))
-        if "small" in groups:
+        if "small" in groups or "ensemble" in groups:
             jobs.append(Job("small", SMALL_DATA[0], SMALL_DATA[0], ("train.log_every=0",), seed, label=SMALL_DATA[1]))
         if "why" in groups:
             for name, extra, label in WHY_ROWS:
@@ -272,6 +272,64 @@ def oov_stats(data: str) -> str:
             f"({100 * caps_with / len(test.captions):.1f} %) hold at least one")  # fmt: skip
 
 
+# Two-model ensembles scored as `vse eval RUN_A RUN_B` scores them (mean of the two similarity matrices):
+# the small-data preset (bow + small_data, same seed) and, as controls for what ensembling alone gives, two
+# bow runs and two small_data runs of different seeds. (name, label, member A, member B, seed offset of B)
+ENSEMBLES = [
+    ("bow+small_data", "Preset: `bow` + `small_data` (same seed), mean similarity", ("floor", "bow"),
+     ("small", SMALL_DATA[0]), 0),
+    ("bow+bow", "Control: `bow` + `bow` (seeds s, s+1)", ("floor", "bow"), ("floor", "bow"), 1),
+    ("small_data+small_data", "Control: `small_data` + `small_data` (seeds s, s+1)", ("small", SMALL_DATA[0]),
+     ("small", SMALL_DATA[0]), 1),
+]
+
+
+def ensemble_result(name: str, runs: list[Path], data: str, out: Path) -> dict:
+    """Test metrics of the mean-similarity ensemble of `runs`, cached in OUT/ensemble (the same path as
+    `vse eval RUN_A RUN_B`: each run's matrix from `evaluate_model`, averaged, scored by `evaluate_sims`)."""
+    from vsekit.evaluation import evaluate_model
+    from vsekit.metrics.retrieval import evaluate_sims
+    from vsekit.training.checkpoint import load_run
+
+    cache = out / "ensemble" / f"{name}__{'__'.join(r.parent.name + '-' + r.name for r in runs)}.json"
+    if cache.is_file():
+        return json.loads(cache.read_text())
+    sims_sum, cap2img = None, None
+    for run in runs:
+        model, _ = load_run(run, "best", "cpu")
+        _, sims, cap2img = evaluate_model(model, data, "test", progress=False)
+        sims_sum = sims if sims_sum is None else sims_sum + sims
+    result = {"name": name, "runs": [str(r) for r in runs], "test": evaluate_sims(sims_sum / len(runs), cap2img)}
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def ensemble_section(results: list[dict], jobs: list[Job], args) -> list[str]:
+    out, demo_out = Path(args.out), Path(args.demo_out) if args.demo_out else None
+    by_key = {(j.group, j.name, j.seed): j.run_dir(out, demo_out) for j in jobs}
+    seeds = sorted({j.seed for j in jobs})
+    floor = [r["test"]["rsum"] for r in results if r["group"] == "floor" and r["name"] == "bow"]
+    lines = ["| model | pairs | " + " | ".join(k.replace("_r", " R@") for k in KEYS) + " | vs floor | margin / std |",
+             "|" + "---|" * (len(KEYS) + 4)]  # fmt: skip
+    for name, label, (ga, na), (gb, nb), offset in ENSEMBLES:
+        pairs = []
+        for s in seeds:
+            a, b = by_key.get((ga, na, s)), by_key.get((gb, nb, seeds[(seeds.index(s) + offset) % len(seeds)]))
+            if a and b and (a / "study_result.json").is_file() and (b / "study_result.json").is_file():
+                pairs.append(ensemble_result(name, [a, b], args.data, out))
+        if not pairs:
+            continue
+        rs = [p["test"]["rsum"] for p in pairs]
+        margin = statistics.fmean(rs) - statistics.fmean(floor) if floor else float("nan")
+        sd = max(statistics.stdev(floor), statistics.stdev(rs)) if len(floor) > 1 and len(rs) > 1 else float("nan")
+        lines.append(f"| {label} | {len(pairs)} | " + " | ".join(mean_std([p["test"][k] for p in pairs]) for k in KEYS)
+                     + f" | {margin:+.1f} | {margin / sd:.1f} |")  # fmt: skip
+    return ["## Two-model ensembles against the floor (mean similarity, as `vse eval RUN_A RUN_B`)\n",
+            "\n".join(lines), "", "margin / std: the margin over the floor divided by the larger seed std of the "
+            "floor and the row (the bar is > 2).\n"]  # fmt: skip
+
+
 def report(jobs: list[Job], args) -> str:
     out, demo_out = Path(args.out), Path(args.demo_out) if args.demo_out else None
     results = load_results(jobs, out, demo_out)
@@ -305,6 +363,8 @@ def report(jobs: list[Job], args) -> str:
             sd = max(statistics.stdev(f_rs), statistics.stdev(s_rs))
             parts.append(f"Margin over the floor: {margin:+.1f} rsum; larger seed std of the two {sd:.1f}; "
                          f"margin / std = {margin / sd:.1f} (the bar is > 2)\n")  # fmt: skip
+    if "ensemble" in args.groups:
+        parts += ensemble_section(results, jobs, args)
     text = "\n".join(parts)
     (out / "report.md").parent.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(text)
@@ -316,7 +376,8 @@ def main() -> int:
     p.add_argument("--data", default="data/openclipart")
     p.add_argument("--out", default="runs/floor")
     p.add_argument("--demo-out", default=None, help="put the 100 %% demo-model runs where `vse demo --out` reuses them")
-    p.add_argument("--groups", nargs="+", default=["floor", "curve", "small", "why"])
+    p.add_argument("--groups", nargs="+", default=["floor", "curve", "small", "why", "ensemble"],
+                   help="ensemble: the two-model ensembles of the floor and small runs (trains those if missing)")
     p.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
     p.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per run (default: cores / jobs)")
