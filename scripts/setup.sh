@@ -17,6 +17,9 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # torch and tqdm. wandb (extra `wandb`, for `vse train --report-to wandb` and its test) depends on no torch.
 "${PIP[@]}" --no-deps "clip-benchmark==1.6.2"
 "${PIP[@]}" "wandb==0.31.0"
+# h5py and lmdb: `vse data convert-video` reads the HDF5 / LMDB frame-feature dumps of MSR-VTT and VATEX;
+# both depend on numpy only (never on torch), pinned to the tested versions.
+"${PIP[@]}" "h5py==3.16.0" "lmdb==3.0.0"
 if [ ! -d /usr/share/openclipart/svg ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     (apt-get update -q && apt-get install -y -q openclipart-svg librsvg2-bin) >/dev/null

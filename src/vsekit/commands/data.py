@@ -25,6 +25,19 @@ def run_karpathy(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_convert_video(args: argparse.Namespace) -> int:
+    from vsekit.data.video_convert import convert_video
+
+    summary = convert_video(args.features, args.captions, args.out, fmt=args.format, split_files=args.split_file,
+                            splits=args.splits, dtype=args.dtype, lmdb_dim=args.lmdb_dim, overwrite=args.overwrite)  # fmt: skip
+    for name, s in summary.items():
+        lo, mid, hi = s["frames_per_clip"]
+        print(f"{name}: {s['clips']} clips, {s['captions']} captions, {s['frames']} x {s['dim']} frames "
+              f"(per clip min {lo} / median {mid:g} / max {hi})")  # fmt: skip
+    print(f"wrote {args.out} (check it with: vse data check {args.out})")
+    return 0
+
+
 def run_show(args: argparse.Namespace) -> int:
     from vsekit.data.show import show_dataset
 
@@ -115,6 +128,20 @@ def register(sub) -> None:
     k.add_argument("--out", required=True)
     k.add_argument("--splits", nargs="+", default=["train", "dev", "test"], help="dev = the JSON's 'val'")
     k.set_defaults(func=run_karpathy)
+    cv = dsub.add_parser("convert-video", help="convert MSR-VTT / VATEX frame features (npy folder, HDF5, LMDB) "
+                         "and captions into the ragged clip layout")  # fmt: skip
+    cv.add_argument("--features", required=True, help="a folder of <video_id>.npy, an HDF5 file or an LMDB")
+    cv.add_argument("--captions", required=True, action="append", help="videodatainfo.json, {id: [captions]} "
+                    "JSON, VATEX JSON or id<TAB>caption text; repeat for several files")  # fmt: skip
+    cv.add_argument("--split-file", action="append", metavar="NAME:FILE", help="video ids of split NAME (one per "
+                    "line, JSON list or .npy of names); repeat per split; overrides the JSON's split field")  # fmt: skip
+    cv.add_argument("--splits", nargs="+", help="write only these splits")
+    cv.add_argument("--format", choices=["auto", "npy-dir", "hdf5", "lmdb"], default="auto")
+    cv.add_argument("--dtype", choices=["float32", "float16"], default="float32")
+    cv.add_argument("--lmdb-dim", type=int, help="feature size of raw float32 LMDB values (not needed for .npy values)")
+    cv.add_argument("--out", required=True)
+    cv.add_argument("--overwrite", action="store_true", help="replace the files of these splits in --out")
+    cv.set_defaults(func=run_convert_video)
     s = dsub.add_parser("show", help="a PNG montage of images with their captions")
     s.add_argument("data")
     s.add_argument("--out", default="montage.png")

@@ -3,7 +3,9 @@
 `check_dataset` reads a whole precomp directory and returns one report naming every problem with its
 file and line (text files, 1-based) or row (feature arrays, 0-based), instead of stopping at the first:
 a dataset that arrives truncated or in the wrong layout should be fixed in one pass. Feature arrays are
-scanned memory-mapped in chunks, so a 33 GB COCO file never has to fit in memory.
+scanned memory-mapped in chunks, so a 33 GB COCO file never has to fit in memory. Video splits
+(`{split}_frames.npy` + `{split}_frame_offsets.npy`, `vsekit.data.frames`) get the same checks, with a bad
+frame row traced to its clip through the offsets.
 """
 
 from __future__ import annotations
@@ -14,25 +16,49 @@ from pathlib import Path
 
 import numpy as np
 
+from vsekit.data.frames import FRAMES_SUFFIX, OFFSETS_SUFFIX, RaggedFrames
 from vsekit.data.precomp import DataFormatError
 
-FILE_KINDS = ("_caps.txt", "_ims.npy", "_images.txt", "_cap2img.txt", "_ids.txt")
+FILE_KINDS = ("_caps.txt", "_ims.npy", FRAMES_SUFFIX, "_images.txt", "_cap2img.txt", "_ids.txt")
 MAX_PER_KIND = 5  # problems of one kind in one file listed one by one; the rest are counted
 
 
 def check_split_features(split, chunk_rows: int = 2048) -> None:
     """NaN/inf scan of a split's features, chunk by chunk (memory-mapped files stay on disk)."""
     feats = split.features
-    path = split.root / f"{split.split}_ims.npy"
+    if isinstance(feats, RaggedFrames):
+        _check_frame_values(feats, split.root / f"{split.split}{FRAMES_SUFFIX}", chunk_rows)
+    else:
+        _check_image_values(feats, split.root / f"{split.split}_ims.npy", chunk_rows)
+    for i, cap in enumerate(split.captions):
+        if not cap.strip():
+            raise DataFormatError(f"{split.root / f'{split.split}_caps.txt'}:{i + 1}: empty caption")
+
+
+def _check_image_values(feats: np.ndarray, path: Path, chunk_rows: int) -> None:
     for start in range(0, feats.shape[0], chunk_rows):
         block = np.asarray(feats[start : start + chunk_rows])
         finite = np.isfinite(block)
         if not finite.all():
             row = start + int(np.argwhere(~finite.all(axis=(1, 2)))[0, 0])
             raise DataFormatError(f"{path}: image row {row} has NaN or inf features")
-    for i, cap in enumerate(split.captions):
-        if not cap.strip():
-            raise DataFormatError(f"{split.root / f'{split.split}_caps.txt'}:{i + 1}: empty caption")
+
+
+def _clip_of(offsets: np.ndarray, row: int) -> int:
+    """The clip whose frames `offsets[c] : offsets[c + 1]` hold frame row `row` (offsets already checked)."""
+    return int(np.searchsorted(offsets, row, side="right")) - 1
+
+
+def _check_frame_values(feats: RaggedFrames, path: Path, chunk_rows: int) -> None:
+    """RaggedFrames takes clip indices only: scan its (F, D) frame rows directly, name the clip of a bad one."""
+    frames = feats.frames
+    for start in range(0, frames.shape[0], chunk_rows):
+        bad = ~np.isfinite(np.asarray(frames[start : start + chunk_rows])).all(axis=1)
+        if bad.any():
+            row = start + int(np.argmax(bad))
+            clip = _clip_of(feats.offsets, row)
+            raise DataFormatError(f"{path}: clip {clip} has NaN or inf features (frame row {row}, frame "
+                                  f"{row - int(feats.offsets[clip])} of the clip)")  # fmt: skip
 
 
 @dataclass
@@ -72,7 +98,12 @@ class DatasetReport:
         lines = [f"dataset {self.root}"]
         for name, s in self.splits.items():
             shape = "x".join(str(v) for v in s["feature_shape"]) if s.get("feature_shape") else "pictures only"
-            lines.append(f"  {name}: {s.get('images', '?')} images, {s.get('captions', '?')} captions, features {shape}")
+            if "clips" in s:  # a video split: feature_shape is (frames, dim)
+                lengths = "min {} / median {:g} / max {}".format(*s["frames_per_clip"]) if s.get("frames_per_clip") else "?"
+                lines.append(f"  {name}: {s['clips'] if s['clips'] is not None else '?'} clips, {s.get('captions', '?')} "
+                             f"captions, frames x dim {shape}, frames per clip {lengths}")  # fmt: skip
+            else:
+                lines.append(f"  {name}: {s.get('images', '?')} images, {s.get('captions', '?')} captions, features {shape}")
         lines += [f"  {p}" for p in self.problems]
         verdict = "OK" if self.ok else "FAILED"
         lines.append(f"{verdict}: {len(self.errors)} error(s), {len(self.warnings)} warning(s)")
@@ -108,7 +139,7 @@ def discover_splits(root: Path) -> list[str]:
     """Split names that have a captions, features or pictures file in `root` (sorted, train first)."""
     names = set()
     for p in root.iterdir():
-        for suffix in ("_caps.txt", "_ims.npy", "_images.txt"):
+        for suffix in ("_caps.txt", "_ims.npy", FRAMES_SUFFIX, "_images.txt"):
             if p.name.endswith(suffix) and len(p.name) > len(suffix):
                 names.add(p.name[: -len(suffix)])
     return sorted(names, key=lambda s: (s != "train", s))
@@ -151,7 +182,7 @@ def _int_lines(path: Path, out: _Collector) -> np.ndarray | None:
     return None if bad else np.asarray(values, dtype=np.int64)
 
 
-def _open_features(path: Path, out: _Collector) -> np.ndarray | None:
+def _open_features(path: Path, out: _Collector, layout: str = "(images, regions, dim)") -> np.ndarray | None:
     try:
         feats = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
@@ -160,8 +191,8 @@ def _open_features(path: Path, out: _Collector) -> np.ndarray | None:
     if not isinstance(feats, np.ndarray):
         out.add("error", path, "", "not a single .npy array")
         return None
-    if feats.ndim != 3:
-        out.add("error", path, "", f"expected shape (images, regions, dim), got {feats.shape}")
+    if feats.ndim != layout.count(",") + 1:
+        out.add("error", path, "", f"expected shape {layout}, got {feats.shape}")
         return None
     if feats.dtype not in (np.float16, np.float32):
         out.add("error", path, "", f"expected float16 or float32 features, got {feats.dtype}")
@@ -189,32 +220,129 @@ def _scan_features(path: Path, feats: np.ndarray, out: _Collector, chunk_rows: i
         out.add("warning", path, "", f"{n_zero} row(s) are all zeros (failed feature extraction?)")
 
 
-def _check_layout(split: str, root: Path, n_rows: int, n_caps: int, k: int, out: _Collector) -> np.ndarray | None:
-    """cap2img of the split (caption -> image index), or None when the counts do not fit any layout."""
+def _open_offsets(path: Path, frames_path: Path, n_frames: int | None, out: _Collector) -> tuple[np.ndarray | None, int | None]:
+    """(offsets when they can map frame rows to clips, else None; the clip count when known) — every problem
+    of `{split}_frame_offsets.npy` is reported; `where` is the 0-based index into the offsets array."""
+    if not path.is_file():
+        out.add("error", path, "", f"missing; {frames_path.name} needs it (N + 1 clip offsets into its frame rows)")
+        return None, None
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        out.add("error", path, "", f"not a readable .npy array, truncated or not plain numbers ({e})")
+        return None, None
+    if not isinstance(arr, np.ndarray) or arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        what = f"{arr.dtype} {arr.shape}" if isinstance(arr, np.ndarray) else "not a single array"
+        out.add("error", path, "", f"expected a 1-D integer array (N + 1 clip offsets), got {what}")
+        return None, None
+    return _check_offsets(path, frames_path, np.asarray(arr), n_frames, out)
+
+
+def _check_offsets(path: Path, frames_path: Path, arr: np.ndarray, n_frames: int | None,
+                   out: _Collector) -> tuple[np.ndarray | None, int | None]:  # fmt: skip
+    if len(arr) < 2:
+        out.add("error", path, "", f"needs at least 2 offsets (N + 1 for N clips), got {len(arr)}")
+        return None, None
+    off, n_clips, ok = arr.astype(np.int64), len(arr) - 1, True
+    if off[0] != 0:
+        out.add("error", path, " row 0", f"the first offset must be 0, got {off[0]}")
+        ok = False
+    if n_frames is not None and off[-1] != n_frames:
+        out.add("error", path, f" row {n_clips}", f"the last offset is {off[-1]} but {frames_path.name} has {n_frames} "
+                "frame rows")  # fmt: skip
+        ok = False
+    outside = np.nonzero((off < 0) | (off > (n_frames if n_frames is not None else np.iinfo(np.int64).max)))[0]
+    if len(outside):
+        i = int(outside[0])
+        out.add("error", path, f" row {i}", f"offset {off[i]} outside 0..{n_frames} (frame rows of {frames_path.name}; "
+                f"{len(outside)} such offset(s))")  # fmt: skip
+        ok = False
+    steps = np.diff(off)
+    for bad, what in ((steps < 0, "decrease"), (steps == 0, "empty")):
+        idx = np.nonzero(bad)[0]
+        if len(idx):
+            i = int(idx[0])
+            msg = (f"offsets decrease at clip {i} ({off[i]} then {off[i + 1]}; they must increase); {len(idx)} such clip(s)"
+                   if what == "decrease" else
+                   f"clip {i} has no frames (offsets[{i}] = offsets[{i + 1}] = {off[i]}); {len(idx)} empty clip(s)")  # fmt: skip
+            out.add("error", path, f" row {i}", msg)
+            ok = False
+    return (off if ok else None), n_clips
+
+
+def _scan_frames(path: Path, frames: np.ndarray, offsets: np.ndarray | None, out: _Collector, chunk_rows: int) -> None:
+    """NaN/inf and all-zero frame rows, chunk by chunk; a bad row is named with its clip when offsets are sound."""
+    bad_rows, zero_rows = [], []
+    for start in range(0, frames.shape[0], chunk_rows):
+        block = np.asarray(frames[start : start + chunk_rows])
+        bad_rows.append(start + np.nonzero(~np.isfinite(block).all(axis=1))[0])
+        zero_rows.append(start + np.nonzero((block == 0).all(axis=1))[0])
+    bad, zero = np.concatenate(bad_rows), np.concatenate(zero_rows)
+    if len(bad):
+        row = int(bad[0])
+        if offsets is not None:
+            clips = np.searchsorted(offsets, bad, side="right") - 1
+            c = int(clips[0])
+            out.add("error", path, f" row {row}", f"NaN or inf features in clip {c} (its frame {row - int(offsets[c])}); "
+                    f"{len(bad)} bad frame row(s) in {len(np.unique(clips))} clip(s) in all, first shown")  # fmt: skip
+        else:
+            out.add("error", path, f" row {row}", f"NaN or inf features ({len(bad)} bad frame row(s) in all, first "
+                    "shown; clips unknown while the offsets are broken)")  # fmt: skip
+    if len(zero):
+        where = ""
+        if offsets is not None:
+            where = f" in {len(np.unique(np.searchsorted(offsets, zero, side='right') - 1))} clip(s)"
+        out.add("warning", path, "", f"{len(zero)} frame row(s){where} are all zeros (failed feature extraction?)")
+
+
+def _check_frames(root: Path, split: str, chunk_rows: int, out: _Collector) -> tuple[dict, int | None]:
+    """(report info, clip count) of a video split: frames (F, D) + offsets (N + 1,), every problem reported."""
+    frames_path, offsets_path = root / f"{split}{FRAMES_SUFFIX}", root / f"{split}{OFFSETS_SUFFIX}"
+    info: dict = {}
+    frames = _open_features(frames_path, out, layout="(frames, dim)")
+    if frames is not None:
+        info["feature_shape"] = tuple(int(v) for v in frames.shape)
+    offsets, n_clips = _open_offsets(offsets_path, frames_path, None if frames is None else int(frames.shape[0]), out)
+    info["clips"] = n_clips  # None when the offsets cannot be read
+    if offsets is not None:
+        lengths = np.diff(offsets)
+        info["frames_per_clip"] = (int(lengths.min()), float(np.median(lengths)), int(lengths.max()))
+    if frames is not None:
+        _scan_frames(frames_path, frames, offsets, out, chunk_rows)
+    return info, n_clips
+
+
+UNITS = {"image row": ("image rows", "image", "rows"), "clip": ("clips", "clip", "clips")}
+
+
+def _check_layout(split: str, root: Path, n_rows: int, n_caps: int, k: int, out: _Collector,
+                  unit: str = "image row") -> np.ndarray | None:  # fmt: skip
+    """cap2img of the split (caption -> image or clip index), or None when the counts do not fit any layout."""
+    plural, per, such = UNITS[unit]
     caps_file, c2i_file = root / f"{split}_caps.txt", root / f"{split}_cap2img.txt"
     if c2i_file.is_file():
         c2i = _int_lines(c2i_file, out)
         if c2i is None:
             return None
         if len(c2i) != n_caps:
-            out.add("error", c2i_file, "", f"{len(c2i)} lines but {caps_file.name} has {n_caps} captions (one image row per caption)")
+            out.add("error", c2i_file, "", f"{len(c2i)} lines but {caps_file.name} has {n_caps} captions (one {unit} per caption)")
             return None
         bad = np.nonzero((c2i < 0) | (c2i >= n_rows))[0]
         for i in bad[:MAX_PER_KIND]:
-            out.add("error", c2i_file, f":{i + 1}", f"image row {c2i[i]} outside 0..{n_rows - 1}", "image row outside")
+            out.add("error", c2i_file, f":{i + 1}", f"{unit} {c2i[i]} outside 0..{n_rows - 1}", f"{unit} outside")
         if len(bad):
             return None
         missing = np.setdiff1d(np.arange(n_rows), c2i)
         if len(missing):
-            out.add("error", c2i_file, "", f"image row {missing[0]} has no caption ({len(missing)} such rows)")
+            out.add("error", c2i_file, "", f"{unit} {missing[0]} has no caption ({len(missing)} such {such})")
             return None
         return c2i
     if n_caps == n_rows * k:
         return np.arange(n_caps) // k
     if n_caps == n_rows and k > 1 and n_rows % k == 0:
         return np.arange(n_caps) // k
-    out.add("error", caps_file, "", f"{n_caps} captions do not fit {n_rows} image rows with {k} captions per image; "
-            f"add {c2i_file.name} (one image row per caption) for a variable number of captions")  # fmt: skip
+    out.add("error", caps_file, "", f"{n_caps} captions do not fit {n_rows} {plural} with {k} captions per {per}; "
+            f"add {c2i_file.name} (one {unit} per caption) for a variable number of captions")  # fmt: skip
     return None
 
 
@@ -222,16 +350,31 @@ def _check_split(root: Path, split: str, k: int, max_words: int, chunk_rows: int
                  report: DatasetReport) -> dict:  # fmt: skip
     info: dict = {}
     caps_file, ims_file, paths_file = root / f"{split}_caps.txt", root / f"{split}_ims.npy", root / f"{split}_images.txt"
-    feats = None
+    frames_file, unit = root / f"{split}{FRAMES_SUFFIX}", "image row"
+    feats, n_clips = None, None
+    if frames_file.is_file():
+        for other in (ims_file, root / f"{split}_ims_lengths.txt"):
+            if other.is_file():
+                out.add("error", other, "", f"a split holds either {other.name} or {frames_file.name} (clips of "
+                        "frames), not both; remove one")  # fmt: skip
     if ims_file.is_file():
         feats = _open_features(ims_file, out)
         if feats is not None:
             info["feature_shape"] = tuple(int(v) for v in feats.shape[1:])
             _scan_features(ims_file, feats, out, chunk_rows)
+    elif frames_file.is_file():
+        frame_info, n_clips = _check_frames(root, split, chunk_rows, out)
+        info.update(frame_info)
+        report.splits.setdefault(split, {})["_frames"] = True
+        unit = "clip"
     elif not paths_file.is_file():
-        out.add("error", ims_file, "", f"missing (and no {paths_file.name} either): split {split!r} has no images")
+        out.add("error", ims_file, "", f"missing (and no {frames_file.name} or {paths_file.name} either): split "
+                f"{split!r} has no images or clips")  # fmt: skip
     paths = _text_lines(paths_file, out) if paths_file.is_file() else None
-    n_rows = int(feats.shape[0]) if feats is not None else (len(paths) if paths is not None and not ims_file.is_file() else None)
+    if unit == "clip":
+        n_rows = n_clips
+    else:
+        n_rows = int(feats.shape[0]) if feats is not None else (len(paths) if paths is not None and not ims_file.is_file() else None)
     captions = None
     if not caps_file.is_file():
         out.add("error", caps_file, "", "missing (expected one caption per line)")
@@ -249,9 +392,9 @@ def _check_split(root: Path, split: str, k: int, max_words: int, chunk_rows: int
                             "by transformer text encoders)", "over-long caption")  # fmt: skip
     c2i = None
     if n_rows is not None and captions:
-        c2i = _check_layout(split, root, n_rows, len(captions), k, out)
+        c2i = _check_layout(split, root, n_rows, len(captions), k, out, unit)
     n_images = int(c2i.max()) + 1 if c2i is not None and len(c2i) else None
-    if c2i is not None:
+    if c2i is not None and unit == "image row":
         # the one-feature-row-per-caption layout has n_rows == n_caps but n_caps / k images
         info["images"] = n_images
     ids_file = root / f"{split}_ids.txt"
@@ -337,13 +480,15 @@ def check_dataset(data_dir: str | Path, splits: list[str] | None = None, caption
     if len({d[1] for d in dims.values()}) > 1:
         desc = ", ".join(f"{s} {d[1]}" for s, d in dims.items())
         out.add("error", root, "", f"feature size differs between splits ({desc}); a model fits one size")
-    if len({d[0] for d in dims.values()}) > 1:
-        desc = ", ".join(f"{s} {d[0]}" for s, d in dims.items())
+    regions = {s: d for s, d in dims.items() if not report.splits[s].get("_frames")}  # clips' F always differs
+    if len({d[0] for d in regions.values()}) > 1:
+        desc = ", ".join(f"{s} {d[0]}" for s, d in regions.items())
         out.add("warning", root, "", f"regions per image differ between splits ({desc})")
     _check_overlap(report, out)
     for s in report.splits.values():
         s.pop("_ids", None)
         s.pop("_paths", None)
+        s.pop("_frames", None)
     out.finish()
     return report
 
