@@ -79,6 +79,16 @@ def run_synthetic(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_wesnoth(args: argparse.Namespace) -> int:
+    from vsekit.data.wesnoth import build_wesnoth
+
+    manifest = build_wesnoth(args.out, source=args.source, campaigns=args.campaigns, descriptions=args.descriptions,
+                             all_takes=args.all_takes, overwrite=args.overwrite, progress=not args.no_progress)  # fmt: skip
+    sizes = {s: v["clips"] for s, v in manifest["splits"].items()}
+    print(f"wesnoth set ready in {args.out}: clips {sizes} (check it with: vse data check {args.out})")
+    return 0
+
+
 def run_relevance(args: argparse.Namespace) -> int:
     from vsekit.relevance import cache_location, split_relevance
 
@@ -179,3 +189,15 @@ def register(sub) -> None:
     rs.add_argument("--device", default="cpu")
     add_json_args(rs, "the shares and thresholds", path_form=True)
     rs.set_defaults(func=run_relevance_share)
+    wn = dsub.add_parser("wesnoth", help="build the Battle for Wesnoth unit-animation video-text set (docs/wesnoth.md)")
+    wn.add_argument("--out", required=True)
+    wn.add_argument("--source", help="a wesnoth-1.16-data .deb, an extracted package root or its data folder "
+                    "(default: an installed /usr/share/games/wesnoth/*/data, else `apt-get download`)")  # fmt: skip
+    wn.add_argument("--campaigns", action="store_true", help="also the unit types under data/campaigns/*/units")
+    wn.add_argument("--descriptions", action="store_true",
+                    help="add each unit's description as a second caption (shared by all its clips)")
+    wn.add_argument("--all-takes", action="store_true",
+                    help="keep in dev/test the clips whose caption repeats another clip's (dropped by default)")
+    wn.add_argument("--overwrite", action="store_true", help="replace the dataset in a non-empty --out")
+    wn.add_argument("--no-progress", action="store_true")
+    wn.set_defaults(func=run_wesnoth)
