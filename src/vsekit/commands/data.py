@@ -1,4 +1,5 @@
-"""`vse data openclipart | karpathy | show | check | synthetic | relevance | relevance-share`."""
+"""`vse data openclipart | karpathy | convert-video | moving-shapes | wesnoth | show | check | synthetic |
+relevance | relevance-share`."""
 
 from __future__ import annotations
 
@@ -76,6 +77,20 @@ def run_synthetic(args: argparse.Namespace) -> int:
         (out / "manifest.json").unlink(missing_ok=True)
     make_synthetic_precomp(args.out, n_train=args.n_train, seed=args.seed, variable_captions=args.variable_captions)
     print(f"wrote a synthetic precomp dataset to {args.out}")
+    return 0
+
+
+def run_moving_shapes(args: argparse.Namespace) -> int:
+    from vsekit.data.moving_shapes import SPLITS, build_moving_shapes
+
+    if len(args.clips) not in (1, 3):
+        raise VseInputError(f"--clips takes TRAIN or TRAIN DEV TEST clip counts, got {len(args.clips)} values")
+    counts = args.clips if len(args.clips) == 3 else [args.clips[0], max(1, args.clips[0] // 4), max(1, args.clips[0] // 4)]
+    clips = {s: n for s, n in zip(SPLITS, counts) if s in args.splits}
+    manifest = build_moving_shapes(args.out, clips=clips, frames=tuple(args.frames), captions=tuple(args.captions),
+                                   features=args.features, seed=args.seed, overwrite=args.overwrite,
+                                   progress=not args.no_progress, device=args.device)  # fmt: skip
+    print(f"moving-shapes set ready in {args.out}: {manifest['splits']}")
     return 0
 
 
@@ -189,6 +204,22 @@ def register(sub) -> None:
     rs.add_argument("--device", default="cpu")
     add_json_args(rs, "the shares and thresholds", path_form=True)
     rs.set_defaults(func=run_relevance_share)
+    ms = dsub.add_parser("moving-shapes", help="generate the moving-shapes video-text set (clips of frames; docs/video.md)")
+    ms.add_argument("--out", required=True)
+    ms.add_argument("--clips", type=int, nargs="+", default=[600, 150, 150], metavar="N",
+                    help="clips per split: TRAIN DEV TEST, or TRAIN alone (dev and test TRAIN/4 each)")
+    ms.add_argument("--frames", type=int, nargs=2, default=[6, 16], metavar=("MIN", "MAX"), help="frames per clip")
+    ms.add_argument("--captions", type=int, nargs=2, default=[5, 10], metavar=("MIN", "MAX"), help="captions per clip")
+    ms.add_argument("--features", choices=("efficientnet", "random-projection"), default="efficientnet",
+                    help="efficientnet: Lite0 grid averaged, 1280-d a frame; random-projection: a fixed random ReLU "
+                    "projection of the pixels, 256-d, no CNN (tests, smoke runs)")  # fmt: skip
+    ms.add_argument("--splits", nargs="+", choices=("train", "dev", "test"), default=["train", "dev", "test"],
+                    help="build only these (clip i of a split is the same whatever else is built)")
+    ms.add_argument("--seed", type=int, default=0)
+    ms.add_argument("--overwrite", action="store_true", help="replace the dataset in a non-empty --out")
+    ms.add_argument("--device", default="cpu", help="where the CNN runs (efficientnet features)")
+    ms.add_argument("--no-progress", action="store_true")
+    ms.set_defaults(func=run_moving_shapes)
     wn = dsub.add_parser("wesnoth", help="build the Battle for Wesnoth unit-animation video-text set (docs/wesnoth.md)")
     wn.add_argument("--out", required=True)
     wn.add_argument("--source", help="a wesnoth-1.16-data .deb, an extracted package root or its data folder "
