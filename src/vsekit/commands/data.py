@@ -59,22 +59,11 @@ def run_synthetic(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from vsekit.data.synthetic import SPLIT_FILES, SPLITS, make_synthetic_precomp
+    from vsekit.utils.io import prepare_dataset_dir
 
     if args.n_train < 1:  # checked before an --overwrite clears anything
         raise VseInputError(f"--n-train must be at least 1 (training images to generate), got {args.n_train}")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise VseInputError(f"{out}: exists and is not a folder; choose another --out")
-    if out.is_dir() and any(out.iterdir()):
-        if not args.overwrite:
-            raise VseInputError(f"{out}: exists and is not empty; nothing was written: choose a new or empty --out, "
-                             "or pass --overwrite to replace the dataset there")  # fmt: skip
-        # the files of the splits it writes, and those a previous dataset may have had beside them (a stale
-        # cap2img or picture list would otherwise be read with the new features); anything else stays
-        for split in SPLITS:
-            for suffix in SPLIT_FILES:
-                (out / f"{split}{suffix}").unlink(missing_ok=True)
-        (out / "manifest.json").unlink(missing_ok=True)
+    prepare_dataset_dir(Path(args.out), args.overwrite, SPLITS, SPLIT_FILES, ("manifest.json",))
     make_synthetic_precomp(args.out, n_train=args.n_train, seed=args.seed, variable_captions=args.variable_captions)
     print(f"wrote a synthetic precomp dataset to {args.out}")
     return 0

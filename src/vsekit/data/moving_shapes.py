@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from vsekit.errors import VseInputError
+from vsekit.utils.io import prepare_dataset_dir
 
 log = logging.getLogger(__name__)
 
@@ -313,17 +313,7 @@ def _check_args(clips: dict[str, int], frames: tuple[int, int], captions: tuple[
 
 def prepare_out_dir(out: Path, overwrite: bool) -> None:
     """Refuse a non-empty folder unless `overwrite`; then remove only the files a moving-shapes build writes."""
-    if out.exists() and not out.is_dir():
-        raise VseInputError(f"{out}: exists and is not a folder; choose another --out")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise VseInputError(f"{out}: exists and is not empty; nothing was written: choose a new or empty --out, "
-                                "or pass --overwrite to replace the dataset there")  # fmt: skip
-        for split in SPLITS:
-            for suffix in SPLIT_FILES:
-                (out / f"{split}{suffix}").unlink(missing_ok=True)
-        (out / "manifest.json").unlink(missing_ok=True)
-        shutil.rmtree(out / ".partial", ignore_errors=True)
+    prepare_dataset_dir(out, overwrite, SPLITS, SPLIT_FILES, ("manifest.json",), (".partial",))
 
 
 def build_moving_shapes(

@@ -41,6 +41,7 @@ import numpy as np
 from PIL import Image
 
 from vsekit.errors import SetupError, VseInputError
+from vsekit.utils.io import prepare_dataset_dir
 
 log = logging.getLogger(__name__)
 
@@ -1012,17 +1013,7 @@ def locate_source(source: str | Path | None = None, cache_dir: str | Path | None
 
 def prepare_out_dir(out: Path, overwrite: bool) -> None:
     """Refuse a non-empty folder unless `overwrite`; then remove only the files a Wesnoth build writes."""
-    if out.exists() and not out.is_dir():
-        raise VseInputError(f"{out}: exists and is not a folder; choose another --out")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise VseInputError(f"{out}: exists and is not empty; nothing was written: choose a new or empty --out, "
-                                "or pass --overwrite to replace the dataset there")  # fmt: skip
-        for split in SPLITS:
-            for suffix in SPLIT_FILES:
-                (out / f"{split}{suffix}").unlink(missing_ok=True)
-        for name in EXTRA_FILES:
-            (out / name).unlink(missing_ok=True)
+    prepare_dataset_dir(out, overwrite, SPLITS, SPLIT_FILES, EXTRA_FILES)
     out.mkdir(parents=True, exist_ok=True)
 
 

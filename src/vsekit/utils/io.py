@@ -128,3 +128,25 @@ def open_npy(path: Path, error: type[Exception] = VseInputError) -> np.ndarray:
         raise error(f"{path}: not a plain numeric .npy array ({e})") from e
     except (OSError, EOFError) as e:
         raise error(f"{path}: cannot be read as .npy ({e or type(e).__name__}; truncated?)") from e
+
+
+def prepare_dataset_dir(out: Path, overwrite: bool, splits: tuple[str, ...], split_files: tuple[str, ...],
+                        extra_files: tuple[str, ...] = (), extra_dirs: tuple[str, ...] = ()) -> None:  # fmt: skip
+    """Refuse a non-empty dataset folder unless `overwrite`; with it, remove only the files a builder writes
+    (`{split}{suffix}` for every split and suffix, `extra_files`, `extra_dirs`): a stale cap2img or picture
+    list of an earlier dataset would otherwise be read with the new features, and anything else stays."""
+    import shutil
+
+    if out.exists() and not out.is_dir():
+        raise VseInputError(f"{out}: exists and is not a folder; choose another --out")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise VseInputError(f"{out}: exists and is not empty; nothing was written: choose a new or empty --out, "
+                                "or pass --overwrite to replace the dataset there")  # fmt: skip
+        for split in splits:
+            for suffix in split_files:
+                (out / f"{split}{suffix}").unlink(missing_ok=True)
+        for name in extra_files:
+            (out / name).unlink(missing_ok=True)
+        for name in extra_dirs:
+            shutil.rmtree(out / name, ignore_errors=True)
