@@ -7,4 +7,8 @@ bash scripts/setup.sh
 # screenshots and other test artefacts (e.g. the search page in headless Chromium) land here
 export VSE_ARTIFACTS="${VSE_ARTIFACTS:-artifacts}"
 mkdir -p "$VSE_ARTIFACTS"
+# VSE_KERNELS="native default avx2": the suite once per CPU kernel level (scripts/test_kernels.sh)
+if [ -n "${VSE_KERNELS:-}" ]; then
+  exec bash scripts/test_kernels.sh "$@"
+fi
 .venv/bin/python -m pytest -q "$@"

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from vsekit.data.synthetic import make_synthetic_precomp
+from vsekit.datasets.synthetic import make_synthetic_precomp
 
 
 @pytest.fixture(autouse=True)
@@ -102,6 +102,21 @@ def brute_force_topk(queries: np.ndarray, db: np.ndarray, k: int) -> np.ndarray:
     """Exact top-k ids by inner product in float64 numpy (no FAISS): the ground truth for recall checks."""
     scores = np.asarray(queries, np.float64) @ np.asarray(db, np.float64).T
     return np.argsort(-scores, axis=1, kind="stable")[:, :k]
+
+
+def assert_topk_well_separated(queries: np.ndarray, db: np.ndarray, k: int) -> None:
+    """Precondition for comparing the top-k id *sets* of a float32 search with `brute_force_topk`'s exactly.
+
+    A float32 inner product of two (stored float32) vectors of norm <= 1 in d dimensions is off by at most
+    d·u (u = eps/2, any summation order, with or without FMA; Higham's γ_d bound), and a renormalisation of the
+    rows adds a few u. So when every query's k-th and (k+1)-th exact scores are more than (d + 4)·eps apart,
+    every float32 search (FAISS flat or IVF with every list visited, BLAS or SIMD, any CPU) returns the same
+    k ids, and equal sets / recall 1.0 hold by construction. Fails (naming the gap) when the data has a near-tie.
+    """
+    scores = np.sort(np.asarray(queries, np.float64) @ np.asarray(db, np.float64).T, axis=1)[:, ::-1]
+    gap = float((scores[:, k - 1] - scores[:, k]).min())
+    bound = (db.shape[1] + 4) * float(np.finfo(np.float32).eps)
+    assert gap > bound, f"top-{k} boundary gap {gap:.3g} <= float32 rounding bound {bound:.3g}: pick other data"
 
 
 def recall_vs(ids: np.ndarray, truth: np.ndarray) -> float:

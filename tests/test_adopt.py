@@ -1,3 +1,7 @@
+# Float comparisons: float32 losses of <= 8x8 similarity matrices against float64 Python formulas at rel 1e-5
+# (84 eps: a log-sum-exp over <= 8 terms of |s / tau| <= 10 rounds to a few eps; measured <= 1.5e-7 relative),
+# analytic bounds where tau -> 0 (abs 4 B tau log 2, atol 1e-3), and exact equality only where both sides are
+# the same ops on the same values (K from the logged gammas, all-zero inputs).
 import dataclasses
 import math
 

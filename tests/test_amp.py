@@ -1,5 +1,13 @@
 """The fast train-step paths: bf16 autocast, TF32 scope, torch.compile, no per-step host sync (with cheap
-NaN detection), length bucketing and device prefetching."""
+NaN detection), length bucketing and device prefetching.
+
+Float comparisons: bf16 autocast against float32 at rel 1e-2 (bf16 keeps 8 significant bits, a relative
+rounding of 2^-9 = 2e-3 per value; the loss sums many of them and their errors partly cancel: measured 1.2e-3);
+torch.compile (aot_eager) against eager at float32 tolerances (the same kernels, possibly decomposed: loss rel
+1e-5, weights after two AdamW steps rtol 1e-4 / atol 1e-6; measured identical); GPO's unpacked weights against
+the packed BiGRU (different sequence batching, 36 steps: a few tens of eps on O(0.1) weights, rtol 1e-5 /
+atol 1e-6 for values, rtol 1e-4 / atol 1e-6 for the gradients, measured <= 0.2 of it).
+"""
 
 from __future__ import annotations
 

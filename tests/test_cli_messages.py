@@ -16,7 +16,7 @@ import torch
 
 from vsekit.cli import main
 from vsekit.config import load_recipe
-from vsekit.data.synthetic import make_synthetic_precomp
+from vsekit.datasets.synthetic import make_synthetic_precomp
 from vsekit.metrics.retrieval import ranks_both, ranks_i2t, ranks_t2i
 from vsekit.training.trainer import Trainer
 
@@ -234,6 +234,7 @@ def test_bench_eval_sims_times_both_processes_and_checks_the_numbers(capsys):
     row = bench_eval_sims_process(n_images=30, repeats=1)
     assert row["eval_sims_s"] > 0 and row["minimal_s"] > 0
     assert row["ratio"] == pytest.approx(row["eval_sims_s"] / row["minimal_s"])
+    # both processes turn the same integer ranks into percentages with the same float64 formula: exactly equal
     assert row["max_abs_diff"] == 0.0 and 0 < row["rsum"] < 600
     assert main(["bench", "eval-sims", "--images", "20", "--repeats", "1"]) == 0
     out = capsys.readouterr().out

@@ -54,6 +54,10 @@ def _copy(run: Path, dest: Path) -> Path:
 
 
 def _same_weights(a: Path, b: Path) -> None:
+    # Bit-identity by construction: both runs are the same sequence of ops on tensors of the same shapes, with
+    # the same thread count (one), seeds and restored optimizer/RNG state, in processes that pick the same CPU
+    # kernels (same machine, same ATEN_CPU_CAPABILITY): CPU kernels are deterministic for a fixed shape and
+    # thread count, so no rounding can differ. (Runs with other batch shapes or thread counts would not be.)
     ta, tb = load_file(a), load_file(b)
     assert ta.keys() == tb.keys()
     for k in ta:

@@ -50,5 +50,5 @@ def test_bigru_recipes_use_the_released_weight_decay():
     without weight_decay, i.e. PyTorch's default 0.01; their CNN-backbone settings pass 1e-4 (docs/reproduce.md)."""
     for name in ("vse_infty", "vsepp", "vse_2ad", "avse"):
         r = load_recipe(name)
-        assert r.model.text.kind == "bigru" and r.optim.weight_decay == 0.01, name
+        assert r.model.text.kind == "bigru" and r.optim.weight_decay == 0.01, name  # a parsed literal: exact
     assert load_recipe("vse_infty_grid_e2e").optim.weight_decay == 1e-4

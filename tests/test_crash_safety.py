@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 import vsekit.training.checkpoint as ckpt_mod
 from vsekit.config import load_recipe
-from vsekit.data.synthetic import make_synthetic_precomp
+from vsekit.datasets.synthetic import make_synthetic_precomp
 from vsekit.training.checkpoint import CheckpointError, load_run, read_checkpoint_set
 from vsekit.training.trainer import Trainer
 
@@ -54,6 +54,10 @@ def _train_records(run: Path) -> list[tuple]:
 
 
 def _same_weights(a: Path, b: Path) -> None:
+    # Bit-identity by construction: both runs are the same sequence of ops on tensors of the same shapes, with
+    # the same thread count (one), seeds and restored optimizer/RNG state, in processes that pick the same CPU
+    # kernels (same machine, same ATEN_CPU_CAPABILITY): CPU kernels are deterministic for a fixed shape and
+    # thread count, so no rounding can differ. (Runs with other batch shapes or thread counts would not be.)
     ta, tb = load_file(a), load_file(b)
     assert ta.keys() == tb.keys()
     for k in ta:

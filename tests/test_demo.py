@@ -3,8 +3,8 @@ import json
 import pytest
 
 from vsekit.config import load_recipe
-from vsekit.data.openclipart import CAPTION_RULES, RENDER_VERSION
-from vsekit.data.synthetic import make_synthetic_precomp
+from vsekit.datasets.openclipart import CAPTION_RULES, RENDER_VERSION
+from vsekit.datasets.synthetic import make_synthetic_precomp
 from vsekit.demo import VARIANTS, dataset_outdated, demo_overrides, results_table, run_demo
 
 

@@ -8,6 +8,10 @@ with ties everywhere.
 
 Tie rule under test: higher score first, equal scores in index order (column for i2t, row for t2i), i.e.
 what `np.argsort(-s, kind="stable")` gives; -0.0 and 0.0 are equal scores.
+
+Float comparisons are exact (`assert_same`, `==`): both sides feed the package's own metric code the same
+ranked id lists, and those lists depend only on comparisons of the given scores (no arithmetic on them), so
+no CPU kernel can change a number; the tie matrix holds exact multiples of 0.5.
 """
 
 from __future__ import annotations
@@ -274,7 +278,7 @@ def test_eval_run_eccv_end_to_end(tmp_path, capsys, package):
     import torch
 
     from vsekit.config import load_recipe
-    from vsekit.data.synthetic import make_synthetic_precomp
+    from vsekit.datasets.synthetic import make_synthetic_precomp
     from vsekit.training.trainer import Trainer
 
     torch.set_num_threads(1)

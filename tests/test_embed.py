@@ -105,6 +105,13 @@ def test_killed_run_resumes_without_recomputing_finished_chunks(shapes_model, sp
     import vsekit.search.embed as embed_mod
 
     data, run = shapes_model
+    # Byte-identical by construction: every chunk is encoded in batches that start at its own first row
+    # (`index.chunk_batches`), whatever was finished before, so the killed run, its resumption and the
+    # uninterrupted reference feed the model exactly the same tensors, in float32 products of the same shapes.
+    # The thread count must match too: a float32 GEMM's rounding depends on how its work is split over
+    # threads (on AVX-512 CPUs 1 and 2 threads give different last bits), and `split_embeddings` was made
+    # on one thread (conftest's autouse fixture gives each test two).
+    torch.set_num_threads(1)
     out = tmp_path / "out"
     real = embed_mod.write_chunk
     written = []

@@ -2,6 +2,8 @@
 
 Every expected value is written out by hand (offsets, frame counts, caption maps) or is the input array
 itself, never recomputed with the code under test's own formula.
+
+Float arrays are compared exactly: they are written and read back (or concatenated) without arithmetic.
 """
 
 import io
@@ -15,7 +17,7 @@ from vsekit.cli import main
 from vsekit.data.frames import RaggedFrames, load_frames, write_frames
 from vsekit.data.precomp import DataFormatError, load_precomp_split
 from vsekit.data.validate import check_dataset, check_split_features
-from vsekit.data.video_convert import VideoConvertError, convert_video
+from vsekit.datasets.video_convert import VideoConvertError, convert_video
 from vsekit.errors import MissingPackageError
 
 # three clips of 3, 1 and 2 frames, 4 wide: frame rows 0-2, 3, 4-5

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from vsekit.cli import main
 from vsekit.config import ConfigError, load_recipe, parse_override, recipe_from_dict, to_dict
 from vsekit.data.precomp import DataFormatError, load_precomp_split
-from vsekit.data.synthetic import make_synthetic_precomp
 from vsekit.data.validate import check_dataset
+from vsekit.datasets.synthetic import make_synthetic_precomp
 from vsekit.metrics import evaluate_sims
 
 FUZZ = settings(max_examples=40, deadline=None, database=None, derandomize=True,
@@ -205,7 +205,7 @@ def test_rank_does_not_depend_on_the_order_of_tied_scores(n_img, per, seed):
 def test_constant_similarities_do_not_score_perfect_recall():
     """Ties rank pessimistically: a collapsed model gets the worst ranks, not a perfect score."""
     m = evaluate_sims(np.zeros((10, 50), dtype=np.float32), np.arange(50) // 5)
-    assert m["i2t_r10"] == 0.0 and m["t2i_r5"] == 0.0
+    assert m["i2t_r10"] == 0.0 and m["t2i_r5"] == 0.0  # recalls are 100 x counts / n: exact here
     assert m["rsum"] == 100.0  # only t2i R@10: with 10 images the worst rank (9) is still inside the top 10
     assert m["t2i_medr"] == 10 and m["i2t_medr"] == 46  # 9 other images; 45 other captions above the tie
 

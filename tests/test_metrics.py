@@ -1,3 +1,6 @@
+# Float comparisons: recalls / medr / meanr are float64 arithmetic on integer ranks (100 x count / n, means),
+# which are counts of comparisons of the given scores: exact where the value is a short binary fraction,
+# pytest.approx (rel 1e-6) where it is a mean.
 import numpy as np
 import pytest
 

@@ -1,4 +1,10 @@
-"""AVSE multi-view image encoder, the view regulariser, and a tiny AVSE model trained end to end."""
+"""AVSE multi-view image encoder, the view regulariser, and a tiny AVSE model trained end to end.
+
+Float comparisons: encodings of the same image alone or reordered in a batch are O(0.3) entries of unit views
+from sums of <= 10 float32 terms: rtol 1e-5 / atol 1e-6 (>= 30 eps of them); same input, same generator ->
+identical (default tolerances); regularisers against float64 by hand at rel 1e-5 (column norms and dots of
+<= 32 rows: a few tens of eps at most).
+"""
 
 import dataclasses
 import json
@@ -7,17 +13,11 @@ import numpy as np
 import pytest
 import torch
 
+from vsekit.bench.view_reg import grad_norm_ratio, random_grad_ratios, view_reg_grad_ratio
 from vsekit.cli import main
 from vsekit.config import ImageEncoderConfig, LossConfig, PoolingConfig, load_recipe
 from vsekit.losses import create_loss
-from vsekit.losses.view_reg import (
-    ViewRegularisedLoss,
-    cross_correlation,
-    grad_norm_ratio,
-    random_grad_ratios,
-    view_reg_grad_ratio,
-    view_regulariser,
-)
+from vsekit.losses.view_reg import ViewRegularisedLoss, cross_correlation, view_regulariser
 from vsekit.models.multiview import MultiViewImageEncoder, kept_count, view_groups
 from vsekit.training.trainer import Trainer
 
@@ -111,7 +111,7 @@ def test_view_regulariser_diagonal_reaches_zero_only_in_paper_variant():
     c = cross_correlation(v, 2.0 * v)
     torch.testing.assert_close(c.diagonal(), torch.ones(6))
     reg0 = view_regulariser(views, offdiag=0.0)
-    assert reg0.abs() < 1e-9  # diagonal term at its minimum
+    assert reg0.abs() < 1e-9  # diagonal term at its minimum: (1 - c_ii)^2 with c_ii = 1 +- 32 eps: < 1e-10
     off = c.pow(2).sum() - c.diagonal().pow(2).sum()
     torch.testing.assert_close(view_regulariser(views, offdiag=0.5), 0.5 * off)
     ref = view_regulariser(views, offdiag=0.0, variant="reference")
@@ -131,20 +131,15 @@ def test_view_regulariser_gradients_pull_views_together():
 
 
 def test_create_loss_wraps_with_regulariser_and_needs_views():
-    loss_fn = create_loss(LossConfig(name="triplet", view_reg_weight=2.0, view_reg_variant="paper"))
+    cfg = LossConfig(name="triplet", view_reg_weight=2.0, view_reg_variant="paper")
+    loss_fn = create_loss(cfg, image_views=2)
     assert isinstance(loss_fn, ViewRegularisedLoss)
     assert not isinstance(create_loss(LossConfig(name="triplet")), ViewRegularisedLoss)
-
-    class FakeModel(torch.nn.Module):
-        def __init__(self, views):
-            super().__init__()
-            self.image_encoder = torch.nn.Module()
-            self.image_encoder.views = views
 
     g = torch.Generator().manual_seed(0)
     sims = torch.randn(4, 4, generator=g)
     emb = torch.randn(4, 16, generator=g)
-    total, diag = loss_fn(sims, image_ids=torch.arange(4), warmup=False, image_emb=emb, model=FakeModel(2))
+    total, diag = loss_fn(sims, image_ids=torch.arange(4), warmup=False, image_emb=emb)
     # independent values: VSE++ hardest-negative hinge and Eq. 3-4 by brute force in numpy
     s = sims.double().numpy()
     cost_cap = np.maximum(0.0, 0.2 + s - s.diagonal()[:, None])  # image i -> caption j
@@ -161,7 +156,7 @@ def test_create_loss_wraps_with_regulariser_and_needs_views():
     assert float(diag["view_reg"]) == pytest.approx(reg, rel=1e-5)
     assert float(total) == pytest.approx(triplet + 2.0 * reg, rel=1e-5)
     with pytest.raises(ValueError, match="multi-view"):
-        loss_fn(sims, image_ids=torch.arange(4), image_emb=emb, model=FakeModel(1))
+        create_loss(cfg)(sims, image_ids=torch.arange(4), image_emb=emb)  # one view: nothing to regularise
 
 
 TINY = ["model.embed_dim=32", "model.text.word_dim=16", "train.batch_size=32", "train.log_every=0",
@@ -205,19 +200,13 @@ def test_reference_regulariser_divides_by_batch_against_a_hand_computation():
     reg = sum((c[i, i] - 1) ** 2 for i in range(4)) + 0.0051 * sum(
         c[i, j] ** 2 for i in range(4) for j in range(4) if i != j
     )
-    assert float(view_regulariser(emb.reshape(6, 2, 4), variant="reference")) == pytest.approx(reg, rel=1e-6)
+    assert float(view_regulariser(emb.reshape(6, 2, 4), variant="reference")) == pytest.approx(reg, rel=1e-5)
     paper = float(view_regulariser(emb.reshape(6, 2, 4), variant="paper"))
     assert paper != pytest.approx(reg, rel=1e-3)  # the /B matters
 
-    class FakeModel(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.image_encoder = torch.nn.Module()
-            self.image_encoder.views = 2
-
     sims = torch.randn(6, 6, generator=g)
-    loss_fn = create_loss(dataclasses.replace(r.loss, mask_same_image=False))
-    total, diag = loss_fn(sims, image_ids=torch.arange(6), warmup=False, image_emb=emb, model=FakeModel())
+    loss_fn = create_loss(dataclasses.replace(r.loss, mask_same_image=False), image_views=2)
+    total, diag = loss_fn(sims, image_ids=torch.arange(6), warmup=False, image_emb=emb)
     base, _ = create_loss(LossConfig(name="triplet", mask_same_image=False))(sims, warmup=False)
     assert float(diag["view_reg"]) == pytest.approx(reg, rel=1e-5)
     assert float(total) == pytest.approx(float(base) + r.loss.view_reg_weight * reg, rel=1e-5)

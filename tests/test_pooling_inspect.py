@@ -1,3 +1,5 @@
+# Float comparisons: profiles are float64 statistics of float32 softmax weights: 1/49 rounded once (rel 1e-6
+# holds with 8 eps to spare) and <= 12 weights summing to 1 within (12 + 1) eps.
 import json
 
 import pytest
@@ -29,7 +31,7 @@ def test_zero_scorer_is_average_pooling_and_a_peaked_one_is_not():
     assert (image.encoder, image.length, text.encoder, text.length) == ("image_encoder", 49, "text_encoder", 12)
     assert image.effective_positions == pytest.approx(49.0)
     assert image.distance_from_average == pytest.approx(0.0, abs=1e-6)
-    assert sum(text.weights) == pytest.approx(1.0)
+    assert sum(text.weights) == pytest.approx(1.0, abs=13 * float(torch.finfo(torch.float32).eps))
     assert text.effective_positions < 11.0 and text.distance_from_average > 0.05
     assert m.training and m.text_encoder.pool.training  # inspection leaves the train/eval mode as it was
 

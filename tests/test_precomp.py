@@ -1,3 +1,5 @@
+# Float arrays are compared after a write / memory-mapped read without arithmetic: exact (allclose's
+# tolerances are never used).
 import numpy as np
 import pytest
 

@@ -47,7 +47,7 @@ def test_convert_then_read_pixels_with_train_and_eval_transforms(karpathy, tmp_p
     src_eval = PixelSource(split, image_size=32, augment=False)
     x = src_eval.load(1, None)
     assert x.shape == (3, 32, 32)
-    assert np.allclose(x.numpy(), src_eval.load(1, None).numpy())  # eval: deterministic resize
+    assert np.allclose(x.numpy(), src_eval.load(1, None).numpy())  # eval: deterministic resize (the same ops)
     src_train = PixelSource(split, image_size=32, augment=True)
     a = src_train.load(1, np.random.default_rng(0))
     b = src_train.load(1, np.random.default_rng(0))

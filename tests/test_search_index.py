@@ -1,4 +1,11 @@
-"""`vse index` / `vse search`: a model trained on features indexes raw pictures, resumes, adds, re-ranks."""
+"""`vse index` / `vse search`: a model trained on features indexes raw pictures, resumes, adds, re-ranks.
+
+Float comparisons: embeddings and scores of the same model through other paths (raw pixels vs stored features,
+FAISS vs the evaluation's matmul, other batches) are float32 cosines of unit vectors, <= (d + 4) eps apart per
+path (d <= 64: atol 1e-5; 1e-4 through the CNN extractor); FAISS top-k id sets / recall 1.0 are compared
+exactly only behind `assert_topk_well_separated`, and ranks only where no score is within the paths' difference
+of the caption's own picture's.
+"""
 
 import json
 import shutil
@@ -7,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import brute_force_topk, recall_vs, spy_search_ids
+from conftest import assert_topk_well_separated, brute_force_topk, recall_vs, spy_search_ids
 from vsekit.cli import main
 from vsekit.data.precomp import DataFormatError
 from vsekit.search.engine import SearchEngine
@@ -90,6 +97,7 @@ def test_incremental_add_skips_known_pictures(shapes_model, tmp_path):
     assert sorted(p.name for p in out.glob("*.faiss")) == ["captions.g2.faiss", "images.g2.faiss"]
     # the added pictures embed exactly as in an index of their own, and their captions point at them
     build_index(run, f"{data}:dev", tmp_path / "dev", progress=False, log=quiet)
+    # the same pictures in the same batches (`chunk_batches`): the same ops on the same shapes, identical
     np.testing.assert_allclose(idx.all_image_emb()[24:], SearchIndex(tmp_path / "dev").all_image_emb(), atol=1e-6)
     assert all(idx.pictures[c["image"]]["path"].startswith("images/dev_") for c in idx.captions[48:])
     hits = SearchEngine.open(out).search_text("a green square", 3)
@@ -122,6 +130,7 @@ def test_interrupted_indexing_resumes_from_finished_chunks(shapes_model, tmp_pat
     assert not (tmp_path / "idx" / ".work").exists()
     monkeypatch.setattr(index_mod, "embed_features", real)
     build_index(run, f"{data}:test", tmp_path / "ref", **kw)
+    # reused chunks keep their batches (`chunk_batches`): the same ops on the same shapes as a fresh build
     np.testing.assert_allclose(SearchIndex(tmp_path / "idx").all_image_emb(), SearchIndex(tmp_path / "ref").all_image_emb(), atol=1e-6)
 
 
@@ -261,6 +270,7 @@ def test_faiss_kinds_recall_against_exact():
         return np.mean([len(set(a) & set(b)) / 10 for a, b in zip(ids, truth)])
 
     ivf_all = build_faiss(x, FaissParams("ivf", nlist=64, nprobe=64))
+    assert_topk_well_separated(q, x, 10)  # so IVF over every list and the flat index agree on any CPU
     assert recall(ivf_all) == 1.0  # visiting every list is exact
     ivf_one = build_faiss(x, FaissParams("ivf", nlist=64, nprobe=1))
     assert recall(ivf_one) < recall(build_faiss(x, FaissParams("ivf", nlist=64, nprobe=8)))
@@ -329,6 +339,7 @@ def test_bench_search_measures_recall_against_exact(monkeypatch):
     data = ClusteredVectors(32, 60, 1.0, seed=0)
     truth = brute_force_topk(data.queries(40), np.concatenate(list(data.chunks(3000, 700))), 10)
     assert len(seen) == len(res["rows"]) == 7
+    assert_topk_well_separated(data.queries(40), np.concatenate(list(data.chunks(3000, 700))), 10)
     assert [set(r) for r in seen[0]] == [set(t) for t in truth[:10]]  # the flat index is exact
     for row, ids in zip(res["rows"], seen):
         assert row["recall_at_k"] == pytest.approx(recall_vs(ids, truth[: len(ids)]), abs=1e-4), row
@@ -399,7 +410,12 @@ def test_index_scores_equal_the_evaluation_similarities(shapes_model, split_inde
         for pid, score in hits:
             found[pid, c] = score
     np.testing.assert_allclose(found, sims, atol=1e-5)
-    np.testing.assert_array_equal(ranks_t2i(found, split.cap2img), ranks_t2i(sims, split.cap2img))
+    # a rank counts pictures scoring >= the caption's own picture: the two paths (<= 1e-5 apart) can only
+    # disagree where another picture scores within 2e-5 of it, so ranks are compared at every other caption
+    own = sims[split.cap2img, np.arange(sims.shape[1])]
+    near_tie = (np.abs(sims - own[None, :]) <= 2e-5).sum(0) > 1  # the own picture counts once
+    assert near_tie.mean() < 0.1, near_tie.mean()
+    np.testing.assert_array_equal(ranks_t2i(found, split.cap2img)[~near_tie], ranks_t2i(sims, split.cap2img)[~near_tie])
 
 
 def test_ivfpq_parameters_follow_the_documented_rule():

@@ -160,7 +160,7 @@ def test_rate_limit_answers_429_with_retry_after_and_refills(engine):
     assert len(engine.asked) == 3  # refused requests never reach the engine
     now = [0.0]
     bucket = RateLimiter(rate=2.0, burst=2, max_clients=2, clock=lambda: now[0])
-    assert [bucket.allow("a") for _ in range(3)] == [0.0, 0.0, 0.5]
+    assert [bucket.allow("a") for _ in range(3)] == [0.0, 0.0, 0.5]  # token arithmetic on binary fractions: exact
     now[0] = 0.5  # one token back after 1 / rate seconds
     assert bucket.allow("a") == 0.0 and bucket.allow("a") > 0
     bucket.allow("b"), bucket.allow("c")

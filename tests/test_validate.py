@@ -9,8 +9,8 @@ import torch
 from vsekit.cli import main
 from vsekit.config import load_recipe
 from vsekit.data.precomp import DataFormatError
-from vsekit.data.synthetic import make_synthetic_precomp
 from vsekit.data.validate import check_dataset, discover_splits
+from vsekit.datasets.synthetic import make_synthetic_precomp
 from vsekit.training.trainer import Trainer
 
 

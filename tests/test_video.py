@@ -1,5 +1,9 @@
 """Video–text retrieval: the protocol with 20 captions a clip, the moving-shapes generator, and training,
-evaluation, ensembles and search over clips (the frames layout) end to end."""
+evaluation, ensembles and search over clips (the frames layout) end to end.
+
+Float comparisons: recalls are counts (exact, or pytest.approx for thirds); an ensemble is the float32 mean
+of two runs' identically recomputed similarities (<= 1/2 ulp of values <= 1 from the float64 mean: atol 1e-6).
+"""
 
 from __future__ import annotations
 
@@ -13,8 +17,8 @@ import torch
 from vsekit.cli import main
 from vsekit.config import load_recipe
 from vsekit.data.frames import load_frames
-from vsekit.data.moving_shapes import SHAPE_WORDS, VERBS, build_moving_shapes
 from vsekit.data.precomp import load_precomp_split
+from vsekit.datasets.moving_shapes import SHAPE_WORDS, VERBS, build_moving_shapes
 from vsekit.errors import VseInputError
 from vsekit.metrics import evaluate_sims
 

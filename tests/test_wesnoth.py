@@ -11,7 +11,7 @@ from PIL import Image
 
 from vsekit.data.frames import load_frames
 from vsekit.data.validate import check_dataset
-from vsekit.data.wesnoth import (
+from vsekit.datasets.wesnoth import (
     assign_splits,
     build_wesnoth,
     collect_macros,
@@ -383,7 +383,7 @@ def test_build_end_to_end(tree: Path, tmp_path: Path):
     assert "GPL-2.0-or-later" in (out / "README.md").read_text()
     # the same frame sprite gives the same feature row wherever it is used
     dev = np.asarray(frames.frames, dtype=np.float32)
-    assert np.array_equal(dev[0], dev[2])  # pikeman-1.png first and last
+    assert np.array_equal(dev[0], dev[2])  # pikeman-1.png first and last (one frame at a time: the same ops)
     with pytest.raises(VseInputError, match="--overwrite"):
         build_wesnoth(out, source=tree, extractor=MeanColour(), progress=False)
     again = build_wesnoth(out, source=tree, extractor=MeanColour(), progress=False, overwrite=True)

@@ -130,7 +130,7 @@ OPPOSITE = {"left": "right", "right": "left", "up": "down", "down": "up", "grow"
 
 def phrase(e: dict, action: str | None = None) -> str:
     """One canonical wording of an event (first synonym of the shape and of the verb)."""
-    from vsekit.data.moving_shapes import SHAPE_WORDS, VERBS
+    from vsekit.datasets.moving_shapes import SHAPE_WORDS, VERBS
 
     art = "an" if e["color"][0] in "aeiou" else "a"
     return f"{art} {e['color']} {SHAPE_WORDS[e['shape']][0]} {VERBS[action or e['action']][0]}"

@@ -112,7 +112,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    from vsekit.commands.argtypes import OptionValueError
+
+    try:
+        args = parser.parse_args(argv)
+    except OptionValueError as e:  # a numeric option out of range: refused before anything is loaded
+        if debug_enabled():
+            raise
+        print(f"{e.command}: error: {e}", file=sys.stderr)
+        return 2
     configure_logging(getattr(args, "vse_log_level", None) or logging.INFO)
     try:
         if getattr(args, "device", None) is not None:  # every verb's --device, before anything is loaded
@@ -128,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
                 result = args.func(args)
         else:
             result = args.func(args)
+        sys.stdout.flush()  # a reader that went away (`| head -1`) shows here, not at interpreter exit
+    except BrokenPipeError:
+        return _stdout_closed()
     except (*EXPECTED_ERRORS, FloatingPointError, CliError) as e:
         if debug_enabled():
             raise
@@ -150,6 +161,18 @@ def main(argv: list[str] | None = None) -> int:
               "rerun with VSE_DEBUG=1 for the full traceback and report it", file=sys.stderr)  # fmt: skip
         return 1
     return int(result or 0)
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (`vse recipes NAME | head -1`): stop quietly, as the Python docs' "Note on
+    SIGPIPE" says: stdout now goes to devnull, so the interpreter's last flush cannot fail again; exit 1."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # a stdout without a file descriptor (captured in tests)
+        pass
+    return 1
 
 
 def _out_of_memory(args: argparse.Namespace, e: BaseException) -> int:

@@ -474,10 +474,9 @@ def _validate_numbers(r: Recipe) -> None:
     """Values the model, loss and optimiser would otherwise refuse late, with torch's words or not at all."""
     if not 0 < r.optim.lr < math.inf:  # `not <` also refuses NaN; torch says only "Invalid learning rate"
         raise ConfigError(f"optim.lr={r.optim.lr}: the learning rate must be a positive finite number")
-    if r.optim.weight_decay < 0:
-        raise ConfigError(f"optim.weight_decay={r.optim.weight_decay}: must be >= 0")
-    if r.loss.name in ("adopt", "infonce") and not r.loss.temperature > 0:
+    if r.loss.name in ("adopt", "infonce") and not 0 < r.loss.temperature < math.inf:
         raise ConfigError(f"loss.temperature={r.loss.temperature}: must be positive")
+    _validate_ranges(r)
     if r.loss.adopt_zero_fill_negatives and r.loss.adopt_variant != "reference":
         raise ConfigError("loss.adopt_zero_fill_negatives=true reproduces the released code: it needs "
                           "loss.adopt_variant=reference")  # fmt: skip
@@ -502,3 +501,70 @@ def _validate_numbers(r: Recipe) -> None:
     from vsekit.errors import check_device_name
 
     check_device_name(r.train.device, "train.device (--device)", ConfigError)
+
+
+# (rule, test) of `_validate_ranges`; every test is False for NaN
+_RANGES = {
+    ">= 0 and finite": lambda v: 0 <= v < math.inf,
+    "a positive finite number": lambda v: 0 < v < math.inf,
+    "a finite number": lambda v: -math.inf < v < math.inf,
+    "in [0, 1]": lambda v: 0 <= v <= 1,
+    "in (0, 1]": lambda v: 0 < v <= 1,
+    ">= 0": lambda v: v >= 0,
+    ">= 1": lambda v: v >= 1,
+    ">= -1 (-1: every stage)": lambda v: v >= -1,
+    "in -2**63 .. 2**64-1 (torch's seed range)": lambda v: -(2**63) <= v < 2**64,
+    "in 0 .. 2**64-1 (numpy's seed range)": lambda v: 0 <= v < 2**64,
+}
+
+
+def _validate_ranges(r: Recipe) -> None:
+    """Numbers with an obvious range (margins, rates, probabilities, counts, sizes), checked when the recipe
+    is built: `--set loss.margin=inf` is refused naming the key, not after an epoch of NaN losses."""
+    m, img, txt, loss, d, o, t = r.model, r.model.image, r.model.text, r.loss, r.data, r.optim, r.train
+    checks: list[tuple[str, Any, str]] = [
+        ("loss.margin", loss.margin, ">= 0 and finite"),
+        ("loss.warmup_epochs", loss.warmup_epochs, ">= 0"),
+        ("loss.adopt_scale", loss.adopt_scale, "a positive finite number"),
+        ("loss.view_reg_weight", loss.view_reg_weight, ">= 0 and finite"),
+        ("loss.view_reg_offdiag", loss.view_reg_offdiag, ">= 0 and finite"),
+        *((f"loss.ladder_margins[{i}]", v, ">= 0 and finite") for i, v in enumerate(loss.ladder_margins)),
+        *((f"loss.ladder_weights[{i}]", v, ">= 0 and finite") for i, v in enumerate(loss.ladder_weights)),
+        *((f"loss.ladder_thresholds[{i}]", v, "a finite number") for i, v in enumerate(loss.ladder_thresholds)),
+        ("optim.weight_decay", o.weight_decay, ">= 0 and finite"),
+        ("optim.lr_decay", o.lr_decay, "a positive finite number"),
+        *((f"optim.lr_decay_epochs[{i}]", v, ">= 0") for i, v in enumerate(o.lr_decay_epochs)),
+        ("optim.grad_clip", o.grad_clip, ">= 0 and finite"),
+        ("train.eval_batch_size", t.eval_batch_size, ">= 1"),
+        ("train.log_every", t.log_every, ">= 0"),
+        ("train.checkpoint_every", t.checkpoint_every, ">= 0"),
+        ("train.seed", t.seed, "in -2**63 .. 2**64-1 (torch's seed range)"),
+        ("data.val_max_images", d.val_max_images, ">= 0"),
+        ("data.captions_per_image", d.captions_per_image, ">= 1"),
+        ("data.region_keep_prob", d.region_keep_prob, "in (0, 1]"),
+        ("data.grid_drop_max", d.grid_drop_max, "in [0, 1]"),
+        ("data.text_augment_prob", d.text_augment_prob, "in [0, 1]"),
+        ("data.num_workers", d.num_workers, ">= 0"),
+        ("model.image.mlp_hidden", img.mlp_hidden, ">= 1"),
+        ("model.image.image_size", img.image_size, ">= 1"),
+        ("model.image.backbone_frozen_epochs", img.backbone_frozen_epochs, ">= 0"),
+        ("model.image.backbone_trainable_blocks", img.backbone_trainable_blocks, ">= -1 (-1: every stage)"),
+        ("model.image.backbone_lr_mult", img.backbone_lr_mult, ">= 0 and finite"),
+        ("model.text.word_dim", txt.word_dim, ">= 1"),
+        ("model.text.num_layers", txt.num_layers, ">= 1"),
+        ("model.text.vocab_min_count", txt.vocab_min_count, ">= 0"),
+        ("model.text.lr_mult", txt.lr_mult, ">= 0 and finite"),
+        ("model.text.frozen_cache_mb", txt.frozen_cache_mb, ">= 0"),
+        ("model.text.max_tokens", txt.max_tokens, ">= 1"),
+        ("model.text.length_sorted_chunk", txt.length_sorted_chunk, ">= 0"),
+        ("model.text.head_mlp_hidden", txt.head_mlp_hidden, ">= 1"),
+        ("model.similarity.temperature", m.similarity.temperature, "a positive finite number"),
+        ("model.similarity.dustbin_init", m.similarity.dustbin_init, "a finite number"),
+    ]
+    if d.train_fraction < 1.0:  # the subset's draw: numpy refuses a negative seed
+        checks.append(("data.train_subset_seed", d.train_subset_seed, "in 0 .. 2**64-1 (numpy's seed range)"))
+    for key, pool in (("model.image.pooling", img.pooling), ("model.text.pooling", txt.pooling)):
+        checks.append((f"{key}.temperature", pool.temperature, "a positive finite number"))
+    for key, value, rule in checks:
+        if not _RANGES[rule](value):
+            raise ConfigError(f"{key}={value}: must be {rule}")

@@ -75,7 +75,7 @@ def dataset_outdated(data_dir: Path) -> str | None:
     The demo reuses a built set; one built by an older vsekit (other caption rules or rendering) still
     trains, but its numbers will not match the README's table, so the user is told how to refresh it.
     """
-    from vsekit.data.openclipart import CAPTION_RULES, RENDER_VERSION
+    from vsekit.datasets.openclipart import CAPTION_RULES, RENDER_VERSION
 
     manifest_file = data_dir / "manifest.json"
     try:
@@ -201,7 +201,7 @@ def run_demo(data_dir: str | Path = "data/openclipart", out_dir: str | Path = "r
             raise VseInputError(f"unknown demo variant(s) {sorted(unknown)}; choose from {[v.name for v in VARIANTS]}")
     t_start = time.perf_counter()
     if not dataset_ready(data_dir):
-        from vsekit.data.openclipart import build_openclipart
+        from vsekit.datasets.openclipart import build_openclipart
 
         logger.info("building the openclipart set in %s (one time, a few minutes)…", data_dir)
         build_openclipart(data_dir)

@@ -65,8 +65,11 @@ def _sentence_model(path: str, device: str):
     """Tokenizer and eval-mode encoder, loaded once per process (frozen: nothing ever trains it)."""
     from transformers import AutoModel, AutoTokenizer
 
+    from vsekit.models.text import library_progress_bars
+
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModel.from_pretrained(path, local_files_only=True).to(device).eval()
+    with library_progress_bars():  # no "Loading weights" bar under `vse -q`
+        model = AutoModel.from_pretrained(path, local_files_only=True).to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
     return tok, model
@@ -328,3 +331,22 @@ def split_pair_relevance(data_dir: str | Path, split: str, captions_per_image: i
     s = load_precomp_split(data_dir, split, captions_per_image)
     emb = split_caption_embeddings(data_dir, split, s.captions, cache_dir, model_path, device, log)
     return pair_relevance_from_embeddings(emb, s.cap2img, max_pairs)
+
+
+def prepare_ladder_relevance(loss_fn, data_dir: str | Path, train_split, log: Callable[[str], None] = print) -> None:
+    """Give a ladder loss what it reads: the train captions' sentence embeddings (computed and cached on first
+    use) and, with `threshold_share`, θ_1 := the value that share of the split's different-image caption pairs
+    reach. The trainer calls this; losses take relevance as tensors and never load a sentence model."""
+    emb = split_caption_embeddings(data_dir, train_split.split, train_split.captions, log=log)
+    import torch
+
+    loss_fn.set_caption_embeddings(torch.from_numpy(np.asarray(emb)))
+    share = getattr(loss_fn, "threshold_share", None)
+    if share is None:
+        return
+    values = pair_relevance_from_embeddings(np.asarray(emb, dtype=np.float32), train_split.cap2img)
+    theta = threshold_for_share(values, share)
+    loss_fn.set_derived_threshold(theta)
+    at_paper = float(share_at_or_above(values, [0.40])[0])
+    log(f"ladder: θ_1 = {theta:.4f}, reached by {share:.1%} of {len(values):,} train caption pairs of different "
+        f"images (loss.ladder_threshold_share; θ = 0.40 would keep {at_paper:.1%})")  # fmt: skip

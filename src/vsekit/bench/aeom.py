@@ -125,8 +125,8 @@ def bench_aeom_eval(n_images: int = 1000, captions_per_image: int = 5, device: s
 
     from vsekit.config import load_recipe
     from vsekit.data.precomp import load_precomp_split
-    from vsekit.data.synthetic import ATTRIBUTES, FILLERS, make_synthetic_precomp
     from vsekit.data.text import SPECIALS
+    from vsekit.datasets.synthetic import ATTRIBUTES, FILLERS, make_synthetic_precomp
     from vsekit.evaluation import evaluate_model
     from vsekit.models.vse import DataSpec, VSEModel
 

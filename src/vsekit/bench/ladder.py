@@ -61,7 +61,7 @@ def bench_ladder_step(batch: int = 128, device: str = "cpu", repeats: int = 10, 
         recipe = load_recipe(recipe_name, [f"model.embed_dim={embed_dim}"])
         torch.manual_seed(seed)
         model = VSEModel(recipe, DataSpec(img_dim=img_dim, vocab_words=words)).to(dev)
-        loss_fn = create_loss(recipe.loss)
+        loss_fn = create_loss(recipe.loss, image_views=recipe.model.image.views)
         if name == "ladder_auto_eager":
             loss_fn.cuda_graphs = False
         if hasattr(loss_fn, "set_caption_embeddings"):

@@ -92,16 +92,3 @@ def format_rows(rows: list[dict]) -> str:
                      f"{'variable' if r['variable_lengths'] else 'full'} | {r['ms_median']:.3f} | {r['ms_min']:.3f} | "
                      f"{r['ms_std']:.3f} | {r['vs_avg']:.2f} |")  # fmt: skip
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m vsekit.bench.pool [OPTIONS]` is `vse bench pool [OPTIONS]`: one parser, one set of defaults."""
-    import sys
-
-    from vsekit.cli import main as vse_main
-
-    return vse_main(["bench", "pool", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

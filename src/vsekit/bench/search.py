@@ -444,24 +444,3 @@ def bench_serve(index_dir: str | Path, requests: int = 2000, concurrency: int = 
     return {"requests": len(lat), "concurrency": concurrency, "seconds": round(wall, 2),
             "requests_per_s": round(len(lat) / wall, 1), **_percentiles(lat), "errors": len(errors),
             "first_errors": errors[:5]}  # fmt: skip
-
-
-COMMANDS = {"ann": "search", "search": "search", "serve": "serve"}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m vsekit.bench.search ann|serve [OPTIONS]` is `vse bench search|serve [OPTIONS]`: the same
-    parser, defaults and output (one code path, so a documented command gives the same run either way)."""
-    from vsekit.cli import main as vse_main
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in COMMANDS:
-        print("usage: python -m vsekit.bench.search {ann,serve} [OPTIONS]\n"
-              "the same as `vse bench search [OPTIONS]` / `vse bench serve INDEX [OPTIONS]` (see their --help)",
-              file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)  # fmt: skip
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    return vse_main(["bench", COMMANDS[argv[0]], *argv[1:]])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

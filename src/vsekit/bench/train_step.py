@@ -104,7 +104,7 @@ def build_train_step(recipe: str = "vse_infty", batch: int = 128, device: str = 
     r = load_recipe(recipe, sets)
     torch.manual_seed(seed)
     model = VSEModel(r, spec).to(dev)
-    loss_fn = create_loss(r.loss).to(dev)
+    loss_fn = create_loss(r.loss, image_views=r.model.image.views).to(dev)
     if hasattr(loss_fn, "set_caption_embeddings"):  # ladder losses look relevance up by caption id
         g = torch.Generator().manual_seed(seed)
         loss_fn.set_caption_embeddings(torch.randn(batch, 384, generator=g))

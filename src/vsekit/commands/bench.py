@@ -290,6 +290,14 @@ def run_aeom(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_view_reg(args: argparse.Namespace) -> int:
+    from vsekit.bench.view_reg import format_table, random_grad_ratios
+
+    print(format_table(random_grad_ratios(args.dim, args.batch, args.views, args.block_dim, args.readout,
+                                          args.weight)))  # fmt: skip
+    return 0
+
+
 # ---------------------------------------------------------------------------------------- parser
 def register(sub) -> None:
     p = sub.add_parser("bench", help="timing benchmarks that print Markdown rows (machine, date, command)")
@@ -380,6 +388,15 @@ def register(sub) -> None:
     ae.add_argument("--repeats", type=int, default=3)
     ae.add_argument("--model-eval", action="store_true",
                     help="time `vse eval` end to end (encoders + scoring + metrics), avse vs vse_infty recipe")
+
+    vr = add("view-reg", "AVSE: gradient-norm ratio of the view regulariser vs the ranking loss (random "
+             "embeddings)", run_view_reg)  # fmt: skip
+    vr.add_argument("--dim", type=int, default=1024)
+    vr.add_argument("--batch", type=int, default=128)
+    vr.add_argument("--views", type=int, default=2)
+    vr.add_argument("--block-dim", type=int, default=512)
+    vr.add_argument("--readout", default="log_plan", choices=["log_plan", "plan", "maxsum"])
+    vr.add_argument("--weight", type=float, default=1.0)
 
 
 

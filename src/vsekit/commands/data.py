@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import argparse
 
+from vsekit.commands.argtypes import at_least, finite, fraction
 from vsekit.commands.jsonout import add_json_args
 from vsekit.errors import VseInputError
 
 
 def run_openclipart(args: argparse.Namespace) -> int:
-    from vsekit.data.openclipart import build_openclipart
+    from vsekit.datasets.openclipart import build_openclipart
 
     manifest = build_openclipart(args.out, svg_root=args.svg_root, seed=args.seed, limit=args.limit, workers=args.workers)
     sizes = manifest.get("splits", manifest.get("split_sizes", {}))
@@ -27,7 +28,7 @@ def run_karpathy(args: argparse.Namespace) -> int:
 
 
 def run_convert_video(args: argparse.Namespace) -> int:
-    from vsekit.data.video_convert import convert_video
+    from vsekit.datasets.video_convert import convert_video
 
     summary = convert_video(args.features, args.captions, args.out, fmt=args.format, split_files=args.split_file,
                             splits=args.splits, dtype=args.dtype, lmdb_dim=args.lmdb_dim, overwrite=args.overwrite)  # fmt: skip
@@ -40,7 +41,7 @@ def run_convert_video(args: argparse.Namespace) -> int:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    from vsekit.data.show import show_dataset
+    from vsekit.datasets.show import show_dataset
 
     show_dataset(args.data, args.out, split=args.split, n=args.n, seed=args.seed)
     print(f"wrote {args.out}")
@@ -58,7 +59,7 @@ def run_check(args: argparse.Namespace) -> int:
 def run_synthetic(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from vsekit.data.synthetic import SPLIT_FILES, SPLITS, make_synthetic_precomp
+    from vsekit.datasets.synthetic import SPLIT_FILES, SPLITS, make_synthetic_precomp
     from vsekit.utils.io import prepare_dataset_dir
 
     if args.n_train < 1:  # checked before an --overwrite clears anything
@@ -70,7 +71,7 @@ def run_synthetic(args: argparse.Namespace) -> int:
 
 
 def run_moving_shapes(args: argparse.Namespace) -> int:
-    from vsekit.data.moving_shapes import SPLITS, build_moving_shapes
+    from vsekit.datasets.moving_shapes import SPLITS, build_moving_shapes
 
     if len(args.clips) not in (1, 3):
         raise VseInputError(f"--clips takes TRAIN or TRAIN DEV TEST clip counts, got {len(args.clips)} values")
@@ -84,7 +85,7 @@ def run_moving_shapes(args: argparse.Namespace) -> int:
 
 
 def run_wesnoth(args: argparse.Namespace) -> int:
-    from vsekit.data.wesnoth import build_wesnoth
+    from vsekit.datasets.wesnoth import build_wesnoth
 
     manifest = build_wesnoth(args.out, source=args.source, campaigns=args.campaigns, descriptions=args.descriptions,
                              all_takes=args.all_takes, overwrite=args.overwrite, progress=not args.no_progress)  # fmt: skip
@@ -132,9 +133,9 @@ def register(sub) -> None:
     o = dsub.add_parser("openclipart", help="build the openclipart retrieval set from Debian's openclipart-svg")
     o.add_argument("--out", required=True)
     o.add_argument("--svg-root", default="/usr/share/openclipart/svg")
-    o.add_argument("--seed", type=int, default=0)
-    o.add_argument("--limit", type=int, help="only the first N drawings (smoke tests)")
-    o.add_argument("--workers", type=int, default=2)
+    o.add_argument("--seed", type=int, action=at_least(0), default=0)
+    o.add_argument("--limit", type=int, action=at_least(1), help="only the first N drawings (smoke tests)")
+    o.add_argument("--workers", type=int, action=at_least(1), default=2)
     o.set_defaults(func=run_openclipart)
     k = dsub.add_parser("karpathy", help="convert a Karpathy JSON (dataset_coco.json / dataset_flickr30k.json)")
     k.add_argument("json", help="dataset_flickr30k.json or dataset_coco.json")
@@ -152,7 +153,7 @@ def register(sub) -> None:
     cv.add_argument("--splits", nargs="+", help="write only these splits")
     cv.add_argument("--format", choices=["auto", "npy-dir", "hdf5", "lmdb"], default="auto")
     cv.add_argument("--dtype", choices=["float32", "float16"], default="float32")
-    cv.add_argument("--lmdb-dim", type=int, help="feature size of raw float32 LMDB values (not needed for .npy values)")
+    cv.add_argument("--lmdb-dim", type=int, action=at_least(1), help="feature size of raw float32 LMDB values (not needed for .npy values)")
     cv.add_argument("--out", required=True)
     cv.add_argument("--overwrite", action="store_true", help="replace the files of these splits in --out")
     cv.set_defaults(func=run_convert_video)
@@ -160,17 +161,17 @@ def register(sub) -> None:
     s.add_argument("data")
     s.add_argument("--out", default="montage.png")
     s.add_argument("--split", default="test")
-    s.add_argument("--n", type=int, default=16)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--n", type=int, action=at_least(1), default=16)
+    s.add_argument("--seed", type=int, action=at_least(0), default=0)
     s.set_defaults(func=run_show)
     c = dsub.add_parser("check", help="validate a dataset directory and report every problem")
     c.add_argument("data")
-    c.add_argument("--captions-per-image", type=int, default=5)
+    c.add_argument("--captions-per-image", type=int, action=at_least(1), default=5)
     c.set_defaults(func=run_check)
     y = dsub.add_parser("synthetic", help="write a small synthetic precomp dataset (tests, smoke runs)")
     y.add_argument("--out", required=True)
-    y.add_argument("--n-train", type=int, default=400)
-    y.add_argument("--seed", type=int, default=0)
+    y.add_argument("--n-train", type=int, action=at_least(1), default=400)
+    y.add_argument("--seed", type=int, action=at_least(0), default=0)
     y.add_argument("--variable-captions", action="store_true")
     y.add_argument("--overwrite", action="store_true", help="replace the dataset in a non-empty --out")
     y.set_defaults(func=run_synthetic)
@@ -184,27 +185,29 @@ def register(sub) -> None:
                          "θ of a given share (the rule of loss.ladder_threshold_share)")  # fmt: skip
     rs.add_argument("data")
     rs.add_argument("--split", default="train")
-    rs.add_argument("--theta", type=float, nargs="+", default=[0.2, 0.3, 0.4, 0.5])
-    rs.add_argument("--share", type=float, nargs="+", default=[0.15])
-    rs.add_argument("--batch", type=int, default=128, help="batch size for the per-query count")
-    rs.add_argument("--captions-per-image", type=int, default=5, help="SCAN layout without a cap2img file")
-    rs.add_argument("--max-pairs", type=int, default=20_000_000, help="above this many pairs, a sample of it")
+    rs.add_argument("--theta", type=float, action=finite(), nargs="+", default=[0.2, 0.3, 0.4, 0.5])
+    rs.add_argument("--share", type=float, action=fraction(), nargs="+", default=[0.15])
+    rs.add_argument("--batch", type=int, action=at_least(2), default=128, help="batch size for the per-query count")
+    rs.add_argument("--captions-per-image", type=int, action=at_least(1), default=5, help="SCAN layout without a cap2img file")
+    rs.add_argument("--max-pairs", type=int, action=at_least(1), default=20_000_000, help="above this many pairs, a sample of it")
     rs.add_argument("--cache-dir", help="where the sentence embeddings are cached (as `vse data relevance`)")
     rs.add_argument("--device", default="cpu")
     add_json_args(rs, "the shares and thresholds", path_form=True)
     rs.set_defaults(func=run_relevance_share)
     ms = dsub.add_parser("moving-shapes", help="generate the moving-shapes video-text set (clips of frames; docs/video.md)")
     ms.add_argument("--out", required=True)
-    ms.add_argument("--clips", type=int, nargs="+", default=[600, 150, 150], metavar="N",
+    ms.add_argument("--clips", type=int, action=at_least(1), nargs="+", default=[600, 150, 150], metavar="N",
                     help="clips per split: TRAIN DEV TEST, or TRAIN alone (dev and test TRAIN/4 each)")
-    ms.add_argument("--frames", type=int, nargs=2, default=[6, 16], metavar=("MIN", "MAX"), help="frames per clip")
-    ms.add_argument("--captions", type=int, nargs=2, default=[5, 10], metavar=("MIN", "MAX"), help="captions per clip")
+    ms.add_argument("--frames", type=int, action=at_least(1), nargs=2, default=[6, 16], metavar=("MIN", "MAX"),
+                    help="frames per clip")
+    ms.add_argument("--captions", type=int, action=at_least(1), nargs=2, default=[5, 10], metavar=("MIN", "MAX"),
+                    help="captions per clip")
     ms.add_argument("--features", choices=("efficientnet", "random-projection"), default="efficientnet",
                     help="efficientnet: Lite0 grid averaged, 1280-d a frame; random-projection: a fixed random ReLU "
                     "projection of the pixels, 256-d, no CNN (tests, smoke runs)")  # fmt: skip
     ms.add_argument("--splits", nargs="+", choices=("train", "dev", "test"), default=["train", "dev", "test"],
                     help="build only these (clip i of a split is the same whatever else is built)")
-    ms.add_argument("--seed", type=int, default=0)
+    ms.add_argument("--seed", type=int, action=at_least(0), default=0)
     ms.add_argument("--overwrite", action="store_true", help="replace the dataset in a non-empty --out")
     ms.add_argument("--device", default="cpu", help="where the CNN runs (efficientnet features)")
     ms.add_argument("--no-progress", action="store_true")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from vsekit.search.options import POSITIVE, in_range
+
 
 def run_embed(args: argparse.Namespace) -> int:
     import torch
@@ -23,6 +25,8 @@ def run_embed(args: argparse.Namespace) -> int:
             chunk_size=args.chunk_size, workers=args.workers, pixels=args.pixels, strict=args.strict,
             progress=not args.no_progress, rank=ctx.rank, world_size=ctx.world_size, barrier=lambda: barrier(ctx),
         )  # fmt: skip
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(_interrupt_hint(args)) from None
     finally:
         if ctx.enabled and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -35,6 +39,31 @@ def run_embed(args: argparse.Namespace) -> int:
     return 0
 
 
+def embed_command(args: argparse.Namespace) -> str:
+    """The `vse embed` command line that repeats this one: the same plan (--chunk-size) resumes the folder."""
+    import shlex
+
+    parts = ["vse", "embed", str(args.run), str(args.input), "--out", str(args.out)]
+    for flag, attr, default in (("--chunk-size", "chunk_size", 10_000), ("--batch-size", "batch_size", 64),
+                                ("--workers", "workers", 0), ("--checkpoint", "checkpoint", "best"),
+                                ("--device", "device", "auto")):  # fmt: skip
+        if getattr(args, attr, default) != default:
+            parts += [flag, str(getattr(args, attr))]
+    for flag, attr in (("--pixels", "pixels"), ("--strict", "strict"), ("--no-progress", "no_progress")):
+        parts += [flag] if getattr(args, attr, False) else []
+    return shlex.join(parts)
+
+
+def _interrupt_hint(args: argparse.Namespace) -> str:
+    """What Ctrl-C during `vse embed` kept, and the command that resumes it."""
+    from pathlib import Path
+
+    done = len(list(Path(args.out).glob(".manifest/chunk_*.json"))) if Path(args.out).is_dir() else 0
+    if done:
+        return f"{done} finished chunk(s) are kept in {args.out}; resume with the same command: {embed_command(args)}"
+    return f"no chunk was finished yet; start again with: {embed_command(args)}"
+
+
 def register(sub) -> None:
     p = sub.add_parser("embed", help="export a run's embeddings of pictures / captions (clip-retrieval layout; "
                                      "resumable; torchrun for several processes)")  # fmt: skip
@@ -44,9 +73,9 @@ def register(sub) -> None:
                         "when the run takes them), one picture, or a .txt file of captions (one per line)")  # fmt: skip
     p.add_argument("--out", required=True, metavar="DIR",
                    help="DIR/img_emb/img_emb_N.npy, DIR/text_emb/text_emb_N.npy, DIR/metadata/metadata_N.parquet")
-    p.add_argument("--chunk-size", type=int, default=10_000, help="rows per file (the resume and sharding unit)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--workers", type=int, default=0, help="DataLoader workers decoding pictures")
+    p.add_argument("--chunk-size", type=int, action=POSITIVE, default=10_000, help="rows per file (the resume and sharding unit)")
+    p.add_argument("--batch-size", type=int, action=POSITIVE, default=64)
+    p.add_argument("--workers", type=int, action=in_range(0, 1024), default=0, help="DataLoader workers decoding pictures")
     p.add_argument("--checkpoint", default="best", choices=("best", "last"))
     p.add_argument("--pixels", action="store_true", help="embed a split from its pictures even when it has features")
     p.add_argument("--strict", action="store_true", help="stop at the first unreadable picture instead of skipping it")

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import numpy as np
 
+from vsekit.commands.argtypes import at_least
 from vsekit.commands.jsonout import add_json_args, emit_json
 from vsekit.errors import VseInputError
 from vsekit.metrics import CS_PROTOCOLS, MetricsInputError, cap2img_for_k, evaluate_sims, format_table
+from vsekit.metrics.retrieval import NonFiniteScoresError
 from vsekit.utils.io import open_npy
 
 
@@ -29,6 +31,9 @@ def load_sims(paths: list[str]) -> np.ndarray:
             raise MetricsInputError(f"{path}: expected a 2-D (images x captions) matrix, got shape {arr.shape}")
         if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
             raise MetricsInputError(f"{path}: expected numbers, got dtype {arr.dtype}")
+        if arr.size == 0:  # before any caption->image map is compared with it
+            raise MetricsInputError(f"{path}: the similarity matrix is empty ({arr.shape[0]} x {arr.shape[1]}); "
+                                    f"expected an images x captions matrix of scores")  # fmt: skip
         if total is None and len(paths) == 1 and arr.dtype == np.float32:
             return arr
         if total is None:
@@ -116,6 +121,17 @@ def sims_source(paths: list[str]) -> str:
     return paths[0] if len(paths) == 1 else f"the mean of {', '.join(paths)}"
 
 
+def non_finite_source(paths: list[str], e: NonFiniteScoresError) -> NonFiniteScoresError:
+    """The NaN/inf error naming the file(s) whose score at that entry is not finite (of an ensemble: those of
+    the averaged files; none of them when only their mean overflowed)."""
+    if len(paths) > 1:
+        culprits = [p for p in paths if not np.isfinite(open_npy(Path(p), MetricsInputError)[e.image, e.caption])]
+        where = ", ".join(culprits) if culprits else f"{sims_source(paths)} (their sum overflows)"
+    else:
+        where = paths[0]
+    return NonFiniteScoresError(f"{where}: {e}", e.image, e.caption)
+
+
 def run_eval_sims(args: argparse.Namespace) -> int:
     sims = load_sims(args.sims)
     n_img, n_cap = sims.shape
@@ -128,8 +144,11 @@ def run_eval_sims(args: argparse.Namespace) -> int:
     if args.eccv:
         eccv_preflight(sims.shape, sims_source(args.sims), cap2img)
     # the relevance path (not a loaded array) so that a missing or malformed file is a clear error naming it
-    metrics = evaluate_sims(sims, cap2img, fold5=args.fold5, relevance=args.relevance, cs_k=args.cs_k,
-                            cs_protocol=args.cs_protocol)  # fmt: skip
+    try:
+        metrics = evaluate_sims(sims, cap2img, fold5=args.fold5, relevance=args.relevance, cs_k=args.cs_k,
+                                cs_protocol=args.cs_protocol)  # fmt: skip
+    except NonFiniteScoresError as e:
+        raise non_finite_source(args.sims, e) from None
     if args.eccv:
         from vsekit.metrics.eccv import eccv_metrics
 
@@ -138,20 +157,56 @@ def run_eval_sims(args: argparse.Namespace) -> int:
     return 0
 
 
+def eval_preflight(args: argparse.Namespace) -> str:
+    """Before any model is built or any split encoded: each run's recipe reads, the runs are scored on one
+    dataset (`--data`, else the one every run records), the split reads the same for each (images, captions,
+    caption->image map) and fits each run's input (feature width); `--eccv` checks the split. Returns the
+    dataset directory."""
+    from vsekit.data.precomp import load_precomp_split
+    from vsekit.training.checkpoint import read_run_config
+
+    runs = []
+    for run in args.runs:
+        recipe, spec, cfg = read_run_config(run)
+        data = args.data or cfg.get("data_dir")
+        if not data:
+            raise VseInputError(f"{run}: no --data given and the run does not record its dataset")
+        runs.append((run, str(data), recipe, spec))
+    run0, data0 = runs[0][0], runs[0][1]
+    for run, data, _, _ in runs[1:]:
+        if Path(data).resolve() != Path(data0).resolve():
+            raise VseInputError(f"{run} was trained on {data} and {run0} on {data0}: an ensemble scores every run "
+                                f"on one split; choose its dataset with --data DIR")  # fmt: skip
+    layout = None
+    for run, data, recipe, spec in runs:
+        split = load_precomp_split(data, args.split, recipe.data.captions_per_image)
+        if recipe.model.image.kind == "precomp":
+            split.require_width(spec.img_dim, f"the run in {run}")
+        elif split.image_paths is None:
+            raise VseInputError(f"{Path(data) / f'{args.split}_images.txt'}: missing; {run} encodes pictures "
+                                f"(model.image.kind={recipe.model.image.kind}) and this split lists none")  # fmt: skip
+        if layout is None:
+            layout = (run, recipe.data.captions_per_image, split.n_images, split.cap2img)
+        elif split.n_images != layout[2] or not np.array_equal(split.cap2img, layout[3]):
+            raise VseInputError(f"{data} split {args.split!r}: {run} reads it as {split.n_images:,} images x "
+                                f"{split.n_captions:,} captions ({recipe.data.captions_per_image} per image) and "
+                                f"{layout[0]} as {layout[2]:,} x {len(layout[3]):,} ({layout[1]} per image); an "
+                                f"ensemble needs one caption->image map: add {args.split}_cap2img.txt")  # fmt: skip
+        if args.eccv:  # checked before the encoding, which takes minutes
+            check_eccv_split(data, args.split, recipe.data.captions_per_image)
+    return data0
+
+
 def run_eval(args: argparse.Namespace) -> int:
     from vsekit.evaluation import evaluate_model
     from vsekit.training.checkpoint import load_run
     from vsekit.utils.runtime import resolve_device
 
     device = resolve_device(args.device)
+    data = eval_preflight(args)
     sims_sum, cap2img, per_run = None, None, []
     for run in args.runs:
-        model, cfg = load_run(run, args.checkpoint, device)
-        data = args.data or cfg.get("data_dir")
-        if not data:
-            raise VseInputError(f"{run}: no --data given and the run does not record its dataset")
-        if args.eccv:  # checked before the encoding, which takes minutes
-            check_eccv_split(data, args.split, model.recipe.data.captions_per_image)
+        model, _ = load_run(run, args.checkpoint, device)
         metrics, sims, cap2img = evaluate_model(model, data, args.split, fold5=args.fold5, device=device,
                                                 batch_size=args.batch_size)  # fmt: skip
         per_run.append(metrics)
@@ -203,8 +258,8 @@ def register(sub) -> None:
     add_json_args(p, "the metrics", path_form=True)
     p.add_argument("--save-sims", help="save the (ensemble) similarity matrix as .npy")
     p.add_argument("--device", default="auto")
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--cs-k", type=int, nargs="+", default=[100, 1000],
+    p.add_argument("--batch-size", type=int, action=at_least(1), default=256)
+    p.add_argument("--cs-k", type=int, action=at_least(1), nargs="+", default=[100, 1000],
                    help="K of CS@K, reported when the split's relevance is cached (vse data relevance)")
     p.add_argument("--cs-protocol", choices=CS_PROTOCOLS, default="paper", help=CS_PROTOCOL_HELP)
     p.add_argument("--eccv", action="store_true", help=ECCV_HELP + " (--split testall)")
@@ -213,10 +268,10 @@ def register(sub) -> None:
     s.add_argument("sims", nargs="+", metavar="SIMS.npy", help="several files are averaged (an ensemble)")
     g = s.add_mutually_exclusive_group()
     g.add_argument("--cap2img", help="text file: one 0-based image row per caption")
-    g.add_argument("--captions-per-image", type=int, default=5)
+    g.add_argument("--captions-per-image", type=int, action=at_least(1), default=5)
     s.add_argument("--fold5", action="store_true")
     s.add_argument("--relevance", help="caption x caption relevance matrix (.npy) for CS@K and mAP")
-    s.add_argument("--cs-k", type=int, nargs="+", default=[100, 1000])
+    s.add_argument("--cs-k", type=int, action=at_least(1), nargs="+", default=[100, 1000])
     s.add_argument("--cs-protocol", choices=CS_PROTOCOLS, default="paper", help=CS_PROTOCOL_HELP)
     s.add_argument("--eccv", action="store_true", help=ECCV_HELP + " (SIMS: 5,000 x 25,000, image i owns captions 5i..5i+4)")
     add_json_args(s, "the metrics", path_form=True)

@@ -6,8 +6,9 @@ import argparse
 
 
 def run_import(args: argparse.Namespace) -> int:
-    from vsekit.interop.released import import_checkpoint, write_imported_run
+    from vsekit.interop.released import check_out_dir, import_checkpoint, write_imported_run
 
+    check_out_dir(args.out)  # a bad --out is reported before the checkpoint is read
     imported = import_checkpoint(args.kind, args.checkpoint, vocab=args.vocab, text_config=args.text_config,
                                  vision_config=args.vision_config, block_dim=args.block_dim)  # fmt: skip
     out = write_imported_run(imported, args.checkpoint, args.out)

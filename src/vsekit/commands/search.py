@@ -7,6 +7,7 @@ import sys
 
 from vsekit.commands.jsonout import add_json_args, emit_json
 from vsekit.errors import VseInputError
+from vsekit.search.options import PORT, POSITIVE, in_range
 
 
 def run_index(args: argparse.Namespace) -> int:
@@ -27,15 +28,54 @@ def run_index(args: argparse.Namespace) -> int:
         return 0
     if args.run is None or args.source is None:
         raise VseInputError("give RUN_DIR and SOURCE (or --from-embeddings DIR)")
-    meta = build_index(
-        args.run, args.source, args.out, checkpoint=args.checkpoint, params=params,
-        device=resolve_device(args.device), batch_size=args.batch_size, chunk_size=args.chunk_size,
-        pixels=args.pixels, strict=args.strict, captions_file=args.captions, progress=not args.quiet,
-        log=lambda msg: print(msg, file=sys.stderr),
-    )  # fmt: skip
+    try:
+        meta = build_index(
+            args.run, args.source, args.out, checkpoint=args.checkpoint, params=params,
+            device=resolve_device(args.device), batch_size=args.batch_size, chunk_size=args.chunk_size,
+            pixels=args.pixels, strict=args.strict, captions_file=args.captions, progress=not args.quiet,
+            log=lambda msg: print(msg, file=sys.stderr),
+        )  # fmt: skip
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(_index_interrupt_hint(args)) from None
     c = meta["counts"]
     print(f"index {args.out}: {c['pictures']} pictures, {c['captions']} captions ({meta['faiss']['kind']})")
     return 0
+
+
+# (flag, attribute, default) of `vse index` options a resume must repeat; --out, RUN_DIR and SOURCE always
+_INDEX_FLAGS = (("--index", "index", "flat"), ("--nlist", "nlist", 0), ("--pq-m", "pq_m", 0),
+                ("--pq-refine", "pq_refine", 10), ("--nprobe", "nprobe", 16), ("--hnsw-m", "hnsw_m", 32),
+                ("--ef-construction", "ef_construction", 80), ("--ef-search", "ef_search", 64),
+                ("--checkpoint", "checkpoint", "best"), ("--captions", "captions", None),
+                ("--batch-size", "batch_size", 16), ("--chunk-size", "chunk_size", 256), ("--device", "device", "auto"))  # fmt: skip
+
+
+def index_command(args: argparse.Namespace) -> str:
+    """The `vse index` command line that repeats this one (what a Ctrl-C hint tells the user to run)."""
+    import shlex
+
+    parts = ["vse", "index", *([str(args.run)] if args.run else []), *([str(args.source)] if args.source else []),
+             "--out", str(args.out)]  # fmt: skip
+    for flag, attr, default in _INDEX_FLAGS:
+        value = getattr(args, attr, default)
+        if value != default and value is not None:
+            parts += [flag, str(value)]
+    for flag, attr in (("--pixels", "pixels"), ("--strict", "strict"), ("--quiet", "quiet")):
+        parts += [flag] if getattr(args, attr, False) else []
+    return shlex.join(parts)
+
+
+def _index_interrupt_hint(args: argparse.Namespace) -> str:
+    """What Ctrl-C during `vse index` kept, and the command that resumes (or restarts) it."""
+    from pathlib import Path
+
+    out = Path(args.out)
+    chunks = len(list(out.glob(".work/*/chunk_*.npz"))) if out.is_dir() else 0
+    index = "the index there is unchanged; " if (out / "index.json").is_file() else ""
+    if chunks:
+        return (f"{index}{chunks} finished chunk(s) of embeddings are kept in {out / '.work'}; resume with the same "
+                f"command: {index_command(args)}")  # fmt: skip
+    return f"{index}nothing was embedded yet; start again with: {index_command(args)}"
 
 
 def run_search(args: argparse.Namespace) -> int:
@@ -98,12 +138,38 @@ def run_serve(args: argparse.Namespace) -> int:
         logger.addHandler(json_log_handler())
     limits = ServerLimits(max_k=args.max_k, max_query_chars=args.max_query_chars, max_body_bytes=args.max_body_mb << 20,
                           rate_per_s=args.rate_limit, rate_burst=args.rate_burst, timeout_s=args.timeout)  # fmt: skip
-    app = create_app(args.index, device=resolve_device(args.device), run_dir=args.run, limits=limits,
-                     cors_origins=args.cors_origin, allowed_hosts=allowed, logger=logger)  # fmt: skip
-    print(f"serving {args.index} on http://{args.host}:{args.port}  (Ctrl-C stops)", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, access_log=False, log_level=args.log_level,
-                limit_concurrency=args.max_connections, timeout_keep_alive=5)  # fmt: skip
+    sock = listen_socket(args.host, args.port)  # before the index is loaded: a taken port fails fast
+    try:
+        app = create_app(args.index, device=resolve_device(args.device), run_dir=args.run, limits=limits,
+                         cors_origins=args.cors_origin, allowed_hosts=allowed, logger=logger)  # fmt: skip
+        port = sock.getsockname()[1]  # the port bound: --port 0 gets a free one from the system
+        where = f"[{args.host}]" if ":" in args.host else args.host
+        print(f"serving {args.index} on http://{where}:{port}  (Ctrl-C stops)", file=sys.stderr, flush=True)
+        config = uvicorn.Config(app, host=args.host, port=port, access_log=False, log_level=args.log_level,
+                                limit_concurrency=args.max_connections, timeout_keep_alive=5)  # fmt: skip
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
     return 0
+
+
+def listen_socket(host: str, port: int):
+    """A TCP socket bound to host:port (as uvicorn binds it), or a one-line error naming both: a port in use,
+    one this user may not open, an address not on this machine, a host name that does not resolve."""
+    import socket
+
+    if not 0 <= port <= 65535:
+        raise VseInputError(f"--port {port}: not a TCP port (0..65535; 0 = any free port)")
+    sock = socket.socket(family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except (OSError, OverflowError, UnicodeError) as e:
+        sock.close()
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise VseInputError(f"--host {host} --port {port}: cannot listen there ({why})") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def register(sub) -> None:
@@ -116,21 +182,21 @@ def register(sub) -> None:
                    help="build from a `vse embed` folder (img_emb/, text_emb/, metadata/) instead: no model forward")
     p.add_argument("--index", default="flat", choices=("flat", "ivf", "ivfpq", "hnsw"),
                    help="flat = exact (default); ivf / ivfpq / hnsw = approximate, faster on large sets (docs/search.md)")
-    p.add_argument("--nlist", type=int, default=0, help="ivf/ivfpq: number of lists (0 = about 4*sqrt(n))")
-    p.add_argument("--pq-m", type=int, default=0, help="ivfpq: bytes per code (0 = about dim/8, dividing dim)")
-    p.add_argument("--pq-refine", type=int, default=10, metavar="F",
+    p.add_argument("--nlist", type=int, action=in_range(0, note="0 = automatic"), default=0, help="ivf/ivfpq: number of lists (0 = about 4*sqrt(n))")
+    p.add_argument("--pq-m", type=int, action=in_range(0, note="0 = automatic"), default=0, help="ivfpq: bytes per code (0 = about dim/8, dividing dim)")
+    p.add_argument("--pq-refine", type=int, action=in_range(0, note="0 = PQ scores only"), default=10, metavar="F",
                    help="ivfpq: re-score the top F*k exactly with the stored embeddings (0 = PQ scores only)")
-    p.add_argument("--nprobe", type=int, default=16, help="ivf: lists visited per query")
-    p.add_argument("--hnsw-m", type=int, default=32, help="hnsw: graph degree")
-    p.add_argument("--ef-construction", type=int, default=80, help="hnsw: build beam")
-    p.add_argument("--ef-search", type=int, default=64, help="hnsw: query beam")
+    p.add_argument("--nprobe", type=int, action=POSITIVE, default=16, help="ivf: lists visited per query")
+    p.add_argument("--hnsw-m", type=int, action=in_range(2, 4096), default=32, help="hnsw: graph degree")
+    p.add_argument("--ef-construction", type=int, action=POSITIVE, default=80, help="hnsw: build beam")
+    p.add_argument("--ef-search", type=int, action=POSITIVE, default=64, help="hnsw: query beam")
     p.add_argument("--checkpoint", default="best", choices=("best", "last"))
     p.add_argument("--pixels", action="store_true",
                    help="embed a dataset split from its pictures even when it has precomputed features")
     p.add_argument("--captions", metavar="FILE", help="extra captions (one per line) for picture -> text search")
     p.add_argument("--strict", action="store_true", help="stop at the first unreadable picture instead of skipping it")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--chunk-size", type=int, default=256, help="pictures per saved chunk (the resume granularity)")
+    p.add_argument("--batch-size", type=int, action=POSITIVE, default=16)
+    p.add_argument("--chunk-size", type=int, action=POSITIVE, default=256, help="pictures per saved chunk (the resume granularity)")
     p.add_argument("--device", default="auto")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_index)
@@ -139,7 +205,7 @@ def register(sub) -> None:
     s.add_argument("index", metavar="INDEX_DIR")
     s.add_argument("query", nargs="?", help="text to find pictures for")
     s.add_argument("--image", metavar="PATH", help="find indexed captions that describe this picture")
-    s.add_argument("-k", type=int, default=10, help="number of results")
+    s.add_argument("-k", type=int, action=POSITIVE, default=10, help="number of results")
     add_json_args(s, 'the results (a list of {"path", "score", "caption"}, best first)')
     s.add_argument("--nprobe", type=int, help="ivf: override the lists visited per query")
     s.add_argument("--ef-search", type=int, help="hnsw: override the query beam")
@@ -150,20 +216,20 @@ def register(sub) -> None:
     v = sub.add_parser("serve", help="HTTP API and web page over an index (127.0.0.1 by default)")
     v.add_argument("index", metavar="INDEX_DIR")
     v.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    v.add_argument("--port", type=int, default=8000)
-    v.add_argument("--max-k", type=int, default=100, help="largest k a request may ask for")
-    v.add_argument("--max-query-chars", type=int, default=256)
-    v.add_argument("--max-body-mb", type=int, default=8, help="largest request body (picture uploads)")
-    v.add_argument("--max-connections", type=int, default=64, help="concurrent connections before 503")
-    v.add_argument("--rate-limit", type=float, default=100.0,
+    v.add_argument("--port", type=int, action=PORT, default=8000, help="TCP port (0 = any free port; the one bound is printed)")
+    v.add_argument("--max-k", type=int, action=POSITIVE, default=100, help="largest k a request may ask for")
+    v.add_argument("--max-query-chars", type=int, action=POSITIVE, default=256)
+    v.add_argument("--max-body-mb", type=int, action=in_range(1, 1 << 20), default=8, help="largest request body (picture uploads)")
+    v.add_argument("--max-connections", type=int, action=POSITIVE, default=64, help="concurrent connections before 503")
+    v.add_argument("--rate-limit", type=float, action=in_range(0, None, "0 = no limit", finite=True), default=100.0,
                    help="requests per second per client address, then 429 (0 = no limit)")
-    v.add_argument("--rate-burst", type=int, default=200, help="requests a client may send at once")
-    v.add_argument("--timeout", type=float, default=30.0, help="seconds before a request is answered 504 (0 = none)")
+    v.add_argument("--rate-burst", type=int, action=POSITIVE, default=200, help="requests a client may send at once")
+    v.add_argument("--timeout", type=float, action=in_range(0, None, "0 = none", finite=True), default=30.0, help="seconds before a request is answered 504 (0 = none)")
     v.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="allow cross-origin requests from ORIGIN (repeatable; CORS is off by default)")
     v.add_argument("--allowed-host", action="append", metavar="HOST",
                    help="Host headers to accept (default: 127.0.0.1 and localhost on loopback)")
-    v.add_argument("--threads", type=int, default=1,
+    v.add_argument("--threads", type=int, action=in_range(0, 4096, "0 = torch's default"), default=1,
                    help="torch threads per query (default 1: concurrent requests already use the cores; 0 = torch's default)")
     v.add_argument("--run", metavar="RUN_DIR", help="the run, if it moved since indexing")
     v.add_argument("--device", default="auto")

@@ -7,14 +7,15 @@ import os
 import shlex
 from pathlib import Path
 
+from vsekit.commands.argtypes import at_least
 from vsekit.config import builtin_recipes, load_recipe, to_dict
 from vsekit.errors import VseInputError
 
 
 def add_recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", help=f"built-in ({', '.join(builtin_recipes())}) or a YAML file (default: vse_infty)")
-    p.add_argument("--epochs", type=int, help="override train.epochs; with --resume: train the run on to N epochs in all")
-    p.add_argument("--batch-size", type=int, help="override train.batch_size")
+    p.add_argument("--epochs", type=int, action=at_least(1), help="override train.epochs; with --resume: train the run on to N epochs in all")
+    p.add_argument("--batch-size", type=int, action=at_least(2), help="override train.batch_size (at least 2: in-batch negatives)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 … (default: cuda when available)")
     p.add_argument("--seed", type=int, help="override train.seed")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any recipe key, e.g. model.embed_dim=512")

@@ -6,8 +6,10 @@ Files of one split in a dataset directory:
 - `{split}_ids.txt`   optional image ids: one line per image, or one per caption (repeated ids);
 - `{split}_cap2img.txt` optional (vsekit extension): one 0-based image row per caption; without it,
   captions `k*i .. k*i+k-1` belong to image `i` (k = captions_per_image, 5 for COCO / Flickr30K);
-- `{split}_images.txt` optional: one image path per image row (relative to the directory), which lets a
-  model trained on features index the raw pictures.
+- `{split}_images.txt` optional: one image path per image row, relative to the dataset's images root, which
+  lets a model trained on features index the raw pictures. The images root is the directory itself unless
+  `manifest.json` declares `images_root` (absolute, or relative to the directory; `vse data karpathy`
+  writes it); a path that resolves outside the images root is refused.
 - video: `{split}_frames.npy` + `{split}_frame_offsets.npy` instead of `{split}_ims.npy` (clips with
   different frame counts; `vsekit.data.frames`): each clip is one "image" row.
 
@@ -19,6 +21,7 @@ truncated to 1,000 images for validation by the trainer.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +72,12 @@ class PrecompSplit:
     # optional `{split}_ims_lengths.txt`: real rows per feature row (the rest is zero padding), for sets of
     # different sizes (e.g. a variable number of detected regions); None = every row of R is real
     set_sizes: np.ndarray | None = None
+    # folder the paths of `{split}_images.txt` are relative to (`dataset_image_root`); None = `root`
+    image_root: Path | None = None
+
+    @property
+    def images_root(self) -> Path:
+        return self.image_root if self.image_root is not None else self.root
 
     @property
     def n_images(self) -> int:
@@ -119,6 +128,7 @@ class PrecompSplit:
             self.root, self.split, self.features, [self.captions[i] for i in keep], self.cap2img[keep],
             self.image_rows[:max_images], self.image_ids[:max_images],
             self.image_paths[:max_images] if self.image_paths is not None else None, self.set_sizes,
+            self.image_root,
         )  # fmt: skip
 
     def sample_images(self, fraction: float, seed: int) -> PrecompSplit:
@@ -138,12 +148,52 @@ class PrecompSplit:
             self.root, self.split, self.features, [self.captions[i] for i in keep], new_index[self.cap2img[keep]],
             self.image_rows[chosen], [self.image_ids[i] for i in chosen],
             [self.image_paths[i] for i in chosen] if self.image_paths is not None else None, self.set_sizes,
+            self.image_root,
         )  # fmt: skip
 
     def abs_image_path(self, index: int) -> Path:
+        """The picture of image `index` under the images root; a path that resolves outside it (`..`, an
+        absolute path, a symlink out) is a DataFormatError naming the line of `{split}_images.txt`."""
         if self.image_paths is None:
             raise DataFormatError(f"{self.root}: split {self.split!r} has no {self.split}_images.txt")
-        return self.root / self.image_paths[index]
+        return resolve_image_path(self.images_root, self.image_paths[index],
+                                  f"{self.root / f'{self.split}_images.txt'} (image row {index})")  # fmt: skip
+
+
+MANIFEST = "manifest.json"
+
+
+def dataset_image_root(root: str | Path) -> Path:
+    """The folder the paths of a dataset's `{split}_images.txt` are relative to: `manifest.json`'s
+    `images_root` (absolute, or relative to the dataset directory), else the dataset directory itself.
+    An unreadable manifest declares nothing (`vse data check` warns about it)."""
+    root = Path(root)
+    path = root / MANIFEST
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return root
+    value = meta.get("images_root") if isinstance(meta, dict) else None
+    if value is None:
+        return root
+    if not isinstance(value, str) or not value.strip() or "\0" in value:
+        raise DataFormatError(f"{path}: images_root must be a folder path, got {value!r}")
+    return root / value
+
+
+def resolve_image_path(images_root: Path, rel: str, where: str) -> Path:
+    """`images_root / rel`, refused (DataFormatError naming `where`) when it resolves outside `images_root`."""
+    rel = rel.strip()
+    if not rel:
+        raise DataFormatError(f"{where}: empty picture path")
+    try:
+        base = images_root.resolve()
+        full = (images_root / rel).resolve()
+    except (OSError, RuntimeError, ValueError) as e:  # NUL bytes, symlink loops
+        raise DataFormatError(f"{where}: {rel!r} is not a usable path ({e})") from e
+    if Path(rel).is_absolute() or not full.is_relative_to(base):
+        raise DataFormatError(f"{where}: {rel!r} points outside the images root {base}")
+    return full
 
 
 def _load_features(path: Path) -> np.ndarray:
@@ -244,8 +294,9 @@ def load_precomp_split(root: str | Path, split: str, captions_per_image: int = 5
         image_paths = [s.strip() for s in read_lines(paths_file)]
         if len(image_paths) != n_images:
             raise DataFormatError(f"{paths_file}: {len(image_paths)} paths for {n_images} images")
+    image_root = dataset_image_root(root) if image_paths is not None else None
     return PrecompSplit(root, split, feats, captions, cap2img, image_rows, image_ids, image_paths,
-                        read_set_sizes(lengths_file, feats.shape))  # fmt: skip
+                        read_set_sizes(lengths_file, feats.shape), image_root)  # fmt: skip
 
 
 def read_set_sizes(path: Path, shape: tuple[int, ...]) -> np.ndarray | None:

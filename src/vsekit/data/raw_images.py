@@ -150,28 +150,59 @@ def convert_karpathy(json_path: str | Path, out_dir: str | Path, image_root: str
     """Write a Karpathy JSON as vsekit split files (captions, cap2img, ids, images) without features.
 
     The result trains backbone recipes from pixels (`vse train --recipe vse_infty_grid_e2e --data OUT`) and
-    is read by the same precomp reader; image paths are absolute unless the pictures lie under `out_dir`.
-    Splits are checked (every picture exists) before anything is written, so a bad JSON leaves no half layout.
+    is read by the same precomp reader. The pictures stay where they are: `manifest.json` records their
+    folder as `images_root` (relative to `out_dir` when the pictures lie under it, else absolute) and
+    `{split}_images.txt` lists each picture relative to it. Splits are checked (every picture exists, none
+    resolves outside the images folder) before anything is written, so a bad JSON leaves no half layout.
     """
-    from vsekit.utils.io import atomic_write_text
+    import json
+    import os
+
+    from vsekit.data.precomp import MANIFEST, dataset_image_root
+    from vsekit.utils.io import atomic_write_json, atomic_write_text
 
     out = Path(out_dir)
     loaded = {s: load_karpathy_split(json_path, s, image_root) for s in splits}
+    folder = Path(image_root) if image_root else Path(json_path).parent
+    base = folder.resolve()
+    rel_paths: dict[str, list[str]] = {}
     for s, raw in loaded.items():
+        rels = []
         for i in range(raw.n_images):
-            if not raw.abs_image_path(i).is_file():
+            path = raw.abs_image_path(i)
+            if not path.is_file():
                 raise DataFormatError(f"{json_path}: split {s!r} image {raw.image_paths[i]!r} not found at "
-                                      f"{raw.abs_image_path(i)} (pass --images ROOT)")  # fmt: skip
+                                      f"{path} (pass --images ROOT)")  # fmt: skip
+            full = path.resolve()
+            if not full.is_relative_to(base):
+                raise DataFormatError(f"{json_path}: split {s!r} image {raw.image_paths[i]!r} resolves to {full}, "
+                                      f"outside the images folder {base} ('..' or a symlink out of it); "
+                                      f"pass the folder that holds every picture as --images")  # fmt: skip
+            rels.append(full.relative_to(base).as_posix())
+        rel_paths[s] = rels
+    out_abs = out.resolve()
+    declared = os.path.relpath(base, out_abs) if base.is_relative_to(out_abs) else str(base)
+    # other splits already in `out` keep their pictures' root: refuse one that would move it under them
+    others = sorted(p.name[: -len("_images.txt")] for p in out.glob("*_images.txt")
+                    if p.name[: -len("_images.txt")] not in loaded)  # fmt: skip
+    if others and dataset_image_root(out).resolve() != base:
+        raise DataFormatError(f"{out}: split(s) {', '.join(others)} list pictures under {dataset_image_root(out).resolve()}; "
+                              f"these pictures are under {base}: convert every split in one command "
+                              f"(--splits) or choose another --out")  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    counts = {}
+    manifest: dict = {}
+    try:
+        previous = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
+        manifest = previous if isinstance(previous, dict) else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        pass
+    counts = {s: {"images": raw.n_images, "captions": raw.n_captions} for s, raw in loaded.items()}
+    manifest.update({"format": "karpathy", "source_json": str(Path(json_path).resolve()), "images_root": declared})
+    manifest["splits"] = {**(manifest.get("splits") if isinstance(manifest.get("splits"), dict) else {}), **counts}
+    atomic_write_json(out / MANIFEST, manifest)  # first: split files never point into an undeclared root
     for s, raw in loaded.items():
-        paths = []
-        for i in range(raw.n_images):
-            p = raw.abs_image_path(i).resolve()
-            paths.append(str(p.relative_to(out.resolve())) if p.is_relative_to(out.resolve()) else str(p))
         atomic_write_text(out / f"{s}_caps.txt", "".join(c.replace("\n", " ") + "\n" for c in raw.captions))
         atomic_write_text(out / f"{s}_cap2img.txt", "".join(f"{i}\n" for i in raw.cap2img.tolist()))
         atomic_write_text(out / f"{s}_ids.txt", "".join(f"{i}\n" for i in raw.image_ids))
-        atomic_write_text(out / f"{s}_images.txt", "".join(f"{p}\n" for p in paths))
-        counts[s] = {"images": raw.n_images, "captions": raw.n_captions}
+        atomic_write_text(out / f"{s}_images.txt", "".join(f"{p}\n" for p in rel_paths[s]))
     return counts

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from vsekit.data.frames import FRAMES_SUFFIX, OFFSETS_SUFFIX, RaggedFrames
-from vsekit.data.precomp import DataFormatError
+from vsekit.data.precomp import MANIFEST, DataFormatError, dataset_image_root
 
 FILE_KINDS = ("_caps.txt", "_ims.npy", FRAMES_SUFFIX, "_images.txt", "_cap2img.txt", "_ids.txt")
 MAX_PER_KIND = 5  # problems of one kind in one file listed one by one; the rest are counted
@@ -425,26 +425,50 @@ def _check_split(root: Path, split: str, k: int, max_words: int, chunk_rows: int
         expected = n_images if n_images is not None else n_rows
         if len(paths) not in (expected, n_rows):
             out.add("error", paths_file, "", f"{len(paths)} paths for {expected} images")
-        base = root.resolve()
-        for lineno, p in enumerate(paths, 1):
-            p = p.strip()
-            if not p:
-                out.add("error", paths_file, f":{lineno}", "empty path", "empty path")
-                continue
-            try:
-                full = (root / p).resolve()
-            except (ValueError, OSError) as e:  # NUL bytes, loops
-                out.add("error", paths_file, f":{lineno}", f"not a usable path ({e})", "not a usable path")
-                continue
-            if Path(p).is_absolute() or not full.is_relative_to(base):
-                out.add("error", paths_file, f":{lineno}", f"{p!r} points outside the dataset directory", "outside")
-            elif not full.is_file():
-                out.add("error", paths_file, f":{lineno}", f"{p!r}: no such picture", "no such picture")
+        _check_picture_paths(root, paths, paths_file, out)
     if image_ids is not None:
         report.splits.setdefault(split, {})["_ids"] = image_ids
     if paths is not None:
         report.splits.setdefault(split, {})["_paths"] = [p.strip() for p in paths]
     return info
+
+
+def _check_picture_paths(root: Path, paths: list[str], paths_file: Path, out: _Collector) -> None:
+    """Every picture path lies under the images root (the directory, or manifest.json's `images_root`) and
+    exists there."""
+    try:
+        images_root = dataset_image_root(root)
+        base = images_root.resolve()
+    except DataFormatError as e:
+        out.add("error", root / MANIFEST, "", str(e).removeprefix(f"{root / MANIFEST}: "))
+        return
+    except (OSError, RuntimeError, ValueError) as e:
+        out.add("error", root / MANIFEST, "", f"images_root is not a usable path ({e})")
+        return
+    declared = images_root != root
+    if declared and not base.is_dir():
+        out.add("error", root / MANIFEST, "", f"images_root {str(images_root)!r}: no such folder (the pictures "
+                f"of {paths_file.name} are looked up there)")  # fmt: skip
+        return
+    outside = (f"points outside the images root {base} ({MANIFEST} images_root)" if declared else
+               "points outside the dataset directory")  # fmt: skip
+    for lineno, p in enumerate(paths, 1):
+        p = p.strip()
+        if not p:
+            out.add("error", paths_file, f":{lineno}", "empty path", "empty path")
+            continue
+        try:
+            full = (images_root / p).resolve()
+        except (ValueError, OSError, RuntimeError) as e:  # NUL bytes, loops
+            out.add("error", paths_file, f":{lineno}", f"not a usable path ({e})", "not a usable path")
+            continue
+        if Path(p).is_absolute() or not full.is_relative_to(base):
+            hint = "" if declared or not Path(p).is_absolute() else (
+                f"; pictures outside the dataset directory need {MANIFEST} images_root (`vse data karpathy` "
+                "writes it: convert the JSON again)")  # fmt: skip
+            out.add("error", paths_file, f":{lineno}", f"{p!r} {outside}{hint}", "outside")
+        elif not full.is_file():
+            out.add("error", paths_file, f":{lineno}", f"{p!r}: no such picture", "no such picture")
 
 
 def check_dataset(data_dir: str | Path, splits: list[str] | None = None, captions_per_image: int = 5,
@@ -453,7 +477,8 @@ def check_dataset(data_dir: str | Path, splits: list[str] | None = None, caption
 
     Checks: files present; features a readable (N, R, D) float16/32 array without NaN/inf rows; captions
     UTF-8, non-empty, not over-long; caption/image counts fit `captions_per_image` or `{split}_cap2img.txt`;
-    ids one per image or per caption and consistent; picture paths inside the directory and present;
+    ids one per image or per caption and consistent; picture paths inside the images root (the directory, or
+    manifest.json's `images_root`) and present;
     feature sizes equal across splits; no image shared between train and an evaluation split.
     """
     root = Path(data_dir)

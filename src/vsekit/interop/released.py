@@ -19,8 +19,13 @@ from typing import Any
 import torch
 
 from vsekit.config import PoolingConfig, Recipe, load_recipe
+from vsekit.errors import VseInputError
 from vsekit.interop.checkpoint_reader import (
     ReleasedCheckpointError,
+    check_finite_weights,
+    flag_option,
+    float_option,
+    int_option,
     json_safe,
     options_dict,
     read_released_checkpoint,
@@ -129,12 +134,6 @@ def tensor(state: dict[str, torch.Tensor], key: str, path: Path) -> torch.Tensor
     return state[key]
 
 
-def option(options: dict[str, Any], name: str, path: Path) -> Any:
-    if name not in options:
-        raise ReleasedCheckpointError(f"{path}: the pickled options have no {name!r}")
-    return options[name]
-
-
 # ---------------------------------------------------------------------------------------------- recipes
 
 
@@ -155,18 +154,20 @@ def region_image_settings(recipe: Recipe, img: dict[str, torch.Tensor], options:
     recipe.model.image.feature_type = "region"
     recipe.model.image.views = 1
     recipe.model.image.mlp_hidden = int(tensor(img, "mlp.layers.0.weight", path).shape[0])
-    if "img_dim" in options and int(options["img_dim"]) != fc.shape[1]:
-        raise ReleasedCheckpointError(f"{path}: img_dim={options['img_dim']} but fc.weight takes {fc.shape[1]} inputs")
+    img_dim = int_option(options, "img_dim", path, None)
+    if img_dim is not None and img_dim != fc.shape[1]:
+        raise ReleasedCheckpointError(f"{path}: img_dim={img_dim} but fc.weight takes {fc.shape[1]} inputs")
     return int(fc.shape[1])
 
 
 def check_embed_size(options: dict[str, Any], name: str, embed: int, path: Path) -> None:
-    if name in options and int(options[name]) != embed:
-        raise ReleasedCheckpointError(f"{path}: {name}={options[name]} but the weights embed to {embed}")
+    given = int_option(options, name, path, None)
+    if given is not None and given != embed:
+        raise ReleasedCheckpointError(f"{path}: {name}={given} but the weights embed to {embed}")
 
 
 def check_norms(options: dict[str, Any], path: Path) -> None:
-    if options.get("no_imgnorm") or options.get("no_txtnorm"):
+    if flag_option(options, "no_imgnorm", path) or flag_option(options, "no_txtnorm", path):
         raise ReleasedCheckpointError(f"{path}: trained with no_imgnorm/no_txtnorm; vsekit imports models whose "
                                       "image and caption embeddings are both L2-normalised")  # fmt: skip
 
@@ -177,8 +178,9 @@ def bigru_settings(recipe: Recipe, txt: dict[str, torch.Tensor], options: dict[s
     layers = sum(1 for k in txt if k.startswith("rnn.weight_ih_l") and not k.endswith("_reverse"))
     if not any(k.endswith("_reverse") for k in txt if k.startswith("rnn.")):
         raise ReleasedCheckpointError(f"{path}: the caption GRU is unidirectional; vsekit imports the bidirectional one")
-    if "num_layers" in options and int(options["num_layers"]) != layers:
-        raise ReleasedCheckpointError(f"{path}: num_layers={options['num_layers']} but the weights hold {layers} GRU layers")
+    num_layers = int_option(options, "num_layers", path, None)
+    if num_layers is not None and num_layers != layers:
+        raise ReleasedCheckpointError(f"{path}: num_layers={num_layers} but the weights hold {layers} GRU layers")
     recipe.model.text.kind = "bigru"
     recipe.model.text.tokenizer = "nltk"  # SCAN vocabularies hold nltk's Treebank tokens
     recipe.model.text.word_dim = int(emb.shape[1])
@@ -196,11 +198,45 @@ def read_vocab(vocab_path: str | None, rows: int, options: dict[str, Any], path:
                                       f"{name}_vocab.json (the SCAN vocabulary JSON it was trained with)")  # fmt: skip
     if not Path(vocab_path).is_file():
         raise ReleasedCheckpointError(f"{vocab_path}: vocabulary file does not exist")
-    words = Vocabulary.load(vocab_path).idx2word
+    check_vocab_file(Path(vocab_path))
+    try:
+        words = Vocabulary.load(vocab_path).idx2word
+    except VseInputError as e:
+        message = str(e)
+        raise ReleasedCheckpointError(message if message.startswith(str(vocab_path)) else f"{vocab_path}: {message}") from None
     if len(words) != rows:
         raise ReleasedCheckpointError(f"{vocab_path}: {len(words)} words with <mask> appended, but the checkpoint's "
                                       f"embedding table has {rows} rows (vocab_size): not this model's vocabulary")  # fmt: skip
     return words
+
+
+def check_vocab_file(path: Path) -> None:
+    """A vocabulary JSON of the right shape (SCAN's `idx2word`: an object of id -> word or a list of words;
+    vsekit's `words`: a list of words), or one line naming the file and the key that is wrong."""
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise ReleasedCheckpointError(f"{path}: cannot read the vocabulary ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise ReleasedCheckpointError(f"{path}: not a vocabulary JSON: a binary file (not UTF-8 text)") from None
+    except json.JSONDecodeError as e:
+        raise ReleasedCheckpointError(f"{path}: not a vocabulary JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    key = next((k for k in ("idx2word", "words") if isinstance(data, dict) and k in data), None)
+    if key is None:
+        found = f"keys {sorted(map(str, data))[:5]}" if isinstance(data, dict) else f"a JSON {type(data).__name__}"
+        raise ReleasedCheckpointError(f"{path}: expected SCAN's {{'idx2word': {{...}}}} or {{'words': [...]}}, found {found}")
+    value = data[key]
+    if isinstance(value, dict) and key == "idx2word":
+        entries = list(value.items())
+    elif isinstance(value, list):
+        entries = list(enumerate(value))
+    else:
+        want = "an object of id -> word (or a list of words)" if key == "idx2word" else "a list of words"
+        raise ReleasedCheckpointError(f"{path}: {key!r} must be {want}, got a JSON {type(value).__name__}")
+    for k, word in entries:
+        if not isinstance(word, str):
+            raise ReleasedCheckpointError(f"{path}: {key!r} entry {k!r} is {word!r} (a JSON {type(word).__name__}), "
+                                          "not a word")  # fmt: skip
 
 
 def bert_positions(text_files: dict[str, bytes]) -> int:
@@ -235,8 +271,8 @@ def import_vse_infty(ckpt: dict, path: Path, vocab: str | None, text_config: str
     recipe.model.image.pooling = gpo_config(img, "gpool.", path)
     recipe.model.text.pooling = gpo_config(txt, "gpool.", path)
     recipe.loss.name = "triplet"
-    recipe.loss.margin = float(options.get("margin", recipe.loss.margin))
-    recipe.loss.warmup_epochs = int(options.get("vse_mean_warmup_epochs", recipe.loss.warmup_epochs))
+    recipe.loss.margin = float_option(options, "margin", path, recipe.loss.margin)
+    recipe.loss.warmup_epochs = int_option(options, "vse_mean_warmup_epochs", path, recipe.loss.warmup_epochs)
     spec = DataSpec(img_dim=img_dim)
     text_files: dict[str, bytes] = {}
     notes: list[str] = []
@@ -288,9 +324,9 @@ def import_vse_2ad(ckpt: dict, path: Path, vocab: str | None, text_config: str |
     recipe.loss.name = "adopt"
     recipe.loss.adopt_variant = "reference"
     recipe.loss.adopt_zero_fill_negatives = True
-    recipe.loss.temperature = float(option(options, "tau", path))
-    recipe.loss.adopt_scale = float(options.get("scale", recipe.loss.adopt_scale))
-    recipe.loss.margin = float(options.get("margin", recipe.loss.margin))
+    recipe.loss.temperature = float_option(options, "tau", path)
+    recipe.loss.adopt_scale = float_option(options, "scale", path, recipe.loss.adopt_scale)
+    recipe.loss.margin = float_option(options, "margin", path, recipe.loss.margin)
     pool_rules = [("pool.linear.", "{side}.pool.token_scorer."), ("pool.balance.", "{side}.pool.balance.")]
     rules_i = REGION_IMAGE_RULES[:-1] + [(s, d.format(side="image_encoder")) for s, d in pool_rules]
     rules_t = BIGRU_TEXT_RULES[:-1] + [(s, d.format(side="text_encoder")) for s, d in pool_rules]
@@ -322,7 +358,7 @@ def import_avse(ckpt: dict, path: Path, vocab: str | None, text_config: str | No
     recipe.model.image.views = 2
     recipe.model.image.view_keep_train = 0.8  # the released code's training views (the paper says 75 %)
     recipe.model.image.view_keep_test = 0.9
-    recipe.model.image.image_size = int(options.get("img_res", 224))
+    recipe.model.image.image_size = int_option(options, "img_res", path, 224)
     recipe.model.image.pooling = gpo_config(img, "image_encoder.gpool.", path)
     vit_cfg, vit_notes = vit_config_from_checkpoint(img, "visual_encoder.", vision_config, path)
     recipe.model.text.kind = "transformer"
@@ -336,12 +372,15 @@ def import_avse(ckpt: dict, path: Path, vocab: str | None, text_config: str | No
     recipe.model.similarity.name = "aeom"
     recipe.model.similarity.use_sinkhorn = False  # the released code's Sinkhorn call is commented out
     recipe.model.similarity.readout = "maxsum"  # the same: block max-sum of the cosines
+    if block_dim is not None and int(block_dim) < 1:
+        raise ReleasedCheckpointError(f"--block-dim {block_dim}: the AEOM block size must be a positive divisor of "
+                                      f"the embed size {embed}")  # fmt: skip
     recipe.model.similarity.block_dim = int(block_dim or embed // 4)  # released: 256 with embed_size 1024
     if embed % recipe.model.similarity.block_dim:
         raise ReleasedCheckpointError(f"{path}: embed size {embed} is not a multiple of --block-dim {block_dim}")
     recipe.loss.name = "triplet"
-    recipe.loss.margin = float(options.get("margin", recipe.loss.margin))
-    recipe.loss.warmup_epochs = int(options.get("vse_mean_warmup_epochs", recipe.loss.warmup_epochs))
+    recipe.loss.margin = float_option(options, "margin", path, recipe.loss.margin)
+    recipe.loss.warmup_epochs = int_option(options, "vse_mean_warmup_epochs", path, recipe.loss.warmup_epochs)
     recipe.loss.view_reg_weight = 1.0
     recipe.loss.view_reg_variant = "reference"
     recipe.optim.weight_decay = 1e-4  # the released AVSE code's AdamW (ViT + BERT)
@@ -373,10 +412,13 @@ def import_checkpoint(kind: str, checkpoint: str | Path, vocab: str | None = Non
         raise ReleasedCheckpointError(f"unknown kind {kind!r}; choose one of {', '.join(KINDS)}")
     ckpt = read_released_checkpoint(path)
     if kind == "vse_infty":
-        return import_vse_infty(ckpt, path, vocab, text_config)
-    if kind == "vse_2ad":
-        return import_vse_2ad(ckpt, path, vocab, text_config)
-    return import_avse(ckpt, path, vocab, text_config, vision_config, block_dim)
+        imported = import_vse_infty(ckpt, path, vocab, text_config)
+    elif kind == "vse_2ad":
+        imported = import_vse_2ad(ckpt, path, vocab, text_config)
+    else:
+        imported = import_avse(ckpt, path, vocab, text_config, vision_config, block_dim)
+    check_finite_weights(ckpt, path)  # NaN / inf weights: every similarity of the run would be NaN
+    return imported
 
 
 def build_model(imported: ImportedModel, text_dir: Path | None, path: Path) -> VSEModel:
@@ -390,6 +432,22 @@ def build_model(imported: ImportedModel, text_dir: Path | None, path: Path) -> V
     return model.eval()
 
 
+def check_out_dir(out: str | Path) -> Path:
+    """`out` when a run folder can go there (new, or an empty folder, under folders rather than a file), else one
+    line saying what is wrong with it. Writes nothing (`vse import` checks before reading the checkpoint)."""
+    out = Path(out)
+    if not out.name or out.name in (".", ".."):
+        raise ReleasedCheckpointError(f"--out {out}: name a new run folder")
+    above = out.parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if above.exists() and not above.is_dir():
+        raise ReleasedCheckpointError(f"--out {out}: {above} is a file, not a folder, so nothing can be created under it")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ReleasedCheckpointError(f"{out}: exists and is not an empty folder; choose a new --out")
+    return out
+
+
 def write_imported_run(imported: ImportedModel, checkpoint: str | Path, out: str | Path) -> Path:
     """Write the run directory atomically: built in a sibling temp folder, renamed into place when complete."""
     import shutil
@@ -398,11 +456,13 @@ def write_imported_run(imported: ImportedModel, checkpoint: str | Path, out: str
     from vsekit.training.checkpoint import tensor_bytes, write_run_config
     from vsekit.utils.io import atomic_write_bytes, sha256_file
 
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ReleasedCheckpointError(f"{out}: exists and is not an empty folder; choose a new --out")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.importing-", dir=out.parent))
+    out = check_out_dir(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.importing-", dir=out.parent))
+    except OSError as e:
+        raise ReleasedCheckpointError(f"--out {out}: cannot create the run folder in {out.parent} "
+                                      f"({e.strerror or type(e).__name__}); choose a writable place") from None  # fmt: skip
     try:
         text_dir = None
         if imported.text_files:

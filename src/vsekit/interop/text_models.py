@@ -49,8 +49,26 @@ def read_config_json(path: str | None, what: str) -> dict[str, Any]:
     return data
 
 
-def merge_shapes(base: dict[str, Any], given: dict[str, Any], shapes: dict[str, int], label: str, path: Path) -> dict:
-    """`base` updated with `given`; every shape field read from the weights must agree with `given`."""
+def merge_shapes(base: dict[str, Any], given: dict[str, Any], shapes: dict[str, int], label: str, path: Path,
+                 config_path: str | None = None) -> dict:  # fmt: skip
+    """`base` updated with `given`; every shape field read from the weights must agree with `given`, and the
+    numeric fields of `given` (read from `config_path`) must be numbers of the right kind."""
+    for key, value in given.items():
+        expected = type(base.get(key, shapes.get(key)))
+        wrong_int = expected is int and (isinstance(value, bool) or not isinstance(value, int))
+        wrong_float = expected is float and (isinstance(value, bool) or not isinstance(value, (int, float)))
+        wrong_other = expected in (str, bool) and not isinstance(value, expected)
+        if wrong_int or wrong_float or wrong_other:
+            want = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[expected]
+            raise ReleasedCheckpointError(f"{config_path or path}: {label} config field {key!r} is {value!r}, "
+                                          f"expected {want}")  # fmt: skip
+    if "hidden_act" in given:
+        from transformers.activations import ACT2FN
+
+        if given["hidden_act"] not in ACT2FN:
+            raise ReleasedCheckpointError(f"{config_path or path}: {label} config field 'hidden_act' is "
+                                          f"{given['hidden_act']!r}, not an activation transformers knows "
+                                          f"(e.g. {', '.join(sorted(ACT2FN)[:5])})")  # fmt: skip
     cfg = {**base, **given}
     for key, value in shapes.items():
         if key in given and int(given[key]) != value:
@@ -83,7 +101,7 @@ def bert_config_from_weights(state: dict[str, torch.Tensor], prefix: str, text_c
         "num_hidden_layers": count_layers(state, prefix + "encoder.layer."),
         "intermediate_size": shape("encoder.layer.0.intermediate.dense.weight")[0],
     }  # fmt: skip
-    return merge_shapes(BERT_BASE_UNCASED, read_config_json(text_config, "BERT"), shapes, "BERT", path)
+    return merge_shapes(BERT_BASE_UNCASED, read_config_json(text_config, "BERT"), shapes, "BERT", path, text_config)
 
 
 def uncased_wordpiece_vocab() -> bytes:
@@ -131,5 +149,6 @@ def vit_config_from_checkpoint(state: dict[str, torch.Tensor], prefix: str, visi
         "intermediate_size": shape("encoder.layer.0.intermediate.dense.weight")[0],
         "qkv_bias": prefix + "encoder.layer.0.attention.attention.query.bias" in state,
     }  # fmt: skip
-    cfg = merge_shapes(VIT_BASE_PATCH16_224_IN21K, read_config_json(vision_config, "ViT"), shapes, "ViT", path)
+    cfg = merge_shapes(VIT_BASE_PATCH16_224_IN21K, read_config_json(vision_config, "ViT"), shapes, "ViT", path,
+                       vision_config)  # fmt: skip
     return cfg, []

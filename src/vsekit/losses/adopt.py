@@ -67,6 +67,37 @@ def adopt_k(align: float, uniform: float, batch: int, variant: str = "paper", sc
     return max(1, min(k, batch - 1))
 
 
+def adopt_gammas_tensor(sims: torch.Tensor, variant: str = "paper") -> tuple[torch.Tensor, torch.Tensor]:
+    """`adopt_gammas` as 0-d float64 tensors on the device (no host read; on the CPU for MPS, which has no
+    float64): the same numbers, computed in float32 and widened to float64 as `float()` does, clipped in float64."""
+    s = sims.detach().float()
+    if s.device.type == "mps":  # no float64 there
+        s = s.cpu()
+    align = s.diagonal().mean().double()
+    if variant == "paper":
+        uniform = (torch.logsumexp(s.flatten(), 0) - math.log(s.numel())).double()
+        return align.clamp(0.0, 1.0), uniform.clamp(0.0, 1.0)
+    off = s - torch.diag_embed(s.diagonal())
+    return align, torch.exp(-off).mean().double()
+
+
+def adopt_k_tensor(align: torch.Tensor, uniform: torch.Tensor, batch: int, variant: str = "paper",
+                   scale: float = 1.25) -> torch.Tensor:  # fmt: skip
+    """`adopt_k` on 0-d float64 tensors -> a 0-d int64 tensor, the same rule in the same float64 operations
+    (one ulp of cos can differ between the host's libm and a GPU's: K changes only if B·cos lands within
+    ~1e-16 of an integer)."""
+    if batch < 2:
+        raise ValueError(f"ADOPT needs at least 2 pairs in a batch, got {batch}")
+    if variant == "paper":
+        k = torch.floor(batch * torch.cos((align + uniform) * math.pi / 4))
+    elif variant == "reference":
+        t = (align + uniform).clamp_min(0.0)
+        k = (torch.trunc(torch.cos(t**scale) * batch) + 1).clamp_min(1)
+    else:
+        raise ValueError(f"ADOPT variant {variant!r}; choose one of {', '.join(ADOPT_VARIANTS)}")
+    return k.clamp(1, batch - 1).to(torch.int64)
+
+
 def zero_filled_topk(sims: torch.Tensor, negatives: torch.Tensor, k: int) -> torch.Tensor:
     """[B, k] similarities at the k largest entries of each row once non-negatives are set to 0 — the
     released code's selection, which can pick the positive itself when few negatives are above 0."""
@@ -75,14 +106,23 @@ def zero_filled_topk(sims: torch.Tensor, negatives: torch.Tensor, k: int) -> tor
 
 
 def topk_infonce(
-    sims: torch.Tensor, negatives: torch.Tensor, k: int | None, temperature: float, margin: float = 0.0,
+    sims: torch.Tensor, negatives: torch.Tensor, k: int | torch.Tensor | None, temperature: float, margin: float = 0.0,
     zero_fill: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """Mean over rows of -log softmax of the positive (diagonal) against the row's k hardest valid
     negatives (`k=None`: all of them); `negatives[i, j]` says whether column j may be a negative of row i.
-    `zero_fill`: pick them as `zero_filled_topk` does (the released code; needs a k below the width)."""
+    `k` may be a 0-d tensor (ADOPT's adaptive K, kept on the device). `zero_fill`: pick them as
+    `zero_filled_topk` does (the released code; needs a k below the width)."""
     pos = sims.diagonal().unsqueeze(1)
-    if zero_fill and k is not None and k < sims.shape[1]:
+    if torch.is_tensor(k) and zero_fill:
+        k = int(k)  # the released selection's tie order is topk's: a host read of K (parity mode only)
+    if torch.is_tensor(k):
+        # K on the device: every negative, sorted, and the ranks past K masked out (-inf adds nothing to the
+        # softmax); the same loss and gradient as topk(K) with a fixed shape and no host read of K
+        masked = sims.masked_fill(~negatives, float("-inf")).sort(dim=1, descending=True).values
+        ranks = torch.arange(masked.shape[1], device=masked.device)
+        masked = masked.masked_fill(ranks >= k.to(masked.device), float("-inf"))
+    elif zero_fill and k is not None and k < sims.shape[1]:
         masked = zero_filled_topk(sims, negatives, k)
     else:
         masked = sims.masked_fill(~negatives, float("-inf"))
@@ -101,6 +141,9 @@ class ADOPTLoss(nn.Module):
     """
 
     step_log_keys: tuple[str, ...] = ("K_i2t", "K_t2i", "align", "uniform")
+    # the logged K / gammas as Python floats (one host read per call); False: 0-d device tensors, so the
+    # loss has no host sync at all (compiled whole / CUDA graphs; read them when logging)
+    host_diag: bool = True
 
     def __init__(self, temperature: float = 0.05, variant: str = "paper", scale: float = 1.25, margin: float = 0.2,
                  mask_same_image: bool = True, adaptive: bool = True, fixed_k: int | None = None,
@@ -128,13 +171,16 @@ class ADOPTLoss(nn.Module):
         if sims.ndim != 2 or sims.shape[0] != sims.shape[1]:
             raise ValueError(f"ADOPT/InfoNCE needs a square in-batch similarity matrix, got {tuple(sims.shape)}")
         b = sims.shape[0]
+        if b < 2:
+            raise ValueError(f"ADOPT needs at least 2 pairs in a batch, got {b}")
         sims = sims.float()
         positives = positive_mask(image_ids if self.mask_same_image else None, b, sims.device)
-        align, uniform = adopt_gammas(sims, self.variant)
+        # K, gamma_align and gamma_uniform stay on the device: no host read inside the loss
+        align, uniform = adopt_gammas_tensor(sims, self.variant)
         if self.fixed_k is not None:
-            k: int | None = min(self.fixed_k, b - 1)
+            k: int | torch.Tensor | None = min(self.fixed_k, b - 1)
         elif self.adaptive:
-            k = adopt_k(align, uniform, b, self.variant, self.scale)
+            k = adopt_k_tensor(align, uniform, b, self.variant, self.scale)
         else:
             k = None
         zf = self.zero_fill_negatives
@@ -143,9 +189,18 @@ class ADOPTLoss(nn.Module):
         loss = loss_i2t + loss_t2i
         if self.variant == "reference":
             loss = loss / 2
-        k_used = float(b - 1 if k is None else k)
-        diag = {"K_i2t": k_used, "K_t2i": k_used, "align": align, "uniform": uniform,
-                "loss_i2t": loss_i2t.detach(), "loss_t2i": loss_t2i.detach()}  # fmt: skip
+        if torch.is_tensor(k):
+            k_used = k.to(torch.float64)
+        else:  # a fill, not a copy from the host
+            k_used = torch.full((), float(b - 1 if k is None else k), dtype=torch.float64, device=align.device)
+        logged = torch.stack([k_used, align, uniform])
+        if self.host_diag:  # one host read for the three numbers
+            k_f, align_f, uniform_f = logged.tolist()
+            logged_out: tuple = (k_f, k_f, align_f, uniform_f)
+        else:
+            logged_out = (logged[0], logged[0], logged[1], logged[2])
+        diag = dict(zip(("K_i2t", "K_t2i", "align", "uniform"), logged_out, strict=True))
+        diag.update({"loss_i2t": loss_i2t.detach(), "loss_t2i": loss_t2i.detach()})
         return loss, diag
 
 

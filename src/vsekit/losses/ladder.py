@@ -42,8 +42,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -354,7 +353,7 @@ class LadderLoss(nn.Module):
     auto-threshold ladder (`percentile=p`: each query's threshold is the p-th percentile of its relevance row).
 
     Needs the batch's `caption_ids` (rows of the train split's captions) and a relevance source: the
-    sentence embeddings loaded by `prepare` (the trainer calls it) or `set_caption_embeddings`, or an
+    sentence embeddings given by `set_caption_embeddings` (the trainer: `vsekit.relevance.prepare_ladder_relevance`), or an
     explicit `relevance=[B, B]` tensor passed to forward.
     """
 
@@ -400,7 +399,7 @@ class LadderLoss(nn.Module):
         self.cumulative = cumulative
         self.percentile = None if percentile is None else float(percentile)
         self.threshold_share = None if threshold_share is None else float(threshold_share)
-        self.derived_thresholds: list[float] | None = None  # set by `prepare` when threshold_share is given
+        self.derived_thresholds: list[float] | None = None  # set by the trainer when threshold_share is given
         self.adaptive = adaptive
         self.levels_min, self.levels_max = levels_min, levels_max
         self.n_levels = n_levels
@@ -413,32 +412,13 @@ class LadderLoss(nn.Module):
         self._graphs: dict[tuple, tuple] = {}
 
     # -------------------------------------------------------------------------------- relevance
-    def prepare(self, data_dir: str | Path, train_split, log: Callable[[str], None] = print) -> None:
-        """Load (computing and caching on first use) the train captions' sentence embeddings; with
-        `threshold_share`, set θ_1 to the value that share of the split's different-image caption pairs reach."""
-        from vsekit.relevance import split_caption_embeddings
-
-        emb = split_caption_embeddings(data_dir, train_split.split, train_split.captions, log=log)
-        self.set_caption_embeddings(torch.from_numpy(emb))
-        if self.threshold_share is not None:
-            self.derive_threshold(train_split.cap2img, log)
-
-    def derive_threshold(self, cap2img, log: Callable[[str], None] = print) -> float:
-        """θ_1 := the (1 − threshold_share) quantile of the relevance of the loaded captions' different-image
-        pairs (every pair up to 20M of them, else a fixed-seed sample: deterministic, so a resumed run gets
-        the same θ)."""
-        from vsekit.relevance import pair_relevance_from_embeddings, share_at_or_above, threshold_for_share
-
-        if self.threshold_share is None or self.caption_emb is None:
-            raise RuntimeError("derive_threshold needs threshold_share and the caption embeddings")
-        values = pair_relevance_from_embeddings(self.caption_emb.float().cpu().numpy(), cap2img)
-        theta = threshold_for_share(values, self.threshold_share)
-        self.thresholds = [theta]
-        self.derived_thresholds = [theta]
-        at_paper = float(share_at_or_above(values, [0.40])[0])
-        log(f"ladder: θ_1 = {theta:.4f}, reached by {self.threshold_share:.1%} of {len(values):,} train caption "
-            f"pairs of different images (loss.ladder_threshold_share; θ = 0.40 would keep {at_paper:.1%})")  # fmt: skip
-        return theta
+    def set_derived_threshold(self, theta: float) -> None:
+        """θ_1 derived by the trainer from `threshold_share` and the train split's caption-pair relevance
+        (`vsekit.relevance.prepare_ladder_relevance`); the loss itself never loads a sentence model."""
+        if self.threshold_share is None:
+            raise RuntimeError("a derived θ_1 needs loss.ladder_threshold_share")
+        self.thresholds = [float(theta)]
+        self.derived_thresholds = [float(theta)]
 
     def set_caption_embeddings(self, emb: torch.Tensor) -> None:
         if emb.ndim != 2:
@@ -448,11 +428,11 @@ class LadderLoss(nn.Module):
 
     def batch_relevance(self, caption_ids: torch.Tensor) -> torch.Tensor:
         if self.caption_emb is None:
-            raise RuntimeError("ladder loss has no relevance: call prepare(data_dir, split) or "
+            raise RuntimeError("ladder loss has no relevance: call vsekit.relevance.prepare_ladder_relevance or "
                                "set_caption_embeddings(), or pass relevance=[B, B] to the loss")  # fmt: skip
         n = self.caption_emb.shape[0]
         # checked on CPU ids only: on an accelerator the check would stall the step on a device sync (the
-        # trainer's ids index the very split whose embeddings `prepare` loaded)
+        # trainer's ids index the very split whose embeddings the trainer gave)
         if caption_ids.device.type == "cpu" and caption_ids.numel() and (
             int(caption_ids.min()) < 0 or int(caption_ids.max()) >= n
         ):

@@ -32,6 +32,15 @@ class MetricsInputError(VseInputError):
     """A similarity matrix or caption->image map that cannot be evaluated."""
 
 
+class NonFiniteScoresError(MetricsInputError):
+    """A NaN or inf score in a similarity matrix; `image`, `caption` = the first one (row, column), so that a
+    caller that knows the matrix's file(s) can name the one that holds it."""
+
+    def __init__(self, message: str, image: int, caption: int) -> None:
+        super().__init__(message)
+        self.image, self.caption = image, caption
+
+
 def check_inputs(sims: np.ndarray, cap2img: np.ndarray, finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(sims, cap2img as int64) after checking shapes, types and the map; `finite=False` leaves the NaN/inf scan
     to the caller (`ranks_both` does it in its one pass over the matrix)."""
@@ -66,7 +75,9 @@ def check_inputs(sims: np.ndarray, cap2img: np.ndarray, finite: bool = True) -> 
 
 def _raise_not_finite(block: np.ndarray, row0: int = 0) -> None:
     bad = np.argwhere(~np.isfinite(block))[0]
-    raise MetricsInputError(f"similarity matrix has NaN/inf values, first at (image {row0 + bad[0]}, caption {bad[1]})")
+    image, caption = row0 + int(bad[0]), int(bad[1])
+    raise NonFiniteScoresError(f"similarity matrix has NaN/inf values, first at (image {image}, caption {caption})",
+                               image, caption)  # fmt: skip
 
 
 def ranks_both(sims: np.ndarray, cap2img: np.ndarray, block_bytes: int = 4 << 20) -> tuple[np.ndarray, np.ndarray]:

@@ -13,25 +13,28 @@ import torch
 from torch import nn
 
 from vsekit.config import ImageEncoderConfig
-from vsekit.models.norm import l2_normalize
+from vsekit.models.norm import MaskedBatchNorm1d, l2_normalize
 from vsekit.pooling import AvgPool, create_pooling, length_mask
 
 
 class ResidualMLP(nn.Module):
-    """Linear -> BatchNorm -> ReLU -> Linear applied to the valid rows only."""
+    """Linear -> BatchNorm -> ReLU -> Linear whose output and BatchNorm statistics come from the valid rows only.
+
+    It runs on the whole padded set (fixed shapes, no boolean indexing, no host sync) with a masked BatchNorm
+    (`MaskedBatchNorm1d`: the statistics `nn.BatchNorm1d` would compute on `x[mask]`), and padded rows come
+    out as zeros: the same outputs, gradients and running statistics as running it on `x[mask]`.
+    """
 
     def __init__(self, d_in: int, d_hidden: int, d_out: int) -> None:
         super().__init__()
         self.fc1 = nn.Linear(d_in, d_hidden)
-        self.bn = nn.BatchNorm1d(d_hidden)
+        self.bn = MaskedBatchNorm1d(d_hidden)
         self.fc2 = nn.Linear(d_hidden, d_out)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        rows = self.fc2(torch.relu(self.bn(self.fc1(x[mask]))))
-        # the buffer takes the rows' dtype so autocast (bf16) and fp32 both work
-        out = rows.new_zeros(*x.shape[:-1], self.fc2.out_features)
-        out[mask] = rows
-        return out
+        out = self.fc2(torch.relu(self.bn(self.fc1(x), mask)))
+        # masked_fill (not a product): a padded row is 0 even when its content was inf/NaN
+        return out.masked_fill(~mask.unsqueeze(-1), 0.0)
 
 
 def xavier_linear(d_in: int, d_out: int) -> nn.Linear:
@@ -43,20 +46,38 @@ def xavier_linear(d_in: int, d_out: int) -> nn.Linear:
 
 def grid_size_augment(feats: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None,
                       drop_max: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """VSE∞ grid augmentation, vectorised: 80% of images drop each cell with prob drop_max*U(0.2,1)."""
+    """VSE∞ grid augmentation, vectorised: 80% of images drop each cell with prob drop_max*U(0.2,1).
+
+    Returns (features [b, n, D] with each set's kept cells packed to the front and zeros after, lengths [b]).
+    The width stays n whatever was dropped (fixed shapes, no host sync); the random numbers are drawn on the
+    CPU from `generator` (or the global CPU generator) and copied to the device asynchronously.
+    """
     b, n, _ = feats.shape
     dev = feats.device
-    r = torch.rand(b, 1, generator=generator).to(dev)
-    cell = torch.rand(b, n, generator=generator).to(dev)
+    # the same draws as always (CPU generator, uniform [b, 1] then [b, n]): runs stay reproducible
+    r = to_device_async(torch.rand(b, 1, generator=generator), dev)
+    cell = to_device_async(torch.rand(b, n, generator=generator), dev)
     keep = (r <= 0.2) | (cell >= drop_max * r)
-    keep &= length_mask(lengths, n)
-    keep[keep.sum(1) == 0, 0] = True
+    keep = keep & length_mask(lengths.to(dev, non_blocking=True), n)
+    # a set that lost every cell keeps its first one (a tensor op, no host read of the counts)
+    first = torch.arange(n, device=dev) == 0
+    keep = keep | (first & ~keep.any(1, keepdim=True))
     # pack kept cells to the front with a stable sort on the keep flag
     order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
     packed = torch.gather(feats, 1, order.unsqueeze(-1).expand_as(feats))
     new_len = keep.sum(1)
     packed = packed.masked_fill(~length_mask(new_len, n).unsqueeze(-1), 0.0)
-    return packed[:, : int(new_len.max())], new_len
+    # the full width n, not the longest kept set: a fixed shape (poolings ignore the zero padding)
+    return packed, new_len
+
+
+def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on `device` without a host sync: a CUDA copy goes from pinned memory, asynchronously."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 class PrecompImageEncoder(nn.Module):
@@ -71,13 +92,14 @@ class PrecompImageEncoder(nn.Module):
         self.normalize = normalize
 
     def embed_set(self, feats: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        mask = length_mask(lengths, feats.shape[1])
+        mask = length_mask(lengths.to(feats.device, non_blocking=True), feats.shape[1])
         x = self.fc(feats)
         if self.mlp is not None:
             x = x + self.mlp(feats, mask)
         return x
 
     def forward(self, feats: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        lengths = lengths.to(feats.device, non_blocking=True)  # free when already there (the trainer's case)
         if self.mlp is None and isinstance(self.pool, AvgPool):
             # mean(W x_i + b) = W mean(x_i) + b: pooling first runs the linear layer on one row per image,
             # not on all N (grid VSE++: ~20x less image-side work, the same embedding up to float rounding)

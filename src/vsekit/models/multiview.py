@@ -19,11 +19,13 @@ time, so its scores change between runs).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from vsekit.config import ImageEncoderConfig
-from vsekit.models.image import PrecompImageEncoder
+from vsekit.models.image import PrecompImageEncoder, to_device_async
 from vsekit.models.norm import l2_normalize
 from vsekit.pooling import length_mask
 from vsekit.utils.runtime import derived_seed
@@ -34,19 +36,36 @@ EVAL_GROUPING_SEED = 0xA75E
 def kept_count(lengths: torch.Tensor, keep: float) -> torch.Tensor:
     """Elements a view keeps from a set of `lengths`: round(keep * n), at least 1, at most n."""
     n = lengths.to(torch.long)
+    if n.device.type == "mps":  # no float64 there
+        return kept_count(n.cpu(), keep).to(n.device)
     return torch.round(n.to(torch.float64) * keep).to(torch.long).clamp_min(1).minimum(n.clamp_min(1))
 
 
-def eval_view_priorities(views: int, lengths: torch.Tensor, max_len: int) -> torch.Tensor:
-    """[B, views, max_len] random priorities that depend only on (view, set size) — the test grouping."""
-    out = torch.empty(len(lengths), views, max_len)
-    lengths_cpu = lengths.detach().cpu()
-    for n in torch.unique(lengths_cpu).tolist():
-        rows = lengths_cpu == n
+def eval_priority_table(views: int, max_len: int) -> torch.Tensor:
+    """[max_len + 1, views, max_len]: row n holds the test-grouping priorities of a set of size n (CPU).
+
+    Row (n, k) is `max_len` draws from a generator seeded by (view k, size n) alone; size 0 gets size 0's
+    draws like any other (it has no valid position to order)."""
+    out = torch.empty(max_len + 1, views, max_len)
+    for n in range(max_len + 1):
         for k in range(views):
-            g = torch.Generator().manual_seed(derived_seed(EVAL_GROUPING_SEED, k, int(n)))
-            out[rows, k] = torch.rand(max_len, generator=g)
+            g = torch.Generator().manual_seed(derived_seed(EVAL_GROUPING_SEED, k, n))
+            out[n, k] = torch.rand(max_len, generator=g)
     return out
+
+
+@functools.lru_cache(maxsize=16)
+def _eval_priority_table_on(views: int, max_len: int, device: torch.device) -> torch.Tensor:
+    return eval_priority_table(views, max_len).to(device)
+
+
+def eval_view_priorities(views: int, lengths: torch.Tensor, max_len: int) -> torch.Tensor:
+    """[B, views, max_len] random priorities that depend only on (view, set size) — the test grouping.
+
+    Gathered by length on the lengths' device from a table of every size 0..max_len (built once per
+    (views, max_len, device), a few recent ones kept): no host read of the lengths."""
+    table = _eval_priority_table_on(views, max_len, lengths.device)
+    return table.index_select(0, lengths.detach().to(torch.long).clamp(0, max_len))
 
 
 def view_groups(lengths: torch.Tensor, views: int, keep: float, max_len: int,
@@ -57,15 +76,16 @@ def view_groups(lengths: torch.Tensor, views: int, keep: float, max_len: int,
     without replacement of the valid positions); the rest point at dropped or padded positions.
     """
     b = len(lengths)
+    lengths = lengths.detach()
     if deterministic:
         prio = eval_view_priorities(views, lengths, max_len)
-    else:
-        prio = torch.rand(b, views, max_len, generator=generator)
-    valid = length_mask(lengths.detach().cpu(), max_len).unsqueeze(1)
+    else:  # drawn on the generator's device (the CPU), copied without a host sync
+        prio = to_device_async(torch.rand(b, views, max_len, generator=generator), lengths.device)
+    valid = length_mask(lengths, max_len).unsqueeze(1)
     prio = prio.masked_fill(~valid, 2.0)  # padding sorts last
     order = prio.argsort(dim=-1, stable=True)
-    counts = kept_count(lengths.detach().cpu(), keep).unsqueeze(1).expand(b, views)
-    return order.to(lengths.device), counts.to(lengths.device)
+    counts = kept_count(lengths, keep).unsqueeze(1).expand(b, views)
+    return order, counts
 
 
 class MultiViewImageEncoder(nn.Module):
@@ -93,6 +113,7 @@ class MultiViewImageEncoder(nn.Module):
     ) -> torch.Tensor:
         b, n, _ = feats.shape
         keep = self.keep_train if self.training else self.keep_test
+        lengths = lengths.to(feats.device, non_blocking=True)
         order, counts = view_groups(lengths, self.views, keep, n, generator, deterministic=not self.training)
         # the shared encoder maps each element on its own, so it runs once per element; each view then
         # gathers its embedded elements, packed to the front: [B*views, n, embed_dim]
@@ -100,7 +121,7 @@ class MultiViewImageEncoder(nn.Module):
         idx = order.reshape(b, self.views * n, 1).expand(-1, -1, x.shape[-1])
         grouped = torch.gather(x, 1, idx).reshape(b * self.views, n, x.shape[-1])
         flat_counts = counts.reshape(-1)
-        grouped = grouped[:, : int(flat_counts.max())]
+        # the full width n (a fixed shape; the pooling gives the masked padding no weight)
         grouped = grouped.masked_fill(~length_mask(flat_counts, grouped.shape[1]).unsqueeze(-1), 0.0)
         x = self.shared.pool(grouped, flat_counts)  # [B*views, embed_dim]
         if self.normalize:

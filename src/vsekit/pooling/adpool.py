@@ -103,14 +103,15 @@ class ADPool(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
         if features.ndim != 3 or features.shape[-1] != self.dim:
             raise ValueError(f"ADPool(dim={self.dim}) expects features [B, N, {self.dim}], got {tuple(features.shape)}")
-        lengths = lengths.to(features.device)
         if lengths.shape != features.shape[:1]:
             raise ValueError(f"lengths must be [B]={features.shape[0]}, got {tuple(lengths.shape)}")
-        if int(lengths.min()) < 1:
+        # checked where it is free (CPU lengths, eager): on a GPU it would read the lengths back every call
+        if lengths.device.type == "cpu" and not torch.compiler.is_compiling() and bool((lengths < 1).any()):
             raise ValueError("ADPool: every set needs at least one element (a length is 0)")
-        # the released code's softmax sees every padded position of the batch: keep them all then
-        max_len = int(lengths.max()) if self.mask_padding else features.shape[1]
-        features = features[:, :max_len]
+        lengths = lengths.to(features.device, non_blocking=True)
+        # the full padded width (a fixed shape): masked padding gets softmax weight 0, so with mask_padding
+        # the result does not depend on it; the released code's softmax (mask_padding=False) sees it all
+        max_len = features.shape[1]
         mask = length_mask(lengths, max_len)
         x = features.masked_fill(~mask.unsqueeze(-1), 0.0)  # padding content (even NaN) can never leak
         tok = theta = emb = None

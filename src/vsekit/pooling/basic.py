@@ -13,7 +13,7 @@ from torch import nn
 def length_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
     """[B, max_len] bool, True where a position holds a real element."""
     positions = torch.arange(max_len, device=lengths.device)
-    return positions.unsqueeze(0) < lengths.to(positions.device).unsqueeze(1)
+    return positions.unsqueeze(0) < lengths.unsqueeze(1)
 
 
 def sort_values_desc(values: torch.Tensor) -> torch.Tensor:
@@ -22,9 +22,11 @@ def sort_values_desc(values: torch.Tensor) -> torch.Tensor:
     On CPU, torch.sort over a short middle dimension is slow (a [128, 49, 512] batch: ~220 ms forward and
     backward, most of a GPO training step on 2 cores). numpy's argsort over the transposed, contiguous copy
     finds the same order (up to ties, which hold equal values, so the values are identical) and a gather
-    along the last dimension carries the gradient: about 2x faster. Other devices and dtypes use torch.sort.
+    along the last dimension carries the gradient: about 2x faster. Other devices and dtypes, and code being
+    compiled (numpy is outside the graph), use torch.sort.
     """
-    if values.device.type != "cpu" or values.dtype not in (torch.float32, torch.float64) or values.numel() == 0:
+    if values.device.type != "cpu" or values.dtype not in (torch.float32, torch.float64) or values.numel() == 0 \
+            or torch.compiler.is_compiling():  # fmt: skip
         return values.sort(dim=1, descending=True).values
     by_dim = values.transpose(1, 2).contiguous()  # [B, D, N]
     keys = np.negative(by_dim.detach().numpy())
@@ -66,7 +68,7 @@ class KMaxPool(nn.Module):
 
     def forward(self, features: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         ordered = sort_desc_per_dim(features, lengths)
-        k_eff = lengths.to(features.device).clamp(max=self.k, min=1)
+        k_eff = lengths.to(features.device, non_blocking=True).clamp(max=self.k, min=1)
         take = length_mask(k_eff, ordered.shape[1]).unsqueeze(-1).to(features.dtype)
         return (ordered * take).sum(1) / k_eff.unsqueeze(-1).to(features.dtype)
 

@@ -3,20 +3,22 @@
 pooled_d = sum_k theta_k * x_(k),d where x_(k),d is the k-th largest value of dimension d and the
 weights theta depend only on (rank k, set size N): sin/cos positions -> BiGRU (directions averaged)
 -> bias-free linear -> softmax with temperature 0.1, padding masked. Faithful to the reference code
-(`lib/modules/aggr/gpo.py`); because theta depends on N alone, we compute the weights once per
-distinct length in the batch rather than once per sample (same numbers, far fewer GRU steps).
+(`lib/modules/aggr/gpo.py`); because theta depends on N alone, one call computes the weights of every
+set size 1..L (L = the padded width) as one [L, L] table and gathers each sample's row on the device (same
+numbers, far fewer GRU steps). Nothing depends on the values of `lengths` but the gather: no host sync,
+no data-dependent shape, so the pooling compiles whole (`fullgraph=True`) and fits in a CUDA graph.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from vsekit.pooling.basic import length_mask, sort_desc_per_dim
+from vsekit.pooling.rnn import gru_direction
 
 
 def positional_encoding_1d(d_model: int, length: int, device: torch.device | None = None) -> torch.Tensor:
@@ -40,6 +42,18 @@ class GPO(nn.Module):
         self.temperature = temperature
         self.gru = nn.GRU(d_pe, d_hidden, num_layers=1, batch_first=True, bidirectional=True)
         self.linear = nn.Linear(d_hidden, 1, bias=False)
+        # sin/cos tables by (length, device): constants, built once per width instead of every call
+        self._pe_cache: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def positions(self, max_len: int, device: torch.device) -> torch.Tensor:
+        """The [max_len, d_pe] positional encoding on `device`, cached (computed inline while compiling)."""
+        if torch.compiler.is_compiling():
+            return positional_encoding_1d(self.d_pe, max_len, device=device)
+        key = (max_len, torch.device(device))
+        pe = self._pe_cache.get(key)
+        if pe is None:
+            pe = self._pe_cache[key] = positional_encoding_1d(self.d_pe, max_len, device=device)
+        return pe
 
     def weights_for_lengths(self, lengths: torch.Tensor, max_len: int) -> torch.Tensor:
         """Pooling weights [len(lengths), max_len] for each set size in `lengths` (zeros on padding).
@@ -51,16 +65,14 @@ class GPO(nn.Module):
         """
         device = self.linear.weight.device
         g = self.gru
-        n = lengths.detach().to(device, torch.int64).clamp(min=1)
-        pe = positional_encoding_1d(self.d_pe, max_len, device=device)
+        n = lengths.detach().to(device, torch.int64, non_blocking=True).clamp(min=1)
+        pe = self.positions(max_len, device)
         h = g.hidden_size
         fw = [g.weight_ih_l0, g.weight_hh_l0, g.bias_ih_l0, g.bias_hh_l0]
         bw = [g.weight_ih_l0_reverse, g.weight_hh_l0_reverse, g.bias_ih_l0_reverse, g.bias_hh_l0_reverse]
         rev = (n[:, None] - 1 - torch.arange(max_len, device=device)[None, :]).clamp(min=0)  # [U, L]
-        with warnings.catch_warnings():  # cuDNN notes that these weights are not one flat buffer
-            warnings.simplefilter("ignore", UserWarning)
-            out_f, _ = torch.gru(pe.unsqueeze(0), pe.new_zeros(1, 1, h), fw, True, 1, 0.0, self.training, False, True)
-            out_b, _ = torch.gru(pe[rev], pe.new_zeros(1, len(n), h), bw, True, 1, 0.0, self.training, False, True)
+        out_f = gru_direction(pe.unsqueeze(0), fw, h, self.training)
+        out_b = gru_direction(pe[rev], bw, h, self.training)
         hidden = (out_f + out_b.gather(1, rev.unsqueeze(-1).expand(-1, -1, h))) / 2
         mask = length_mask(n, max_len)
         scores = self.linear(hidden).squeeze(-1).masked_fill(~mask, -10000.0)
@@ -85,11 +97,23 @@ class GPO(nn.Module):
     def forward(
         self, features: torch.Tensor, lengths: torch.Tensor, return_weights: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        max_len = int(lengths.max())
-        features = features[:, :max_len]
-        unique, inverse = torch.unique(lengths.detach().to("cpu", torch.int64), return_inverse=True)
-        weights = self.weights_for_lengths(unique, max_len)[inverse.to(self.linear.weight.device)]
+        """Pooled [B, D] (and the weights [B, L], zeros past each set's size, with `return_weights`).
+
+        L is the padded width `features.shape[1]`: a batch padded further gives the same result (the
+        padding gets weight 0). The weights of all sizes 1..L are one [L, L] table gathered by `lengths - 1`
+        on the device, or, when the batch is smaller than L, computed for the batch's sizes directly (the
+        cheaper of the two; both shapes are static).
+        """
+        b, max_len = features.shape[0], features.shape[1]
+        device = self.linear.weight.device
+        n = lengths.detach().to(device, torch.int64, non_blocking=True).clamp(1, max(max_len, 1))
+        if b < max_len:
+            weights = self.weights_for_lengths(n, max_len)
+        else:
+            table = self.weights_for_lengths(torch.arange(1, max_len + 1, device=device), max_len)  # [L, L]
+            weights = table.index_select(0, n - 1)
         weights = weights.to(features.device, features.dtype)
-        ordered = sort_desc_per_dim(features, lengths)
+        ordered = sort_desc_per_dim(features, lengths.to(features.device, non_blocking=True))
         pooled = (ordered * weights.unsqueeze(-1)).sum(1)
         return (pooled, weights) if return_weights else pooled
+

@@ -157,7 +157,7 @@ def embed_to_folder(run_dir: str | Path, spec: str, out_dir: str | Path, *, chec
         TextEmbedder,
         embed_features,
     )
-    from vsekit.search.index import model_fingerprint, use_stored_features
+    from vsekit.search.index import chunk_batches, model_fingerprint, use_stored_features
     from vsekit.training.checkpoint import load_run
     from vsekit.utils.progress import progress_bar
 
@@ -170,6 +170,10 @@ def embed_to_folder(run_dir: str | Path, spec: str, out_dir: str | Path, *, chec
     model.eval()
     fingerprint = model_fingerprint(run_dir, checkpoint, model)
     inp = resolve_input(spec, model.recipe.data.captions_per_image)
+    # files left out before any embedding (names that are not UTF-8, caption files that are not UTF-8 text)
+    input_skipped = list(inp.source.problems) if inp.source is not None else []
+    if strict and input_skipped:
+        raise DataFormatError(input_skipped[0])
 
     load: Callable[[int], Any]
     embed: Callable[[list], Any] | None = None
@@ -213,7 +217,7 @@ def embed_to_folder(run_dir: str | Path, spec: str, out_dir: str | Path, *, chec
         "format": EMBED_FORMAT, "model": fingerprint, "input": inp.label, "kind": inp.kind, "root": inp.root,
         "embedded_from": mode, "rows": n, "chunk_size": chunk_size, "chunks": n_chunks,
         "with_image": with_image, "with_text": with_text,
-        "rows_sha256": hashlib.sha256(json.dumps(inp.keys).encode()).hexdigest(),
+        "rows_sha256": hashlib.sha256(json.dumps(inp.keys).encode()).hexdigest(), "input_skipped": input_skipped,
     }  # fmt: skip
     _check_out(out, job)
     barrier()  # every rank has checked the folder before rank 0 writes the plan into it
@@ -233,9 +237,10 @@ def embed_to_folder(run_dir: str | Path, spec: str, out_dir: str | Path, *, chec
     bar = progress_bar(total=sum(min(chunk_size, n - c * chunk_size) for c in mine), initial=done_rows,
                        desc=f"embed{f' (rank {rank})' if world_size > 1 else ''}", unit=unit,
                        enabled=progress and rank == 0)  # fmt: skip
-    batches = [list(range(lo, min(hi, lo + batch_size)))
-               for c in todo for lo, hi in [(c * chunk_size, min(n, (c + 1) * chunk_size))]
-               for lo in range(lo, hi, batch_size)]  # fmt: skip
+    # each chunk in its own batches, starting at its first row (chunk_batches): a resumed run, or a rank of
+    # torchrun, encodes a chunk exactly as an uninterrupted single process does, so its files are bit-identical
+    plan = {c: chunk_batches(c * chunk_size, min(n, (c + 1) * chunk_size), batch_size) for c in todo}
+    batches = [list(b) for c in todo for b in plan[c]]
     loader: Any = []
     if with_image and batches:
         from torch.utils.data import DataLoader
@@ -248,7 +253,7 @@ def embed_to_folder(run_dir: str | Path, spec: str, out_dir: str | Path, *, chec
         rows: list[int] = []
         embs, problems = [], []
         if with_image:
-            for _ in range(lo, hi, batch_size):
+            for _ in plan[c]:
                 items = []
                 got = next(batch_iter)
                 for row, item, err in got:
@@ -315,7 +320,7 @@ def _finished(out: Path, name: str, with_image: bool, with_text: bool) -> bool:
 
 def _finish(out: Path, job: dict, names: list[str]) -> dict:
     """embed.json: the plan plus what every chunk holds (rows kept, pictures skipped, embedding shape)."""
-    chunks, skipped, shape = [], [], None
+    chunks, skipped, shape = [], list(job.get("input_skipped") or []), None
     for name in names:
         path = out / MANIFEST_DIR / f"chunk_{name}.json"
         if not path.is_file():
@@ -324,7 +329,8 @@ def _finish(out: Path, job: dict, names: list[str]) -> dict:
         chunks.append({"name": name, "rows": e["rows"], "first_row": e["first_row"]})
         skipped += e["skipped"]
         shape = shape or e.get("image_emb_shape")
-    meta = {**job, "image_emb_shape": shape, "written_rows": sum(c["rows"] for c in chunks), "skipped": skipped,
+    plan = {k: v for k, v in job.items() if k != "input_skipped"}  # listed in "skipped", first
+    meta = {**plan, "image_emb_shape": shape, "written_rows": sum(c["rows"] for c in chunks), "skipped": skipped,
             "chunk_files": chunks}  # fmt: skip
     atomic_write_json(out / "embed.json", meta)
     for msg in skipped[:10]:
@@ -384,7 +390,8 @@ def open_embedding_folder(path: str | Path) -> EmbeddingFolder:
     _, pq = _pyarrow()
     root = Path(path)
     if not root.is_dir():
-        raise VseInputError(f"{root}: no such folder (give the --out folder of `vse embed`)")
+        what = "no such folder" if not root.exists() else "is a file, expected a folder"
+        raise VseInputError(f"{root}: {what} (give the --out folder of `vse embed`)")
     info_path = root / "embed.json"
     info: dict = {}
     if info_path.is_file():
@@ -402,7 +409,8 @@ def open_embedding_folder(path: str | Path) -> EmbeddingFolder:
         name = p.stem[len("img_emb_"):]
         m = root / "metadata" / f"metadata_{name}.parquet"
         if not m.is_file():
-            raise VseInputError(f"{m}: missing (img_emb_{name}.npy has no metadata)")
+            what = "is a folder, expected a parquet file" if m.is_dir() else "missing"
+            raise VseInputError(f"{m}: {what} (img_emb_{name}.npy has no metadata)")
         a = np.load(p, mmap_mode="r", allow_pickle=False)
         if a.ndim != 2:
             raise VseInputError(f"{p}: expected a 2-d [rows, dim] array, got shape {list(a.shape)}")

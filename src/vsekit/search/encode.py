@@ -10,6 +10,8 @@ takes the pictures directly.
 from __future__ import annotations
 
 import json
+import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -81,18 +83,38 @@ def same_extractor(a: dict | None, b: dict | None) -> bool:
     return all(a.get(k) == b.get(k) for k in keys)
 
 
+_OPEN_LOCK = threading.Lock()  # warnings.catch_warnings swaps process-wide state: one opener at a time
+
+
+def open_bounded(fp) -> Image.Image:
+    """`Image.open` (the header only: cheap) with PIL's DecompressionBombWarning — a picture larger than PIL's
+    own limit (about 89M pixels), which PIL would print to stderr and then decode — raised as
+    `Image.DecompressionBombError` instead, so callers refuse it like any picture over MAX_IMAGE_PIXELS."""
+    with _OPEN_LOCK, warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            return Image.open(fp)
+        except Image.DecompressionBombWarning as e:
+            raise Image.DecompressionBombError(str(e)) from None
+
+
 def open_image(path: str | Path) -> Image.Image:
-    """Decode a picture fully (so errors surface here, naming the file), refusing absurd sizes."""
+    """Decode a picture fully (so errors surface here, naming the file), refusing absurd sizes (more than
+    MAX_IMAGE_PIXELS: a DataFormatError, so the picture is skipped and reported like an unreadable one)."""
     path = Path(path)
+    if path.is_dir():
+        raise DataFormatError(f"{path}: is a folder, expected a picture file")
     try:
-        with Image.open(path) as im:
+        with open_bounded(path) as im:
             if im.width * im.height > MAX_IMAGE_PIXELS:
                 raise DataFormatError(f"{path}: {im.width}x{im.height} pixels is larger than the {MAX_IMAGE_PIXELS} limit")
             im.load()
             return im.copy()
     except DataFormatError:
         raise
-    except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as e:
+    except Image.DecompressionBombError as e:
+        raise DataFormatError(f"{path}: larger than the {MAX_IMAGE_PIXELS} pixel limit ({e})") from None
+    except (OSError, ValueError, SyntaxError) as e:
         raise DataFormatError(f"{path}: cannot read image ({e})") from e
 
 

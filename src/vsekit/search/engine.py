@@ -114,7 +114,7 @@ class SearchEngine:
             cand, sc = ids[qi][valid], scores[qi][valid]
             if self.rerank and len(cand):
                 emb = torch.from_numpy(self.index.image_emb(cand)).reshape(len(cand), *self.emb_shape).to(self.device)
-                sc = self.model.similarity(emb, queries[qi : qi + 1].to(self.device))[:, 0].float().cpu().numpy()
+                sc = self.model.sim(emb, queries[qi : qi + 1].to(self.device))[:, 0].float().cpu().numpy()
                 order = np.argsort(-sc, kind="stable")
                 cand, sc = cand[order], sc[order]
             out.append([(int(i), float(s)) for i, s in zip(cand[:k], sc[:k])])
@@ -164,7 +164,7 @@ class SearchEngine:
             cand, sc = ids[qi][valid], scores[qi][valid]
             if self.rerank and len(cand):
                 txt = torch.from_numpy(self.index.caption_emb(cand)).to(self.device)
-                sc = self.model.similarity(image_emb[qi : qi + 1].to(self.device), txt)[0].float().cpu().numpy()
+                sc = self.model.sim(image_emb[qi : qi + 1].to(self.device), txt)[0].float().cpu().numpy()
                 order = np.argsort(-sc, kind="stable")
                 cand, sc = cand[order], sc[order]
             out.append([(int(i), float(s)) for i, s in zip(cand[:k], sc[:k])])

@@ -25,6 +25,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -95,15 +96,20 @@ class FaissParams:
     def validate(self) -> None:
         if self.kind not in INDEX_KINDS:
             raise VseInputError(f"index kind {self.kind!r}; choose one of {', '.join(INDEX_KINDS)}")
-        for name in ("nprobe", "hnsw_m", "ef_construction", "ef_search"):
+        for name in ("nprobe", "ef_construction", "ef_search"):
             if getattr(self, name) < 1:
                 raise VseInputError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.hnsw_m < 2:  # FAISS crashes (segfault) building an HNSW graph of degree 1
+            raise VseInputError(f"hnsw_m must be >= 2, got {self.hnsw_m}")
         if self.nlist < 0:
             raise VseInputError(f"nlist must be >= 0 (0 = automatic), got {self.nlist}")
         if self.pq_m < 0:
             raise VseInputError(f"pq_m must be >= 0 (0 = automatic), got {self.pq_m}")
         if self.refine < 0:
             raise VseInputError(f"refine must be >= 0 (0 = PQ scores as they are), got {self.refine}")
+        for name in ("nlist", "nprobe", "hnsw_m", "ef_construction", "ef_search", "pq_m", "refine"):
+            if getattr(self, name) > 2**31 - 1:  # FAISS takes them as C ints
+                raise VseInputError(f"{name} must be <= {2**31 - 1}, got {getattr(self, name)}")
 
 
 def _faiss():
@@ -137,6 +143,25 @@ def ivfpq_train_size(n: int, nlist: int) -> int:
     return int(min(n, min(256 * nlist, max(65_536, 40 * nlist))))
 
 
+def check_trainable(params: FaissParams, n: int, d: int | None = None) -> None:
+    """Raise VseInputError (naming the option) when an index of `params` cannot be trained on `n` vectors of
+    dimension `d` (when known): IVF needs at least nlist vectors, IVF-PQ at least 16 and --pq-m dividing d.
+    `vse index` calls it before embedding anything, so a hopeless --nlist costs nothing."""
+    if params.kind not in IVF_KINDS:
+        return
+    nlist = params.nlist or auto_nlist(n)
+    if n < nlist:
+        raise VseInputError(f"--nlist {nlist}: an IVF index with {nlist} lists needs at least {nlist} vectors to "
+                            f"train, got {n}; use a smaller --nlist (0 = automatic) or --index flat")  # fmt: skip
+    if params.kind == "ivfpq":
+        if d is not None and params.pq_m and d % params.pq_m:
+            raise VseInputError(f"--pq-m {params.pq_m} must divide the vector dimension {d}")
+        _, nbits = auto_pq(d or 8, n)
+        if n < 2**nbits:
+            raise VseInputError(f"--index ivfpq: an IVF-PQ index needs at least {2**nbits} vectors to train its "
+                                f"codes, got {n}; use --index flat or ivf")  # fmt: skip
+
+
 def build_faiss(vectors: np.ndarray, params: FaissParams, seed: int = 0):
     """A FAISS inner-product index over `vectors` [N, D] (trained first when the kind needs it)."""
     faiss = _faiss()
@@ -150,18 +175,11 @@ def build_faiss(vectors: np.ndarray, params: FaissParams, seed: int = 0):
         index.hnsw.efConstruction = params.ef_construction
     else:
         nlist = params.nlist or auto_nlist(n)
-        if n < nlist:
-            raise VseInputError(f"an IVF index with {nlist} lists needs at least {nlist} vectors to train, got {n}; "
-                             "use a smaller --nlist or --index flat")  # fmt: skip
+        check_trainable(params, n, d)
         if params.kind == "ivfpq":
             m, nbits = auto_pq(d, n)
             if params.pq_m:
                 m = params.pq_m
-            if d % m:
-                raise VseInputError(f"--pq-m {m} must divide the vector dimension {d}")
-            if n < 2**nbits:
-                raise VseInputError(f"an IVF-PQ index needs at least {2**nbits} vectors to train its codes, got {n}; "
-                                    "use --index flat or ivf")  # fmt: skip
             index = faiss.IndexIVFPQ(faiss.IndexFlatIP(d), d, nlist, m, nbits, faiss.METRIC_INNER_PRODUCT)
             max_train = max(ivfpq_train_size(n, nlist), min(n, 39 * 2**nbits))
             logger.info("IVF-PQ: %d lists, %d x %d-bit codes, trained on %d of %d vectors", nlist, m, nbits,
@@ -240,7 +258,7 @@ def write_faiss(index, path: Path) -> None:
 def read_faiss(path: Path):
     faiss = _faiss()
     if not path.is_file():
-        raise IndexFormatError(f"{path}: missing (the index directory is incomplete)")
+        raise IndexFormatError(f"{path}: {_missing(path)} (the index directory is incomplete)")
     try:
         return faiss.read_index(str(path))
     except RuntimeError as e:
@@ -263,6 +281,9 @@ class Source:
     # a split without `{split}_images.txt`: only its stored features can be indexed; `paths` are then
     # "SPLIT:ROW" labels (the image's 0-based row, as in `vse eval --save-sims`), which name no file
     features_only: bool = False
+    # files found but left out before any embedding, one message each naming the file: pictures whose names
+    # are not valid UTF-8, caption files that are not UTF-8 text (the picture is kept, without captions)
+    problems: list[str] = field(default_factory=list)
 
     def first_caption(self) -> list[str | None]:
         out: list[str | None] = [None] * len(self.paths)
@@ -270,6 +291,47 @@ class Source:
             if out[i] is None:
                 out[i] = text
         return out
+
+
+def display_path(path: str | Path) -> str:
+    """A path as text that can always be printed and stored: bytes of a name that are not valid UTF-8 (which
+    Python carries as surrogate escapes) are shown as \\xNN, e.g. `pics/caf\\xe9.png`."""
+    return os.fsencode(str(path)).decode("utf-8", "backslashreplace")
+
+
+def is_utf8_name(path: str | Path) -> bool:
+    """Whether a path's text is valid UTF-8 (so it can go into JSON lines, parquet and messages as is)."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def path_kind(path: Path) -> str:
+    """What is at `path`, for a message: "does not exist", "is a folder", "is a file", "is not a regular file"."""
+    if not path.exists():
+        return "does not exist"
+    if path.is_dir():
+        return "is a folder"
+    return "is a file" if path.is_file() else "is not a regular file or folder"
+
+
+def expect_file(path: Path, what: str, error: type[VseInputError] = VseInputError) -> None:
+    """Raise `error` naming `path` unless it is a file: "X: is a folder, expected WHAT" (or missing, or a fifo)."""
+    if not path.is_file():
+        raise error(f"{display_path(path)}: {path_kind(path)}, expected {what}")
+
+
+def _read_captions_beside(side: Path, i: int, problems: list[str]) -> list[tuple[str, int]]:
+    """The captions of `side` (x.txt beside picture i), or none with a problem recorded: a caption file that
+    is not UTF-8 text (or cannot be read) is skipped and reported like an unreadable picture."""
+    try:
+        return [(s, i) for s in (line.strip() for line in read_lines(side)) if s]
+    except (DataFormatError, OSError) as e:
+        why = str(e) if isinstance(e, DataFormatError) else f"{display_path(side)}: cannot be read ({e.strerror or e})"
+        problems.append(f"{why}; its captions were skipped")
+        return []
 
 
 def _is_dataset_dir(path: Path) -> bool:
@@ -285,31 +347,50 @@ def split_source(root: Path, split: str, captions_per_image: int) -> Source:
         data.require_features()  # neither pictures nor features: nothing to index
         rows = [f"{split}:{i}" for i in range(data.n_images)]
         return Source(f"{root}:{split}", root.resolve(), rows, list(data.image_ids), caps, data, features_only=True)
-    return Source(f"{root}:{split}", root.resolve(), list(data.image_paths), list(data.image_ids), caps, data)
+    return Source(f"{root}:{split}", data.images_root.resolve(), list(data.image_paths), list(data.image_ids), caps, data)
 
 
 def folder_source(root: Path) -> Source:
-    """Every picture under `root` (sorted, hidden files skipped); `x.png` + `x.txt` gives x's caption."""
-    paths = sorted(
+    """Every picture under `root` (sorted, hidden files skipped); `x.png` + `x.txt` gives x's caption.
+
+    Decided here, before anything is embedded: a picture whose name is not valid UTF-8 is left out (it could
+    not be stored in pictures.jsonl / parquet), and a caption file that is not UTF-8 text is skipped; both
+    are listed in `problems`, naming the file, and reported with the unreadable pictures."""
+    found = sorted(
         p.relative_to(root).as_posix()
         for p in root.rglob("*")
         if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()
         and not any(part.startswith(".") for part in p.relative_to(root).parts)
     )  # fmt: skip
-    if not paths:
+    if not found:
         raise DataFormatError(f"{root}: no pictures ({', '.join(IMAGE_SUFFIXES)}) in this folder or below")
+    problems = [f"{display_path(root / rel)}: its file name is not valid UTF-8; rename it to index it"
+                for rel in found if not is_utf8_name(rel)]  # fmt: skip
+    paths = [rel for rel in found if is_utf8_name(rel)]
+    if not paths:
+        raise DataFormatError(f"{root}: none of its {len(found)} pictures has a valid UTF-8 file name "
+                              f"(e.g. {problems[0].split(': ')[0]}); rename them to index them")  # fmt: skip
     caps = []
     for i, rel in enumerate(paths):
         side = (root / rel).with_suffix(".txt")
         if side.is_file():
-            lines = [s.strip() for s in read_lines(side) if s.strip()]
-            caps += [(s, i) for s in lines]
-    return Source(str(root), root.resolve(), paths, [Path(p).stem for p in paths], caps)
+            caps += _read_captions_beside(side, i, problems)
+    return Source(str(root), root.resolve(), paths, [Path(p).stem for p in paths], caps, problems=problems)
+
+
+def _require_utf8(path: Path) -> None:
+    """SOURCE's own path must be valid UTF-8: it is stored (index.json's roots, parquet's image_path)."""
+    full = os.path.abspath(path)
+    if not is_utf8_name(full):
+        raise DataFormatError(f"{display_path(full)}: this path is not valid UTF-8 text, so the pictures' paths "
+                              "could not be stored; rename it (or the folder above it that is not)")  # fmt: skip
 
 
 def resolve_source(spec: str, captions_per_image: int = 5) -> Source:
     """`DATASET_DIR:SPLIT`, a dataset directory (its test split), a folder of pictures, or one picture."""
     path = Path(spec)
+    if path.exists():
+        _require_utf8(path)
     if path.is_dir():
         if _is_dataset_dir(path):
             if not (path / "test_caps.txt").is_file():
@@ -320,16 +401,17 @@ def resolve_source(spec: str, captions_per_image: int = 5) -> Source:
     if path.is_file():
         if path.suffix.lower() not in IMAGE_SUFFIXES:
             raise DataFormatError(f"{path}: not a picture ({', '.join(IMAGE_SUFFIXES)}) nor a directory")
-        caps = []
+        problems: list[str] = []
         side = path.with_suffix(".txt")
-        if side.is_file():
-            caps = [(s.strip(), 0) for s in read_lines(side) if s.strip()]
-        return Source(str(path), path.parent.resolve(), [path.name], [path.stem], caps)
+        caps = _read_captions_beside(side, 0, problems) if side.is_file() else []
+        return Source(str(path), path.parent.resolve(), [path.name], [path.stem], caps, problems=problems)
     if ":" in spec:
         root, split = spec.rsplit(":", 1)
         if Path(root).is_dir() and split:
+            _require_utf8(Path(root))
             return split_source(Path(root), split, captions_per_image)
-    raise DataFormatError(f"{spec}: does not exist (give a folder of pictures, a dataset directory, or DATASET_DIR:SPLIT)")
+    raise DataFormatError(f"{display_path(spec)}: {path_kind(path)} (give a folder of pictures, a dataset directory, or "
+                          "DATASET_DIR:SPLIT)")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ resumable encoding
@@ -339,6 +421,36 @@ def _save_npz(path: Path, **arrays: np.ndarray) -> None:
     buf = io.BytesIO()
     np.savez(buf, **arrays)
     atomic_write_bytes(path, buf.getvalue())
+
+
+def chunk_batches(lo: int, hi: int, batch_size: int) -> list[range]:
+    """The batches rows lo..hi-1 of one chunk are encoded in: runs of `batch_size` rows starting at the chunk's
+    own first row. A batch never spans two chunks and a chunk's batches do not depend on which chunks were
+    encoded before it, so a resumed run feeds the model exactly the tensors an uninterrupted run feeds it, and
+    its embeddings are bit-identical on any CPU, given the same number of threads (float32 products of other
+    shapes, or split over other thread counts, may round differently, e.g. with AVX-512 kernels). `vse index`
+    and `vse embed` both batch through this."""
+    return [range(b, min(hi, b + batch_size)) for b in range(lo, hi, batch_size)]
+
+
+def _work_plan(work_dir: Path, n: int, chunk_size: int) -> int:
+    """The chunk size of `work_dir`'s finished chunks: the one its plan.json records when a run with the same
+    items was interrupted (finished chunks are only reusable with their own boundaries), else `chunk_size`,
+    recorded for a later resume. Chunk files without a readable plan are removed (their rows are unknown)."""
+    plan = work_dir / "plan.json"
+    old = None
+    if plan.is_file():
+        with contextlib.suppress(OSError, ValueError):
+            old = json.loads(plan.read_text(encoding="utf-8"))
+    if isinstance(old, dict) and old.get("items") == n and isinstance(old.get("chunk_size"), int) and old["chunk_size"] > 0:
+        if old["chunk_size"] != chunk_size:
+            logger.info("%s: resuming with the chunk size this run started with (%d, not --chunk-size %d)",
+                        work_dir, old["chunk_size"], chunk_size)  # fmt: skip
+        return int(old["chunk_size"])
+    for stale in work_dir.glob("chunk_*"):
+        stale.unlink(missing_ok=True)
+    atomic_write_json(plan, {"items": n, "chunk_size": chunk_size})
+    return chunk_size
 
 
 def encode_resumable(work_dir: Path, n: int, load: Callable[[int], Any], embed: Callable[[list], torch.Tensor],
@@ -351,7 +463,10 @@ def encode_resumable(work_dir: Path, n: int, load: Callable[[int], Any], embed: 
     """
     from vsekit.utils.progress import progress_bar
 
+    if chunk_size < 1 or batch_size < 1:
+        raise VseInputError(f"--chunk-size and --batch-size must be >= 1, got {chunk_size} and {batch_size}")
     work_dir.mkdir(parents=True, exist_ok=True)
+    chunk_size = _work_plan(work_dir, n, chunk_size)
     n_chunks = (n + chunk_size - 1) // chunk_size
     done = [c for c in range(n_chunks) if (work_dir / f"chunk_{c:06d}.npz").is_file()]
     start_count = sum(min(chunk_size, n - c * chunk_size) for c in done)
@@ -362,9 +477,9 @@ def encode_resumable(work_dir: Path, n: int, load: Callable[[int], Any], embed: 
             continue
         lo, hi = c * chunk_size, min(n, (c + 1) * chunk_size)
         embs, kept, problems, shape = [], [], [], []
-        for b in range(lo, hi, batch_size):
+        for batch in chunk_batches(lo, hi, batch_size):
             items = []
-            for i in range(b, min(hi, b + batch_size)):
+            for i in batch:
                 try:
                     items.append(load(i))
                     kept.append(i)
@@ -376,7 +491,7 @@ def encode_resumable(work_dir: Path, n: int, load: Callable[[int], Any], embed: 
                 out = embed(items)
                 shape = list(out.shape[1:])
                 embs.append(out.reshape(out.shape[0], -1).float().cpu())
-            bar.update(min(hi, b + batch_size) - b)
+            bar.update(len(batch))
         emb = torch.cat(embs).numpy() if embs else np.zeros((0, 0), dtype=np.float32)
         atomic_write_json(work_dir / f"chunk_{c:06d}.json", problems)
         _save_npz(path, emb=emb.astype(np.float32), kept=np.asarray(kept, dtype=np.int64),
@@ -406,9 +521,14 @@ def run_weights(run_dir: Path, which: str) -> Path:
     return path
 
 
+def _missing(path: Path) -> str:
+    """Why an index file is not there: "missing", or "is a folder, expected a file"."""
+    return "missing" if not path.exists() else f"{path_kind(path)}, expected a file"
+
+
 def _read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
-        raise IndexFormatError(f"{path}: missing (the index directory is incomplete)")
+        raise IndexFormatError(f"{path}: {_missing(path)} (the index directory is incomplete)")
     out = []
     for lineno, line in enumerate(read_lines(path), 1):
         try:
@@ -427,7 +547,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 
 def _load_emb(path: Path, rows: int, mmap: bool) -> np.ndarray:
     if not path.is_file():
-        raise IndexFormatError(f"{path}: missing (the index directory is incomplete)")
+        raise IndexFormatError(f"{path}: {_missing(path)} (the index directory is incomplete)")
     try:
         arr = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
     except (ValueError, OSError) as e:
@@ -443,6 +563,10 @@ class SearchIndex:
     def __init__(self, index_dir: str | Path, mmap: bool = True) -> None:
         self.dir = Path(index_dir)
         meta_path = self.dir / "index.json"
+        if self.dir.exists() and not self.dir.is_dir():
+            raise IndexFormatError(f"{self.dir}: {path_kind(self.dir)}, expected an index folder (built by `vse index`)")
+        if meta_path.exists() and not meta_path.is_file():
+            raise IndexFormatError(f"{meta_path}: {path_kind(meta_path)}, expected the index's JSON file")
         if not meta_path.is_file():
             raise IndexFormatError(f"{self.dir}: not a vsekit index (no index.json); build one with `vse index`")
         try:
@@ -661,6 +785,80 @@ def writer_lock(out_dir: Path, log: Callable[[str], None] = print) -> Iterator[N
                 out_dir.rmdir()  # only when empty: a failed first run leaves no folder behind
 
 
+_LEFTOVER = re.compile(r"(images|captions)\.g\d+\.faiss|\.(index\.json|(images|captions)\.g\d+\.faiss)\..+\.tmp")
+
+
+def _first_build_leftovers(out_dir: Path) -> list[Path] | None:
+    """What a first `vse index` killed outright (SIGKILL, power cut) leaves in a folder without index.json:
+    segments/NNNN folders and FAISS / temp files no index.json lists. None when the folder holds anything
+    else (then it is not ours to clear)."""
+    found = []
+    for p in out_dir.iterdir():
+        if p.name in (".work", LOCK_NAME):
+            continue
+        if p.name == "segments" and p.is_dir() and all(q.name.isdigit() and q.is_dir() for q in p.iterdir()):
+            found.append(p)
+        elif _LEFTOVER.fullmatch(p.name) and p.is_file():
+            found.append(p)
+        else:
+            return None
+    return found
+
+
+def _check_new_out(out_dir: Path, log: Callable[[str], None]) -> None:
+    """A first build needs an empty folder (or one holding only its own .work/.lock): refuse anything else,
+    and clear what a killed first build left, so its rerun is not refused."""
+    if not out_dir.exists():
+        return
+    leftovers = _first_build_leftovers(out_dir)
+    if leftovers is None:
+        raise IndexFormatError(f"{out_dir}: exists, is not empty and holds no index.json; choose an empty or new --out")
+    if leftovers:
+        log(f"note: {out_dir}: removing what an unfinished first `vse index` left ({', '.join(sorted(p.name for p in leftovers))})")
+        for p in leftovers:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+@contextmanager
+def _undo_on_failure(out_dir: Path) -> Iterator[None]:
+    """Remove what this run created in `out_dir` when it fails before switching index.json over, and never
+    anything that was there before: new top-level files and folders, new segments/NNNN, new .work/JOB. After
+    Ctrl-C the finished chunks in .work are kept (the rerun resumes from them); after an error they are not
+    (the folder is left as it was, so a rerun is never refused because of this run)."""
+    def listing(d: Path) -> set[str]:
+        try:
+            return set(os.listdir(d))
+        except OSError:
+            return set()
+
+    before = {".": listing(out_dir), "segments": listing(out_dir / "segments"), ".work": listing(out_dir / ".work")}
+    stamp = _stamp(out_dir / "index.json")
+    try:
+        yield
+    except BaseException as e:
+        if _stamp(out_dir / "index.json") == stamp:  # not committed: nothing of this run is listed anywhere
+            keep_work = isinstance(e, KeyboardInterrupt)
+            for sub in ("segments", ".work"):
+                if sub in before["."] and not (sub == ".work" and keep_work):
+                    for name in listing(out_dir / sub) - before[sub]:
+                        shutil.rmtree(out_dir / sub / name, ignore_errors=True)
+            for name in listing(out_dir) - before["."] - {LOCK_NAME}:
+                if name == ".work" and keep_work:
+                    continue
+                path = out_dir / name
+                with contextlib.suppress(OSError):
+                    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        raise
+
+
 def build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, checkpoint: str = "best",
                 params: FaissParams | None = None, device: str | torch.device = "cpu", batch_size: int = 16,
                 chunk_size: int = 256, pixels: bool = False, strict: bool = False,
@@ -671,7 +869,7 @@ def build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, checkp
     Pictures already in the index are skipped, so rerunning after new files arrive only adds those. A run
     that is interrupted resumes from its last finished chunk. Returns the new index.json contents.
     """
-    with writer_lock(Path(out_dir), log):
+    with writer_lock(Path(out_dir), log), _undo_on_failure(Path(out_dir)):
         return _build_index(run_dir, source, out_dir, checkpoint=checkpoint, params=params, device=device,
                             batch_size=batch_size, chunk_size=chunk_size, pixels=pixels, strict=strict,
                             captions_file=captions_file, progress=progress, log=log)  # fmt: skip
@@ -701,8 +899,8 @@ def _build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, check
         params = old.params
     params = params or FaissParams()
     params.validate()
-    if out_dir.exists() and old is None and any(p for p in out_dir.iterdir() if p.name not in (".work", LOCK_NAME)):
-        raise IndexFormatError(f"{out_dir}: exists, is not empty and holds no index.json; choose an empty or new --out")
+    if old is None:
+        _check_new_out(out_dir, log)
 
     src = resolve_source(source, model.recipe.data.captions_per_image)
     roots = [str(r) for r in (old.roots if old else [])]
@@ -713,6 +911,15 @@ def _build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, check
     todo = [i for i, p in enumerate(src.paths) if (root_id, p) not in present]
     if old is not None and len(todo) < len(src.paths):
         log(f"{len(src.paths) - len(todo)} of {len(src.paths)} pictures are already in the index; adding {len(todo)}")
+    # everything that can be checked before the pictures are embedded is checked here, so no work is wasted
+    if strict and src.problems:
+        raise DataFormatError(src.problems[0])
+    extra: list[str] = []
+    if captions_file:
+        expect_file(Path(captions_file), "a text file of captions (one per line)", DataFormatError)
+        extra = [s.strip() for s in read_lines(Path(captions_file)) if s.strip()]
+    if old is None and todo:
+        check_trainable(params, len(todo))
 
     use_features = use_stored_features(src, model, pixels, run_cfg, run_dir, log)
     if use_features:
@@ -742,6 +949,7 @@ def _build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, check
     work = out_dir / ".work" / job
     emb, kept_local, problems, shape = encode_resumable(work, len(todo), load, embed, chunk_size, batch_size, strict,
                                                         progress, desc="embed pictures")  # fmt: skip
+    problems = src.problems + problems
     for msg in problems[:10]:
         log(f"warning: skipped {msg}")
     if len(problems) > 10:
@@ -761,8 +969,7 @@ def _build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, check
     pictures = [{"root": root_id, "path": src.paths[i], "caption": first[i], "id": src.ids[i]} for i in kept]
     new_id = {i: base + n for n, i in enumerate(kept)}
     captions = [{"text": t, "image": new_id[i]} for t, i in src.captions if i in new_id]
-    if captions_file:
-        extra = [s.strip() for s in read_lines(Path(captions_file)) if s.strip()]
+    if extra:
         known = {c["text"] for c in (old.captions if old else [])} | {c["text"] for c in captions}
         captions += [{"text": s, "image": None} for s in dict.fromkeys(extra) if s not in known]
     cap_emb = TextEmbedder(model, device).embed([c["text"] for c in captions]).numpy().astype(np.float32)
@@ -810,7 +1017,7 @@ def build_index_from_embeddings(emb_dir: str | Path, out_dir: str | Path, *, par
     embeddings these are (only the dimension can be checked; that they come from it is the caller's word).
     Adding to an existing index follows `vse index`: same model, same dimension, pictures already present skipped.
     """
-    with writer_lock(Path(out_dir), log):
+    with writer_lock(Path(out_dir), log), _undo_on_failure(Path(out_dir)):
         return _build_from_embeddings(Path(emb_dir), Path(out_dir), params, run_dir, checkpoint, log)
 
 
@@ -851,8 +1058,9 @@ def _build_from_embeddings(emb_dir: Path, out_dir: Path, params: FaissParams | N
         params = old.params
     params = params or FaissParams()
     params.validate()
-    if out_dir.exists() and old is None and any(p for p in out_dir.iterdir() if p.name not in (".work", LOCK_NAME)):
-        raise IndexFormatError(f"{out_dir}: exists, is not empty and holds no index.json; choose an empty or new --out")
+    if old is None:
+        _check_new_out(out_dir, log)
+        check_trainable(params, folder.n, shape[-1])  # the proxies: the embedding, or the mean of its views
 
     root = info.get("root") or str(emb_dir.resolve())
     roots = [str(r) for r in (old.roots if old else [])]

@@ -31,7 +31,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
 
 from vsekit.data.precomp import DataFormatError
-from vsekit.search.encode import MAX_IMAGE_PIXELS
+from vsekit.search.encode import MAX_IMAGE_PIXELS, open_bounded
 from vsekit.search.engine import SearchEngine
 
 SECURITY_HEADERS = {
@@ -288,12 +288,14 @@ def create_app(index_dir: str | Path | SearchEngine, *, device: str = "cpu", run
         def run() -> dict:
             t0 = time.perf_counter()
             try:
-                with Image.open(io.BytesIO(data)) as im:
+                with open_bounded(io.BytesIO(data)) as im:
                     if im.width * im.height > MAX_IMAGE_PIXELS:
                         raise HTTPException(413, f"the picture has more than {MAX_IMAGE_PIXELS} pixels")
                     im.load()
                     img = im.copy()
-            except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError, SyntaxError):
+            except Image.DecompressionBombError:  # beyond PIL's own limit: refused before decoding, no warning
+                raise HTTPException(413, f"the picture has more than {MAX_IMAGE_PIXELS} pixels") from None
+            except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
                 raise HTTPException(400, "the body is not a readable picture (PNG, JPEG, WebP, GIF, BMP)") from None
             try:
                 hits = engine.search_image(img, kk)
@@ -321,7 +323,7 @@ def create_app(index_dir: str | Path | SearchEngine, *, device: str = "cpu", run
             if path is None:
                 raise HTTPException(404, f"picture {i} has no file on this server")
             try:
-                with Image.open(path) as im:
+                with open_bounded(path) as im:
                     if im.width * im.height > MAX_IMAGE_PIXELS:
                         raise HTTPException(404, f"picture {i} is too large to thumbnail")
                     im.draft("RGB", (limits.thumb_px, limits.thumb_px))

@@ -245,7 +245,7 @@ class TrainStep:
                 sims = self.model.similarity(img, txt).float()
             loss, diag = self.loss_fn(
                 sims, image_ids=image_ids, caption_ids=caption_ids,
-                warmup=epoch < r.loss.warmup_epochs, image_emb=img, text_emb=txt, model=self.model,
+                warmup=epoch < r.loss.warmup_epochs, image_emb=img, text_emb=txt,
             )  # fmt: skip
             if loss_warmup:
                 loss = loss * (step + 1) / steps_in_epoch
@@ -305,14 +305,19 @@ class Trainer:
         if resume:
             _, saved_spec, self._saved_cfg = read_run_config(self.run_dir)
             spec = saved_spec
+        saved_words = list(spec.vocab_words) if resume else []
         self.text = load_text_processor(recipe, self.train_split.captions, spec)
+        if saved_words and list(spec.vocab_words) != saved_words:  # before any weights are read
+            self._vocabulary_mismatch(saved_words, list(spec.vocab_words))
         self.model = VSEModel(recipe, spec).to(self.device)
         convert_batchnorm(self.model, self.dist)  # global-batch BatchNorm statistics under torchrun
         broadcast_module(self.model, self.dist)
-        self.loss_fn = create_loss(recipe.loss)
-        if hasattr(self.loss_fn, "prepare"):
+        self.loss_fn = create_loss(recipe.loss, image_views=recipe.model.image.views)
+        if hasattr(self.loss_fn, "set_caption_embeddings"):  # ladder losses: caption relevance as tensors
+            from vsekit.relevance import prepare_ladder_relevance
+
             with main_first(self.dist):  # rank 0 computes and caches, the others read the cache
-                self.loss_fn.prepare(self.data_dir, self.train_split, self.log)
+                prepare_ladder_relevance(self.loss_fn, self.data_dir, self.train_split, self.log)
             if getattr(self.loss_fn, "derived_thresholds", None) is not None:  # config.json shows the θ used
                 recipe.loss.ladder_thresholds = list(self.loss_fn.derived_thresholds)
         self.loss_fn.to(self.device)
@@ -342,6 +347,20 @@ class Trainer:
         self._reporters = make_reporters(report_to, self.run_dir, to_dict(recipe)) if self.dist.is_main else []
 
     # ----------------------------------------------------------------------------------------- setup
+    def _vocabulary_mismatch(self, saved: list[str], built: list[str]) -> None:
+        """`--resume` with a dataset whose training captions give another vocabulary than the run's: the word
+        embeddings would not fit (or, of the same size, mean other words), so say so before loading weights."""
+        captions = f"in its {self.recipe.data.train_split} captions"
+        if len(saved) != len(built):
+            how = f"another vocabulary ({len(saved):,} words) than {self.data_dir} ({len(built):,} words {captions})"
+        else:
+            differ = sum(a != b for a, b in zip(saved, built))
+            how = (f"another vocabulary than {self.data_dir}: the same size ({len(saved):,} words) but {differ:,} "
+                   f"of them differ {captions}")  # fmt: skip
+        recorded = self._saved_cfg.get("data_dir")
+        hint = f"resume it on the data it was trained on ({recorded})" if recorded else "resume it on its own data"
+        raise CheckpointError(f"{self.run_dir}: this run was trained on {how}; {hint}, or start a new run with --out")
+
     def _dataset_manifest(self) -> dict:
         path = self.data_dir / "manifest.json"
         if path.is_file():
@@ -553,7 +572,15 @@ class Trainer:
         """Read the flag back (one sync) at log intervals and before anything is saved or validated."""
         if self._first_bad is not None and int(self._first_bad) >= 0:
             raise FloatingPointError(f"loss became NaN/inf at step {int(self._first_bad)} (epoch {epoch + 1}); "
-                                     f"last good checkpoint: {self.run_dir / 'last.safetensors'}")  # fmt: skip
+                                     f"{self._last_checkpoint_note()}")  # fmt: skip
+
+    def _last_checkpoint_note(self) -> str:
+        """Where the last good weights are: only a checkpoint that was committed is named."""
+        if (self.run_dir / "last.manifest.json").is_file() or (self.run_dir / "last.safetensors").is_file():
+            return (f"last good checkpoint: {self.run_dir / 'last.safetensors'} (`vse train --resume {self.run_dir}` "
+                    "continues from it)")  # fmt: skip
+        return (f"no checkpoint was saved before it ({self.run_dir} holds no weights); check the recipe's values "
+                "(learning rate, margins, temperatures) and start the run again")  # fmt: skip
 
     def validate(self) -> dict:
         sims = split_similarities(self.model, self.val_split, self.recipe.train.eval_batch_size, self.device)

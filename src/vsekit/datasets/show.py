@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from vsekit.data.precomp import dataset_image_root, resolve_image_path
 from vsekit.errors import VseInputError
 
 
@@ -58,6 +59,7 @@ def show_dataset(data_dir: str | Path, out_png: str | Path, split: str = "test",
     if not images_file.is_file():
         raise FileNotFoundError(f"{images_file}: missing; the montage needs the raw image paths of the split")
     paths = _lines(images_file)
+    images_root = dataset_image_root(root)  # manifest.json's images_root (vse data karpathy), else the folder
     caps = _lines(root / f"{split}_caps.txt")
     c2i_file = root / f"{split}_cap2img.txt"
     if c2i_file.is_file():
@@ -106,7 +108,8 @@ def show_dataset(data_dir: str | Path, out_png: str | Path, split: str = "test",
             if idx >= count:
                 break
             x = c * (cell + 2 * pad) + pad
-            with Image.open(root / paths[rows_idx[idx]]) as im:
+            row = rows_idx[idx]
+            with Image.open(resolve_image_path(images_root, paths[row], f"{images_file}:{row + 1}")) as im:
                 im = im.convert("RGB")
                 im.thumbnail((cell, cell))
                 sheet.paste(im, (x, y0 + pad))
