@@ -1,3 +1,4 @@
+import json
 import os
 from pathlib import Path
 
@@ -34,7 +35,7 @@ def shapes_model(tmp_path_factory) -> tuple[Path, Path]:
     """(dataset dir, run dir): the coloured-shapes set and a small model trained on its EfficientNet-Lite0
     features, built once per session (both steps are idempotent) for the search tests."""
     pytest.importorskip("efficientnet_lite_pytorch")
-    from vsekit.search.shapes import make_shapes_dataset, train_shapes_model
+    from vsekit.datasets.shapes import make_shapes_dataset
 
     base = tmp_path_factory.getbasetemp() / "shapes"
     threads = torch.get_num_threads()
@@ -45,6 +46,22 @@ def shapes_model(tmp_path_factory) -> tuple[Path, Path]:
     finally:
         torch.set_num_threads(threads)
     return data, run
+
+
+def train_shapes_model(data_dir: str | Path, run_dir: str | Path, epochs: int = 15, seed: int = 0) -> Path:
+    """A small VSE++ model on the shapes set (seconds on a CPU). Idempotent: a finished run is reused."""
+    from vsekit.config import load_recipe
+    from vsekit.datasets.shapes import SHAPES_RECIPE_OVERRIDES
+    from vsekit.training.trainer import Trainer
+
+    run = Path(run_dir)
+    done = run / "shapes_done.json"
+    if done.is_file():
+        return run
+    recipe = load_recipe("vsepp", SHAPES_RECIPE_OVERRIDES + [f"train.epochs={epochs}", f"train.seed={seed}"])
+    result = Trainer(recipe, data_dir, run, overwrite=True, progress=False, log=lambda *_: None).fit()
+    done.write_text(json.dumps({"best_rsum": result.get("best_rsum")}) + "\n", encoding="utf-8")
+    return run
 
 
 def reference_fixture_dir(name: str | None = None) -> Path:

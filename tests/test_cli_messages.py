@@ -266,8 +266,8 @@ def test_every_input_error_type_is_a_vse_input_error_and_still_a_value_error():
     from vsekit.errors import MissingPackageError, SetupError, VseInputError
     from vsekit.interop.checkpoint_reader import ReleasedCheckpointError
     from vsekit.metrics import MetricsInputError
+    from vsekit.runs import CheckpointError
     from vsekit.search.index import IndexFormatError
-    from vsekit.training.checkpoint import CheckpointError
 
     assert ValueError not in EXPECTED_ERRORS and RuntimeError not in EXPECTED_ERRORS
     for cls in (ConfigError, DataFormatError, MetricsInputError, CheckpointError, ReleasedCheckpointError,

@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import vsekit.training.checkpoint as ckpt_mod
+import vsekit.runs as ckpt_mod
 from vsekit.config import load_recipe
 from vsekit.datasets.synthetic import make_synthetic_precomp
-from vsekit.training.checkpoint import CheckpointError, load_run, read_checkpoint_set
+from vsekit.runs import CheckpointError, load_run, read_checkpoint_set
 from vsekit.training.trainer import Trainer
 
 TINY = ["model.embed_dim=32", "model.text.word_dim=16", "train.batch_size=16", "train.log_every=1",

@@ -179,10 +179,11 @@ def test_two_process_step_equals_single_process_on_global_batch(tmp_path, monkey
         single = _run(step_fn, None)
         # Gradient tolerance per tensor (the stored grads are the last step's). Every element of a gradient
         # is a sum of backward terms of the size of the tensor's largest entries, each rounded a little
-        # differently in the two runs: measured differences are <= 40 eps x max|g| (native, default and
-        # avx2 kernels); we allow 256 eps x max|g| (3e-5 relative to the tensor), plus rtol 1e-4 per element
-        # and atol 1e-6 for a gradient that is zero in exact arithmetic with small terms (ADPool's
-        # softmax-shift-invariant balance bias: rounding noise, measured <= 4e-8).
+        # differently in the two runs (more where a gradient flows back through AEOM's Sinkhorn): measured
+        # differences are <= 140 eps x max|g| on native, default and avx2 kernels (<= 2e-7 where max|g| is
+        # below 0.05); we allow 512 eps x max|g| (6e-5 relative to the tensor), plus rtol 1e-4 per element
+        # and atol 1e-6, which also covers a gradient that is zero in exact arithmetic with small terms
+        # (ADPool's softmax-shift-invariant balance bias: rounding noise, measured <= 4e-8).
         # Two gradients are sums whose terms cancel, so their rounding scales with the sum of the terms'
         # absolute values S instead: kappa x eps x S, with kappa measured <= 0.19 and allowed 4.
         # - fc1's bias before BatchNorm: exactly 0, S = Σ|∂L/∂x| over BatchNorm's input (12-24): <= 1e-5.
@@ -190,7 +191,7 @@ def test_two_process_step_equals_single_process_on_global_batch(tmp_path, monkey
         #   to ~800 (condition ~1e4), each out of 20 Sinkhorn iterations on inputs that differ by rounding:
         #   ~4e-4.
         # Still, a missing gather/average or a doubled gradient moves any of them by O(|g|) (~0.1 for z).
-        grad_atol = {name: 1e-6 + 256 * EPS32 * float(g.abs().max()) for name, g in single["grads"].items()}
+        grad_atol = {name: 1e-6 + 512 * EPS32 * float(g.abs().max()) for name, g in single["grads"].items()}
         grad_atol["image_encoder.mlp.fc1.bias"] += 4 * EPS32 * bn_input_abs[-1]
         if "sim.dustbin" in grad_atol:
             grad_atol["sim.dustbin"] += 4 * EPS32 * dustbin_abs[-1]

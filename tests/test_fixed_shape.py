@@ -4,9 +4,10 @@ shape, so they compile whole (`fullgraph=True`) and can be captured as one CUDA 
 - the sync-free parts equal what they replace: the masked BatchNorm (`ResidualMLP`) equals `nn.BatchNorm1d`
   on `x[mask]` (outputs, gradients, running statistics), GPO's one-table weights equal the packed reference
   per sample, and the unpacked BiGRU equals torch's packed one (private copies of the previous code below);
+- grid size augmentation and multi-view grouping draw the same numbers and keep the same elements as before;
 - a batch padded to its own longest set gives the embeddings of the same batch padded 7 wider;
-- vsepp / vse_infty / vse_2ad: the forward, the similarity and the loss compiled with `fullgraph=True`
-  (aot_eager on the CPU: dynamo + AOT autograd, no codegen) give the eager loss and gradients;
+- vsepp / vse_infty / vse_2ad (and avse): the forward, the similarity and the loss compiled with
+  `fullgraph=True` (aot_eager on the CPU: dynamo + AOT autograd, no codegen) give the eager loss and gradients;
 - on a GPU, a few forward + backward steps run under `torch.cuda.set_sync_debug_mode("error")`.
 
 Tolerances: everything here is float32. A sync-free part computes the same sums as the part it replaces over
@@ -38,6 +39,7 @@ from vsekit.pooling.rnn import bigru_unpacked
 VALUES = {"rtol": 1e-5, "atol": 1e-6}
 GRADS = {"rtol": 1e-4, "atol": 1e-5}
 RECIPES = ["vsepp", "vse_infty", "vse_2ad"]
+COMPILED = [*RECIPES, "avse"]  # avse: multi-view groups + AEOM Sinkhorn + the view regulariser
 SMALL = ["model.embed_dim=32", "model.text.word_dim=16", "model.image.mlp_hidden=16", "loss.warmup_epochs=0"]
 IMG_DIM, VOCAB = 12, 40
 
@@ -76,6 +78,39 @@ def packed_bigru(gru: nn.GRU, x: torch.Tensor, lengths: torch.Tensor) -> torch.T
     packed = pack_padded_sequence(x, lengths.cpu().clamp(min=1), batch_first=True, enforce_sorted=False)
     out, _ = gru(packed)
     return pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])[0]
+
+
+def previous_grid_size_augment(feats, lengths, generator, drop_max=0.2):
+    """The previous `grid_size_augment`: boolean-index fix-up, cut to the longest kept set."""
+    b, n, _ = feats.shape
+    r = torch.rand(b, 1, generator=generator)
+    cell = torch.rand(b, n, generator=generator)
+    keep = (r <= 0.2) | (cell >= drop_max * r)
+    keep &= length_mask(lengths, n)
+    keep[keep.sum(1) == 0, 0] = True
+    order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
+    packed = torch.gather(feats, 1, order.unsqueeze(-1).expand_as(feats))
+    new_len = keep.sum(1)
+    packed = packed.masked_fill(~length_mask(new_len, n).unsqueeze(-1), 0.0)
+    return packed[:, : int(new_len.max())], new_len
+
+
+def previous_view_groups(lengths, views, keep, max_len, generator=None, deterministic=False):
+    """The previous `view_groups` (test grouping by `torch.unique` over the lengths on the CPU)."""
+    from vsekit.models.multiview import EVAL_GROUPING_SEED, kept_count
+    from vsekit.utils.runtime import derived_seed
+
+    b = len(lengths)
+    if deterministic:
+        prio = torch.empty(b, views, max_len)
+        for n in torch.unique(lengths).tolist():
+            for k in range(views):
+                g = torch.Generator().manual_seed(derived_seed(EVAL_GROUPING_SEED, k, int(n)))
+                prio[lengths == n, k] = torch.rand(max_len, generator=g)
+    else:
+        prio = torch.rand(b, views, max_len, generator=generator)
+    prio = prio.masked_fill(~length_mask(lengths, max_len).unsqueeze(1), 2.0)
+    return prio.argsort(dim=-1, stable=True), kept_count(lengths, keep).unsqueeze(1).expand(b, views)
 
 
 def _grads(out: torch.Tensor, probe: torch.Tensor, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -218,14 +253,40 @@ def test_bigru_text_encoder_equals_the_packed_version():
     torch.testing.assert_close(got, (out[..., :half] + out[..., half:]) / 2, **VALUES)
 
 
+# ---- random draws: the same numbers from the same generator --------------------------------------------
+
+
+def test_grid_size_augment_draws_and_keeps_as_before():
+    from vsekit.models.image import grid_size_augment
+
+    feats = torch.randn(64, 10, 3, generator=torch.Generator().manual_seed(0))
+    lengths = torch.randint(1, 11, (64,), generator=torch.Generator().manual_seed(1))
+    for drop_max in (0.2, 1.0):  # 1.0: some sets lose every cell and keep their first one
+        got, got_len = grid_size_augment(feats, lengths, torch.Generator().manual_seed(7), drop_max)
+        want, want_len = previous_grid_size_augment(feats, lengths, torch.Generator().manual_seed(7), drop_max)
+        assert torch.equal(got_len, want_len) and got.shape == feats.shape
+        assert torch.equal(got[:, : want.shape[1]], want)
+        assert torch.equal(got[:, want.shape[1] :], torch.zeros_like(got[:, want.shape[1] :]))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_view_groups_equal_the_previous_ones(deterministic):
+    from vsekit.models.multiview import view_groups
+
+    lengths = torch.tensor([9, 1, 4, 9, 6, 2, 4, 7])
+    got = view_groups(lengths, 3, 0.75, 9, torch.Generator().manual_seed(5), deterministic)
+    want = previous_view_groups(lengths, 3, 0.75, 9, torch.Generator().manual_seed(5), deterministic)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 # ---- whole models: padding width, compile, CUDA ---------------------------------------------------------
 
 
 def _model(name: str) -> tuple[VSEModel, nn.Module]:
-    recipe = load_recipe(name, SMALL)
+    recipe = load_recipe(name, SMALL + (["model.similarity.block_dim=16"] if name == "avse" else []))
     torch.manual_seed(0)
     model = VSEModel(recipe, DataSpec(img_dim=IMG_DIM, vocab_words=[f"w{i}" for i in range(VOCAB)]))
-    loss_fn = create_loss(recipe.loss)
+    loss_fn = create_loss(recipe.loss, recipe.model.image.views)
     if hasattr(loss_fn, "host_diag"):
         loss_fn.host_diag = False  # ADOPT's logged K and gammas as device tensors: no host read
     return model, loss_fn
@@ -290,10 +351,11 @@ def _loss_and_grads(model: VSEModel, fn, batch: dict) -> tuple[torch.Tensor, ...
     return (loss.detach(), img.detach(), txt.detach(), *(p.grad.clone() for p in params))
 
 
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", COMPILED)
 def test_compiled_fullgraph_step_equals_eager(name):
     """Forward + similarity + loss compile as ONE graph (fullgraph raises on any graph break: a host sync
-    such as `.item()`/`int(tensor)`, a data-dependent shape, `pack_padded_sequence`), and match eager."""
+    such as `.item()`/`int(tensor)`, a data-dependent shape, `pack_padded_sequence`), and match eager.
+    AVSE's training views are random: both runs draw them from the global generator, seeded alike."""
     model, loss_fn = _model(name)
     compiled_model = copy.deepcopy(model)
     torch._dynamo.reset()
@@ -302,7 +364,9 @@ def test_compiled_fullgraph_step_equals_eager(name):
             compiled = torch.compile(_step_fn(compiled_model, loss_fn), fullgraph=True, backend="aot_eager")
             for seed in (5, 6):  # two steps: the running statistics move the same way
                 batch = _batch(seed=seed)
+                torch.manual_seed(seed)
                 want = _loss_and_grads(model, _step_fn(model, loss_fn), batch)
+                torch.manual_seed(seed)
                 got = _loss_and_grads(compiled_model, compiled, batch)
                 torch.testing.assert_close(got[0], want[0], **VALUES)
                 for a, b in zip(got[1:3], want[1:3]):
@@ -319,6 +383,8 @@ def test_compiled_fullgraph_step_equals_eager(name):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name", RECIPES)
 def test_cuda_steps_have_no_host_sync(name):
+    """No sync in forward + backward. (AVSE is left out: its training views are drawn from a CPU generator
+    and copied to the GPU from pinned memory, asynchronously, but a fresh pinned buffer per step.)"""
     model, loss_fn = _model(name)
     dev = torch.device("cuda")
     model.to(dev).train()

@@ -17,6 +17,7 @@ import torch
 from conftest import assert_topk_well_separated, brute_force_topk, recall_vs, spy_search_ids
 from vsekit.cli import main
 from vsekit.data.precomp import DataFormatError
+from vsekit.datasets.shapes import COLORS, SHAPES
 from vsekit.search.engine import SearchEngine
 from vsekit.search.index import (
     FaissParams,
@@ -26,7 +27,6 @@ from vsekit.search.index import (
     build_faiss,
     build_index,
 )
-from vsekit.search.shapes import COLORS, SHAPES
 
 pytest.importorskip("faiss")
 pytest.importorskip("efficientnet_lite_pytorch")
@@ -367,7 +367,7 @@ def test_second_writer_is_refused_while_one_holds_the_index(tmp_path):
     with writer_lock(out):
         with pytest.raises(IndexFormatError, match="another `vse index` is writing"):
             build_index(tmp_path / "no-run", "x", out, progress=False, log=quiet)
-    from vsekit.training.checkpoint import CheckpointError
+    from vsekit.runs import CheckpointError
 
     with pytest.raises(CheckpointError, match="not a vsekit run"):  # released: the next writer gets past the lock
         build_index(tmp_path / "no-run", "x", out, progress=False, log=quiet)

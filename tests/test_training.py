@@ -6,7 +6,7 @@ from safetensors.torch import load_file
 
 from vsekit.cli import main
 from vsekit.config import load_recipe
-from vsekit.training.checkpoint import CheckpointError, load_run
+from vsekit.runs import CheckpointError, load_run
 from vsekit.training.trainer import Trainer, lr_at_epoch
 
 SMALL = ["model.embed_dim=64", "model.text.word_dim=32", "train.batch_size=32", "train.log_every=0"]

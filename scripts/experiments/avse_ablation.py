@@ -30,7 +30,7 @@ import torch
 from vsekit.config import load_recipe, to_dict
 from vsekit.evaluation import evaluate_model
 from vsekit.bench.view_reg import view_reg_grad_ratio
-from vsekit.training.checkpoint import load_weights
+from vsekit.runs import load_weights
 from vsekit.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]

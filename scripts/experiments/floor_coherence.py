@@ -18,7 +18,7 @@ import torch
 from vsekit.evaluation import evaluate_model
 from vsekit.metrics.coherence import coherence_metrics
 from vsekit.relevance import split_relevance
-from vsekit.training.checkpoint import load_run
+from vsekit.runs import load_run
 
 
 def main() -> None:

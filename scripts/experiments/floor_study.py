@@ -119,7 +119,7 @@ def run_job(job: Job, data: str, out: str, demo_out: str | None, threads: int) -
     from vsekit.config import load_recipe
     from vsekit.demo import run_is_complete
     from vsekit.evaluation import evaluate_model
-    from vsekit.training.checkpoint import load_run
+    from vsekit.runs import load_run
     from vsekit.training.trainer import Trainer
     from vsekit.utils.io import atomic_write_json
 
@@ -289,7 +289,7 @@ def ensemble_result(name: str, runs: list[Path], data: str, out: Path) -> dict:
     `vse eval RUN_A RUN_B`: each run's matrix from `evaluate_model`, averaged, scored by `evaluate_sims`)."""
     from vsekit.evaluation import evaluate_model
     from vsekit.metrics.retrieval import evaluate_sims
-    from vsekit.training.checkpoint import load_run
+    from vsekit.runs import load_run
 
     cache = out / "ensemble" / f"{name}__{'__'.join(r.parent.name + '-' + r.name for r in runs)}.json"
     if cache.is_file():

@@ -30,7 +30,7 @@ from vsekit.evaluation import evaluate_model
 from vsekit.metrics.coherence import coherence_metrics, coherent_scores, image_caption_relevance
 from vsekit.metrics.retrieval import evaluate_sims
 from vsekit.relevance import split_relevance
-from vsekit.training.checkpoint import load_run
+from vsekit.runs import load_run
 from vsekit.training.trainer import Trainer
 
 # "bow": the floor every table carries, with its own recipe and schedule (none of SMALL)

@@ -28,7 +28,7 @@ import torch
 
 from vsekit.config import load_recipe, to_dict
 from vsekit.evaluation import evaluate_model, split_similarities
-from vsekit.training.checkpoint import load_weights
+from vsekit.runs import load_weights
 from vsekit.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -112,7 +112,7 @@ def branch_diagnostics(run_dir: Path, data: str, split_name: str = "test") -> di
     from vsekit.data.precomp import load_precomp_split
     from vsekit.evaluation import encode_captions, encode_images, image_source_for, text_processor_for
     from vsekit.pooling.adpool import ADPool
-    from vsekit.training.checkpoint import load_run
+    from vsekit.runs import load_run
 
     model, _ = load_run(run_dir)
     split = load_precomp_split(data, split_name, 1)

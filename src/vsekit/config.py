@@ -214,6 +214,10 @@ class TrainConfig:
     length_bucketing: bool = False
     tf32: bool = False  # CUDA: TF32 matmuls during the train step (fp32 storage, ~10-bit mantissa products)
     compile: bool = False  # torch.compile the two encoders for the train step
+    # where the training batches are made (vsekit.training.data_path): true = precomp features and tokenised
+    # captions live on the device and each batch is gathered and augmented there; false = the DataLoader;
+    # auto = on the device when the recipe allows it and the set fits in half the free device memory
+    data_on_device: bool | str = "auto"
 
 
 @dataclass
@@ -467,6 +471,8 @@ def validate_recipe(r: Recipe) -> None:
         raise ConfigError("model.embed_dim must be a multiple of model.similarity.block_dim")
     if not r.model.similarity.temperature > 0:
         raise ConfigError(f"model.similarity.temperature={r.model.similarity.temperature}; must be positive")
+    if not (isinstance(r.train.data_on_device, bool) or r.train.data_on_device == "auto"):
+        raise ConfigError(f"train.data_on_device={r.train.data_on_device!r}; choose one of auto, true, false")
     _validate_numbers(r)
 
 

@@ -110,7 +110,7 @@ def demo_overrides(variant: Variant, epochs: int) -> list[str]:
 def train_variant(variant: Variant, data_dir: Path, run_dir: Path, seed: int, epochs: int, device: str) -> dict:
     """Train (or reuse / resume) one run and evaluate its best-on-dev weights on test."""
     from vsekit.evaluation import evaluate_model
-    from vsekit.training.checkpoint import load_run
+    from vsekit.runs import load_run
     from vsekit.training.trainer import Trainer
 
     recipe = load_recipe(variant.recipe, demo_overrides(variant, epochs) + [f"train.seed={seed}", f"train.device={device}"])

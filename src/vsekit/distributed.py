@@ -23,6 +23,7 @@ The cost is that communication does not overlap the backward pass.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -270,6 +271,9 @@ def convert_batchnorm(module: nn.Module, ctx: DistContext) -> nn.Module:
                 new.num_batches_tracked = child.num_batches_tracked
             new.train(child.training)
             setattr(module, name, new)
+        elif isinstance(child, nn.BatchNorm1d) and hasattr(child, "reduce_sum"):
+            # a masked BatchNorm (vsekit.models.norm) sums its statistics through `reduce_sum`: make it global
+            child.reduce_sum = functools.partial(all_reduce_sum_with_grad, ctx=ctx)
         else:
             convert_batchnorm(child, ctx)
     return module

@@ -84,7 +84,7 @@ def bench_eccv(repeats: int = 3, reference: bool = True, seed: int = 0, sims_pat
     split into the retrieved lists and the package's metric code (in memory), and for the full-sort
     reference (once); `max_abs_diff`: the largest key difference between the two (0.0: the same numbers).
     `sims_path`: time a matrix of your own instead of the planted one."""
-    from vsekit.commands.evaluate import load_sims
+    from vsekit.metrics.inputs import load_sims
 
     if repeats < 1:
         raise VseInputError(f"repeats must be positive, got {repeats}")

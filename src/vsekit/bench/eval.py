@@ -65,7 +65,7 @@ def bench_eval(n_images: int = 5000, captions_per_image: int = 5, repeats: int =
                signal: float = 3.0, seed: int = 0, tmp_dir: str | None = None) -> dict:  # fmt: skip
     """Seconds for `vse eval-sims` on an N x kN .npy (median of `repeats`, file load included) and for the
     reference loop (once); `max_abs_diff` is the largest metric difference between the two."""
-    from vsekit.commands.evaluate import load_sims
+    from vsekit.metrics.inputs import load_sims
 
     if n_images < 1 or captions_per_image < 1 or repeats < 1:
         raise VseInputError("n_images, captions_per_image and repeats must be positive")

@@ -3,8 +3,13 @@
 The reference point (issue 9): VSE∞'s BUTD-region + BiGRU step — batch 128, 36 x 2048 regions, embed 1024,
 a 10k-word vocabulary, captions of 8-25 tokens, hardest negatives — takes 52.3 ms (2,447 samples/s) on one
 H100 in the reference code. `bench_train_step` times exactly the step the trainer runs (`TrainStep`, with
-the recipe's AMP / TF32 / compile settings) on random tensors of those shapes: `warmup` untimed steps,
-then the median of `steps` timed ones, each ended by a device synchronisation.
+the recipe's AMP / TF32 / compile settings) on consecutive, different batches of those shapes, drawn through
+the data path `vse train` uses (`vsekit.training.data_path`: on the device, augmented, or the DataLoader, as
+train.data_on_device picks) from a synthetic precomp split written to a temporary directory (float16
+features, captions of min..max tokens): `warmup` untimed steps, then the median of `steps` timed ones, each
+from fetching its batch to a device synchronisation after the optimizer step. The data path's share of a
+step is measured apart (the next `steps` batches alone, as `vse bench data` times them), so that timing the
+parts does not stall the device between them.
 
     from vsekit.bench.train_step import bench_train_step
     row = bench_train_step("vse_infty", batch=128, device="cuda", overrides=["train.amp=bf16"])
@@ -16,6 +21,8 @@ The transformer-text variant (`text="transformer"`) uses `text_model`: a local H
 
 from __future__ import annotations
 
+import math
+import shutil
 import statistics
 import sys
 import tempfile
@@ -24,11 +31,22 @@ from pathlib import Path
 
 import torch
 
+from vsekit.bench.data_path import (
+    DEFAULT_SETS,
+    build_data,
+    endless_batches,
+    synthetic_words,
+    time_batches,
+    write_coco_like,
+)
 from vsekit.config import load_recipe
+from vsekit.data.text import SPECIALS, HFTextProcessor, Vocabulary
 from vsekit.errors import VseInputError
 from vsekit.losses import create_loss
 from vsekit.models.vse import DataSpec, VSEModel
 from vsekit.training.trainer import TrainStep
+
+CAPTIONS_PER_IMAGE = 5
 
 BERT_SHAPES = {
     "bert-base": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072},
@@ -57,14 +75,17 @@ def synthetic_batch(batch: int, regions: int, img_dim: int, vocab: int, min_toke
 
 
 def random_bert_dir(shape: str, vocab: int = 30522) -> str:
-    """Write a randomly initialised BERT of a named shape (`BERT_SHAPES`) to a temporary directory."""
-    from transformers import BertConfig, BertModel
+    """Write a randomly initialised BERT of a named shape (`BERT_SHAPES`) to a temporary directory, with a
+    WordPiece tokenizer whose words are `synthetic_words(vocab)` (each one token), as the bench's captions."""
+    from transformers import BertConfig, BertModel, BertTokenizer
 
     if shape not in BERT_SHAPES:
         raise VseInputError(f"unknown BERT shape {shape!r}; choose from {', '.join(BERT_SHAPES)} or give a directory")
     out = Path(tempfile.mkdtemp(prefix=f"vsekit-bench-{shape}-"))
     torch.manual_seed(0)
     BertModel(BertConfig(vocab_size=vocab, **BERT_SHAPES[shape])).save_pretrained(out)
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + synthetic_words(vocab)
+    BertTokenizer(vocab={w: i for i, w in enumerate(words)}, do_lower_case=True).save_pretrained(out)
     return str(out)
 
 
@@ -119,39 +140,76 @@ def build_train_step(recipe: str = "vse_infty", batch: int = 128, device: str = 
 def bench_train_step(recipe: str = "vse_infty", batch: int = 128, device: str = "cpu", steps: int = 10,
                      warmup: int = 3, overrides: list[str] | tuple[str, ...] = (), text: str = "bigru",
                      text_model: str = "bert-base", regions: int = 36, img_dim: int = 2048, embed_dim: int = 1024,
-                     vocab: int = 10_000, min_tokens: int = 8, max_tokens: int = 25, seed: int = 0) -> dict:  # fmt: skip
-    """ms per training step (median), samples/s and peak memory for `recipe` on synthetic data.
+                     vocab: int = 10_000, min_tokens: int = 8, max_tokens: int = 25, seed: int = 0,
+                     n_images: int | None = None) -> dict:  # fmt: skip
+    """ms per training step (median), samples/s, the data path's share and peak memory for `recipe`.
 
-    Hardest negatives: the loss runs as after its warm-up epochs. `overrides` are recipe `--set` strings
-    (e.g. `train.amp=bf16`, `train.tf32=true`, `train.compile=true`).
+    The batches come from a synthetic precomp split of `n_images` images (default: enough for every step's
+    batch to be new), through the trainer's data path. Hardest negatives: the loss runs as after its warm-up
+    epochs. `overrides` are recipe `--set` strings (e.g. `train.amp=bf16`, `train.tf32=true`,
+    `train.compile=true`, `train.data_on_device=false`).
     """
     if steps < 1 or warmup < 0:
         raise VseInputError(f"steps must be >= 1 and warmup >= 0, got {steps}, {warmup}")
-    step_fn, data, epoch = build_train_step(recipe, batch, device, overrides, text, text_model, regions, img_dim,
-                                            embed_dim, vocab, min_tokens, max_tokens, seed)  # fmt: skip
-    dev, r, model = step_fn.device, step_fn.recipe, step_fn.model
+    if text not in ("bigru", "transformer"):
+        raise VseInputError(f"text must be 'bigru' or 'transformer', got {text!r}")
+    if batch < 2:
+        raise VseInputError(f"a training step needs at least 2 samples (negatives), got batch={batch}")
+    if not 3 <= min_tokens <= max_tokens:
+        raise VseInputError(f"need 3 <= min_tokens <= max_tokens (a word between the two ends), got {min_tokens}, {max_tokens}")
+    dev = torch.device(device)
+    n_img = n_images or max(2, math.ceil(batch * (warmup + 2 * steps) / CAPTIONS_PER_IMAGE) + 1)
+    tmp = Path(tempfile.mkdtemp(prefix="vsekit-bench-step-"))
+    try:
+        sets = [*DEFAULT_SETS, f"model.embed_dim={embed_dim}", f"model.text.kind={text}", f"train.batch_size={batch}",
+                *overrides]  # fmt: skip
+        r = load_recipe(recipe, sets)
+        spec = DataSpec(img_dim=img_dim)
+        if text == "transformer":
+            path = text_model if Path(text_model).is_dir() else random_bert_dir(text_model)
+            spec.text_model_path = path
+            from vsekit.models.text import load_tokenizer
 
-    def sync() -> None:
+            processor = HFTextProcessor(load_tokenizer(path), r.model.text.max_tokens)
+        else:
+            processor = Vocabulary(list(SPECIALS) + synthetic_words(vocab), "regex")
+            spec.vocab_words = processor.idx2word
+        write_coco_like(tmp, n_img, regions, img_dim, CAPTIONS_PER_IMAGE, min_tokens - 2, max_tokens - 2, vocab, seed)
+        torch.manual_seed(seed)
+        model = VSEModel(r, spec).to(dev)
+        loss_fn = create_loss(r.loss, image_views=r.model.image.views).to(dev)
+        if hasattr(loss_fn, "set_caption_embeddings"):  # ladder losses look relevance up by caption id
+            g = torch.Generator().manual_seed(seed)
+            loss_fn.set_caption_embeddings(torch.randn(n_img * CAPTIONS_PER_IMAGE, 384, generator=g))
+        opt = torch.optim.AdamW(model.parameter_groups(r.optim.lr), lr=r.optim.lr, weight_decay=r.optim.weight_decay)
+        step_fn = TrainStep(r, model, loss_fn, opt, dev)
+        data = build_data(tmp, r, batch, device, text=processor, captions_per_image=CAPTIONS_PER_IMAGE)
+        batches = endless_batches(data)
+        epoch = r.loss.warmup_epochs  # past the loss warm-up: hardest negatives
+
+        def sync() -> None:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+
+        def one(i: int) -> float:
+            sync()
+            t0 = time.perf_counter()
+            out = step_fn(next(batches), epoch=epoch, step=i)
+            sync()
+            dt = time.perf_counter() - t0
+            if not torch.isfinite(out["loss"]):
+                raise FloatingPointError(f"the benchmark's loss is not finite at step {i}")
+            return dt * 1e3
+
+        for i in range(warmup):
+            one(i)
         if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-
-    def one(i: int) -> float:
-        on_dev = {k: v if k == "token_lengths" else v.to(dev, non_blocking=True) for k, v in data.items()}
-        sync()
-        t0 = time.perf_counter()
-        out = step_fn(on_dev, epoch=epoch, step=i)
-        sync()
-        dt = time.perf_counter() - t0
-        if not torch.isfinite(out["loss"]):
-            raise FloatingPointError(f"the benchmark's loss is not finite at step {i}")
-        return dt * 1e3
-
-    for i in range(warmup):
-        one(i)
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    times = [one(warmup + i) for i in range(steps)]
-    peak, peak_kind = _peak_bytes(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        times = [one(warmup + i) for i in range(steps)]
+        peak, peak_kind = _peak_bytes(dev)
+        data_ms = time_batches(batches, steps, dev) * 1e3 / steps  # the data path alone, on the next batches
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     ms = statistics.median(times)
     return {
         "recipe": recipe, "text": text if text == "bigru" else f"transformer ({Path(text_model).name})",
@@ -165,4 +223,6 @@ def bench_train_step(recipe: str = "vse_infty", batch: int = 128, device: str = 
         "ms_std": statistics.stdev(times) if len(times) > 1 else 0.0,
         "samples_per_s": batch / (ms / 1e3), "peak_gib": peak / 2**30, "peak_kind": peak_kind,
         "params": sum(p.numel() for p in model.parameters()),
+        "data_path": data.path, "data_reason": data.reason, "data_ms": data_ms, "data_share": data_ms / ms,
+        "n_images": n_img,
     }  # fmt: skip

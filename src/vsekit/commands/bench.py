@@ -16,6 +16,7 @@ from vsekit.commands.jsonout import add_json_args
 
 SECTIONS = {
     "train-step": "Training step (`vse bench train-step`)",
+    "data": "Data path (`vse bench data`)",
     "eval": "Evaluation: `vse eval-sims` (`vse bench eval`)",
     "eval-sims": "Evaluation as whole processes: `vse eval-sims` vs a minimal numpy script (`vse bench eval-sims`)",
     "pool": "Pooling cost (`vse bench pool`)",
@@ -143,14 +144,48 @@ def run_train_step(args: argparse.Namespace) -> int:
         sets.append("train.tf32=true")
     if args.compile:
         sets.append("train.compile=true")
+    if args.data_on_device is not None:
+        sets.append(f"train.data_on_device={args.data_on_device}")
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
     row = bench_train_step(args.recipe, batch=args.batch, device=args.device, steps=args.steps, warmup=args.warmup,
                            overrides=sets, text=args.text, text_model=args.text_model, regions=args.regions,
-                           img_dim=args.img_dim, embed_dim=args.embed_dim, vocab=args.vocab)  # fmt: skip
+                           img_dim=args.img_dim, embed_dim=args.embed_dim, vocab=args.vocab,
+                           n_images=args.n)  # fmt: skip
     row["peak"] = f"{row['peak_gib']:.2f} GiB ({row['peak_kind']})"
     row["precision"] = f"{row['amp']}{', tf32' if row['tf32'] else ''}{', compiled' if row['compile'] else ''}"
+    row["data_share_pct"] = 100 * row["data_share"]
     emit(args, [("recipe", "recipe"), ("text", "text"), ("shapes", "shapes"), ("device_name", "device"),
-                ("precision", "precision"), ("batch", "batch"), ("ms_median", "ms/step (median)"),
-                ("samples_per_s", "samples/s"), ("peak", "peak memory")], [row], args.device)  # fmt: skip
+                ("precision", "precision"), ("batch", "batch"), ("data_path", "data path"),
+                ("ms_median", "ms/step (median)"), ("samples_per_s", "samples/s"),
+                ("data_share_pct", "data path % of step"), ("peak", "peak memory")], [row], args.device)  # fmt: skip
+    _write_json(args, row)
+    return 0
+
+
+def run_data(args: argparse.Namespace) -> int:
+    import torch
+
+    from vsekit.bench.data_path import bench_data
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    res = bench_data(n=args.n, regions=args.regions, img_dim=args.img_dim, batch=args.batch, device=args.device,
+                     steps=args.steps, warmup=args.warmup, rounds=args.rounds, recipe=args.recipe, overrides=args.set,
+                     paths=args.paths, data_dir=args.data)  # fmt: skip
+    rows = []
+    for r in res["rows"]:
+        rows.append({**r, "shapes": f"{res['n']:,} x {res['regions']}x{res['img_dim']} float16",
+                     "batch": res["batch"], "threads": res["threads"], "what": f"{r['path']} (data_on_device={r['setting']})"})  # fmt: skip
+    emit(args, [("what", "data path"), ("shapes", "images x set"), ("batch", "batch"), ("samples_per_s", "samples/s"),
+                ("bare_gather_samples_per_s", "bare `features[idx].float()` samples/s"), ("ratio", "ratio"),
+                ("bare_index_select_samples_per_s", "bare `index_select` samples/s"),
+                ("ratio_index_select", "ratio to it")], rows, args.device)  # fmt: skip
+    for r in res["rows"]:
+        print(f"{r['path']}: {r['reason']}")
+    _write_json(args, res)
     return 0
 
 
@@ -331,6 +366,29 @@ def register(sub) -> None:
     t.add_argument("--tf32", action="store_true", help="TF32 matmuls (CUDA)")
     t.add_argument("--compile", action="store_true", help="torch.compile the encoders")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any recipe key")
+    t.add_argument("--data-on-device", choices=("auto", "true", "false"),
+                   help="override train.data_on_device: where the batches are made (vse bench data)")
+    t.add_argument("--n", type=int, default=None, metavar="N",
+                   help="images of the synthetic set the batches are drawn from (default: enough for every step)")
+    t.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = leave as is)")
+    add_json_args(t, "the row")
+
+    da = add("data", "the training data path alone (batches ready on the device) vs a bare gather", run_data)
+    da.add_argument("--n", type=int, default=20_000, help="images of the synthetic COCO-shaped set (5 captions each)")
+    da.add_argument("--regions", type=int, default=36)
+    da.add_argument("--img-dim", type=int, default=2048)
+    da.add_argument("--batch", type=int, default=128)
+    da.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 …")
+    da.add_argument("--steps", type=int, default=20, help="timed batches per round")
+    da.add_argument("--rounds", type=int, default=5, help="rounds; each times every path, then the bare gathers")
+    da.add_argument("--warmup", type=int, default=3, help="untimed batches first")
+    da.add_argument("--recipe", default="vse_infty")
+    da.add_argument("--paths", nargs="+", choices=("auto", "true", "false"), default=["auto"],
+                    help="train.data_on_device values to time, one row each (false: the DataLoader)")
+    da.add_argument("--data", metavar="DIR", help="time a precomp dataset's train split instead of a synthetic one")
+    da.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = leave as is)")
+    da.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any recipe key")
+    add_json_args(da, "the result")
 
     e = add("eval", "`vse eval-sims` on an N x 5N random matrix vs the reference argsort loop", run_eval)
     e.add_argument("--images", type=int, default=5000)

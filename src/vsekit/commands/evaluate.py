@@ -11,53 +11,9 @@ from vsekit.commands.argtypes import at_least
 from vsekit.commands.jsonout import add_json_args, emit_json
 from vsekit.errors import VseInputError
 from vsekit.metrics import CS_PROTOCOLS, MetricsInputError, cap2img_for_k, evaluate_sims, format_table
+from vsekit.metrics.inputs import load_sims, read_cap2img
 from vsekit.metrics.retrieval import NonFiniteScoresError
 from vsekit.utils.io import open_npy
-
-
-def load_sims(paths: list[str]) -> np.ndarray:
-    """Average of one or more [images, captions] .npy matrices (an ensemble = mean similarity), as float32.
-
-    One float32 file is returned memory-mapped, not copied: the metrics read it once, in row blocks, from the
-    page cache (a 5K x 25K matrix is 500 MB that need not be allocated and filled first).
-    """
-    total = None
-    for p in paths:
-        path = Path(p)
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: similarity file does not exist")
-        arr = open_npy(path, MetricsInputError)
-        if arr.ndim != 2:
-            raise MetricsInputError(f"{path}: expected a 2-D (images x captions) matrix, got shape {arr.shape}")
-        if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
-            raise MetricsInputError(f"{path}: expected numbers, got dtype {arr.dtype}")
-        if arr.size == 0:  # before any caption->image map is compared with it
-            raise MetricsInputError(f"{path}: the similarity matrix is empty ({arr.shape[0]} x {arr.shape[1]}); "
-                                    f"expected an images x captions matrix of scores")  # fmt: skip
-        if total is None and len(paths) == 1 and arr.dtype == np.float32:
-            return arr
-        if total is None:
-            total = np.array(arr, dtype=np.float32)
-        elif arr.shape != total.shape:
-            raise MetricsInputError(f"{path}: shape {arr.shape} differs from {paths[0]}'s {total.shape}")
-        else:
-            total += arr
-    assert total is not None
-    if len(paths) > 1:
-        total /= len(paths)
-    return total
-
-
-def read_cap2img(path: str, n_cap: int) -> np.ndarray:
-    from vsekit.data.precomp import read_int_lines
-
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"{p}: caption->image file does not exist")
-    c2i = read_int_lines(p)
-    if len(c2i) != n_cap:
-        raise MetricsInputError(f"{p}: {len(c2i)} lines but the similarity matrix has {n_cap} caption columns")
-    return c2i
 
 
 def write_report(metrics: dict, args: argparse.Namespace) -> None:
@@ -163,7 +119,7 @@ def eval_preflight(args: argparse.Namespace) -> str:
     caption->image map) and fits each run's input (feature width); `--eccv` checks the split. Returns the
     dataset directory."""
     from vsekit.data.precomp import load_precomp_split
-    from vsekit.training.checkpoint import read_run_config
+    from vsekit.runs import read_run_config
 
     runs = []
     for run in args.runs:
@@ -199,7 +155,7 @@ def eval_preflight(args: argparse.Namespace) -> str:
 
 def run_eval(args: argparse.Namespace) -> int:
     from vsekit.evaluation import evaluate_model
-    from vsekit.training.checkpoint import load_run
+    from vsekit.runs import load_run
     from vsekit.utils.runtime import resolve_device
 
     device = resolve_device(args.device)

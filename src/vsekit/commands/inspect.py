@@ -13,7 +13,7 @@ def _label(run: str) -> str:
 
 def run_pooling(args: argparse.Namespace) -> int:
     from vsekit.pooling.inspect import gpo_profiles
-    from vsekit.training.checkpoint import load_run
+    from vsekit.runs import load_run
 
     if args.text_len < 1 or args.image_len < 0:
         from vsekit.errors import VseInputError

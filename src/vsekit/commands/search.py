@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from vsekit.commands.jsonout import add_json_args, emit_json
+from vsekit.commands.search_options import PORT, POSITIVE, in_range
 from vsekit.errors import VseInputError
-from vsekit.search.options import PORT, POSITIVE, in_range
 
 
 def run_index(args: argparse.Namespace) -> int:

@@ -72,7 +72,7 @@ def _config_stamp(run_dir: str | Path) -> tuple[int, int] | None:
 def _interrupt_hint(args: argparse.Namespace, before: tuple[int, int] | None) -> str:
     """What to run after Ctrl-C: resume when the run was set up (config.json written by this command, or an
     existing run for --resume), otherwise the same command again (nothing of the new run was saved)."""
-    from vsekit.training.checkpoint import is_run_dir
+    from vsekit.runs import is_run_dir
 
     if args.resume:
         return f"{args.resume} keeps its last checkpoint; continue with: {_resume_command(args)}"
@@ -105,7 +105,7 @@ def run_train(args: argparse.Namespace) -> int:
     report_to = check_report_to([args.report_to] if getattr(args, "report_to", None) else [])
     try:
         from vsekit.config import apply_overrides, recipe_from_dict, validate_recipe
-        from vsekit.training.checkpoint import read_run_config
+        from vsekit.runs import read_run_config
         from vsekit.training.trainer import Trainer
 
         if args.resume:

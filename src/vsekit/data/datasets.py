@@ -2,6 +2,10 @@
 
 All randomness (size augmentation) comes from a generator seeded by (seed, epoch, index), so a batch is
 the same whichever worker loads it and a resumed run sees exactly the data of an uninterrupted one.
+
+`set_keep_mask`, `pack_order` and `augment_token_batch` are the same augmentation rules as `augment_set` and
+`Vocabulary.encode`, batched as tensor ops (any device, one generator per batch): the training data path that
+keeps the set on the device (`vsekit.training.data_path`) uses them.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from vsekit.data.text import MASKED_BELOW, RANDOM_BELOW
 from vsekit.utils.runtime import derived_seed
 
 
@@ -53,23 +58,97 @@ def augment_set(feats: np.ndarray, rng: np.random.Generator, aug: AugmentConfig)
     return feats[keep]
 
 
+def set_keep_mask(lengths: torch.Tensor, width: int, generator: torch.Generator | None,
+                  aug: AugmentConfig) -> torch.Tensor:  # fmt: skip
+    """`augment_set` for a batch: which of each set's first `lengths[b]` vectors are kept, [B, width] bool.
+
+    Regions: each kept with `aug.region_keep_prob`; grid: per image r ~ U(0, 1), every cell kept when
+    r <= 0.2, else each cell kept when its draw is >= grid_drop_max * r. A set that lost every vector keeps
+    one, drawn uniformly among its own. The draws (always the same number, on the lengths' device) come from
+    `generator`, so a batch's mask is a function of the generator's seed."""
+    dev, b = lengths.device, lengths.shape[0]
+    slots = torch.arange(width, device=dev)
+    if aug.feature_type == "region":
+        keep = torch.rand(b, width, generator=generator, device=dev) < aug.region_keep_prob
+    else:
+        r = torch.rand(b, 1, generator=generator, device=dev)
+        cell = torch.rand(b, width, generator=generator, device=dev)
+        keep = (r <= 0.2) | (cell >= aug.grid_drop_max * r)
+    keep &= slots < lengths[:, None]
+    pick = torch.minimum((torch.rand(b, generator=generator, device=dev) * lengths).long(), lengths - 1)
+    return keep | (~keep.any(1, keepdim=True) & (slots == pick[:, None]))
+
+
+def pack_order(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order [B, W], counts [B]): gathering row b of a [B, W, ...] tensor by `order[b]` puts its kept slots first,
+    in their original order (a stable sort on the keep flag), the others after them."""
+    return torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices, keep.sum(1)
+
+
+def augment_token_batch(tokens: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None, prob: float,
+                        mask_id: int, random_range: tuple[int, int], start_id: int, end_id: int,
+                        pad_id: int = 0, keep_ends: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`Vocabulary.encode`'s augmentation for a batch of token rows [B, L] (each `<start> words <end>`, padded).
+
+    Every token of a caption, `<start>` and `<end>` included as in the released VSE∞ code and in
+    `Vocabulary.encode` (`keep_ends=True`: only the words between them), is picked with probability `prob`;
+    a picked token is masked (u/prob < 0.5), replaced by a random word id from `random_range` (< 0.6) or
+    deleted. The kept tokens move to the front in order (stable sort), the width stays L and the rest is
+    `pad_id`; a caption that lost every token becomes `<start> <end>`. Returns the new (tokens, lengths)."""
+    b, width = tokens.shape
+    dev = tokens.device
+    slots = torch.arange(width, device=dev)
+    valid = slots < lengths[:, None]
+    u = torch.rand(b, width, generator=generator, device=dev)
+    other = torch.randint(random_range[0], random_range[1], (b, width), generator=generator, device=dev)
+    picked = valid & (u < prob)
+    if keep_ends:
+        picked &= (slots > 0) & (slots < lengths[:, None] - 1)
+    v = u / prob
+    out = torch.where(picked & (v < MASKED_BELOW), mask_id, tokens)
+    out = torch.where(picked & (v >= MASKED_BELOW) & (v < RANDOM_BELOW), other, out)
+    order, n = pack_order(valid & ~(picked & (v >= RANDOM_BELOW)))
+    out = torch.gather(out, 1, order)
+    out = torch.where(slots < n[:, None], out, pad_id)
+    empty = n == 0
+    ends = torch.where(slots == 0, start_id, end_id)
+    out = torch.where(empty[:, None] & (slots < 2), ends, out)
+    return out, torch.where(empty, 2, n)
+
+
 class FeatureSource:
-    """Precomputed region/grid features from a PrecompSplit (memory-mapped)."""
+    """Precomputed region/grid features from a PrecompSplit (memory-mapped).
+
+    `keep_dtype`: sets come as stored (float16 features stay float16, half the bytes through the training
+    DataLoader and its host-to-device copy; converted to float32 on the device); default float32."""
 
     kind = "features"
 
-    def __init__(self, split, aug: AugmentConfig | None = None) -> None:
+    def __init__(self, split, aug: AugmentConfig | None = None, keep_dtype: bool = False) -> None:
         if hasattr(split, "require_features"):
             split.require_features()
         self.split = split
         self.aug = aug
+        self.keep_dtype = keep_dtype
         self.n_images = split.n_images
 
+    def _stored(self, index: int) -> np.ndarray:
+        split = self.split
+        row = split.image_rows[index]
+        feats = split.features[row]
+        return feats if split.set_sizes is None else feats[: int(split.set_sizes[row])]
+
     def load(self, index: int, rng: np.random.Generator | None) -> torch.Tensor:
-        feats = self.split.image_features(index)
-        if rng is not None and self.aug is not None and self.aug.enabled:
-            feats = augment_set(feats, rng, self.aug)
-        return torch.from_numpy(np.array(feats, dtype=np.float32, copy=True))
+        augment = rng is not None and self.aug is not None and self.aug.enabled
+        if not self.keep_dtype:
+            feats = self.split.image_features(index)
+            if augment:
+                feats = augment_set(feats, rng, self.aug)
+            return torch.from_numpy(np.array(feats, dtype=np.float32, copy=True))
+        stored = self._stored(index)
+        feats = augment_set(stored, rng, self.aug) if augment else stored
+        # a boolean selection is already a fresh array; the stored rows themselves are copied (memory-mapped)
+        return torch.from_numpy(np.array(feats, copy=True) if feats is stored else feats)
 
 
 class PairDataset(Dataset):
@@ -92,8 +171,13 @@ class PairDataset(Dataset):
     def __len__(self) -> int:
         return len(self.captions)
 
-    def __getitem__(self, index: int):
-        rng = np.random.default_rng(derived_seed(self.seed, self.epoch, index)) if self.train else None
+    def __getitem__(self, index: int | tuple[int, int]):
+        """`index`, or `(epoch, index)`: the epoch travels with the index, so persistent DataLoader workers
+        (which keep the copy of the dataset they started with) draw epoch e's augmentation."""
+        epoch = self.epoch
+        if isinstance(index, tuple):
+            epoch, index = index
+        rng = np.random.default_rng(derived_seed(self.seed, epoch, index)) if self.train else None
         img = int(self.cap2img[index])
         image = self.images.load(img, rng)
         tokens = self.text.encode(self.captions[index], rng, self.text_augment_prob if self.train else 0.0)
@@ -124,20 +208,15 @@ class CaptionDataset(Dataset):
 
 
 def pad_sets(items: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack variable-length sets [n_i, D] into [B, max n, D] with zero padding, plus lengths."""
+    """Stack variable-length sets [n_i, D] into [B, max n, D] with zero padding, plus lengths (one C++ copy
+    loop: `pad_sequence`; the dtype is kept)."""
     lengths = torch.tensor([t.shape[0] for t in items], dtype=torch.long)
-    out = items[0].new_zeros((len(items), int(lengths.max()), *items[0].shape[1:]))
-    for i, t in enumerate(items):
-        out[i, : t.shape[0]] = t
-    return out, lengths
+    return torch.nn.utils.rnn.pad_sequence(items, batch_first=True), lengths
 
 
 def pad_tokens(items: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     lengths = torch.tensor([len(t) for t in items], dtype=torch.long)
-    out = torch.full((len(items), int(lengths.max())), pad_id, dtype=torch.long)
-    for i, t in enumerate(items):
-        out[i, : len(t)] = t
-    return out, lengths
+    return torch.nn.utils.rnn.pad_sequence(items, batch_first=True, padding_value=pad_id).long(), lengths
 
 
 def stack_images(items: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,12 +227,18 @@ def stack_images(items: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]
 
 
 class Collate:
-    def __init__(self, pad_id: int = 0) -> None:
+    """`float32`: feature sets leave the collate function as float32 (training on the CPU: the conversion then
+    runs in the DataLoader's workers); otherwise as stored (float16 stays float16 until it is on the device)."""
+
+    def __init__(self, pad_id: int = 0, float32: bool = False) -> None:
         self.pad_id = pad_id
+        self.float32 = float32
 
     def pairs(self, batch):
         images, tokens, img_idx, cap_idx = zip(*batch)
         image_t, image_len = stack_images(list(images))
+        if self.float32 and image_t.is_floating_point():
+            image_t = image_t.float()
         tok_t, tok_len = pad_tokens(list(tokens), self.pad_id)
         return {
             "images": image_t, "image_lengths": image_len, "tokens": tok_t, "token_lengths": tok_len,

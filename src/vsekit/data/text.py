@@ -66,6 +66,12 @@ def tokenize_words(caption: str, tokenizer: str = "regex") -> list[str]:
     raise VseInputError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
 
 
+# a picked word (probability p) is masked when u/p < MASKED_BELOW, replaced by a random word when u/p <
+# RANDOM_BELOW, else deleted (u: the word's uniform draw); `augment_words` and the batched form
+# `vsekit.data.datasets.augment_token_batch` share these
+MASKED_BELOW, RANDOM_BELOW = 0.5, 0.6
+
+
 def augment_words(
     words: list, rng: np.random.Generator, prob: float, mask_token: object, random_token
 ) -> list:
@@ -75,9 +81,9 @@ def augment_words(
         r = rng.random()
         if r < prob:
             r /= prob
-            if r < 0.5:
+            if r < MASKED_BELOW:
                 out.append(mask_token(w) if callable(mask_token) else mask_token)
-            elif r < 0.6:
+            elif r < RANDOM_BELOW:
                 out.append(random_token(w))
             # else: deleted
         else:
@@ -154,18 +160,22 @@ class Vocabulary:
                 self._ids[caption] = ids
         return ids.tolist()
 
+    def random_word_range(self) -> tuple[int, int]:
+        """[low, high) of the ids the augmentation's "random word" draws from (the words, not the specials)."""
+        return len(SPECIALS), max(len(self), len(SPECIALS) + 1)
+
     def encode(
         self, caption: str, rng: np.random.Generator | None = None, augment_prob: float = 0.0
     ) -> list[int]:
         ids = [self.word2idx[START]] + self.word_ids(caption) + [self.word2idx[END]]
         if rng is not None and augment_prob > 0:
-            n = len(self)
+            lo, hi = self.random_word_range()
             ids = augment_words(
                 ids,
                 rng,
                 augment_prob,
                 self.word2idx[MASK],
-                lambda _w: int(rng.integers(len(SPECIALS), max(n, len(SPECIALS) + 1))),
+                lambda _w: int(rng.integers(lo, hi)),
             )
             if not ids:
                 ids = [self.word2idx[START], self.word2idx[END]]

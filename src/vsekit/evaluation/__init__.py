@@ -11,24 +11,12 @@ from torch.utils.data import DataLoader
 from vsekit.data.datasets import CaptionDataset, Collate, FeatureSource, ImageDataset
 from vsekit.data.precomp import load_precomp_split
 from vsekit.data.raw_images import PixelSource
-from vsekit.data.text import HFTextProcessor, Vocabulary
 from vsekit.features.backbones import pixel_transform_of
 from vsekit.metrics import evaluate_sims
-from vsekit.models.text import load_tokenizer
+from vsekit.models.tokenizers import pad_id_for, text_processor_for  # noqa: F401  (public here too)
 from vsekit.models.vse import VSEModel
 from vsekit.similarity import all_pairs
 from vsekit.utils.progress import progress_bar
-
-
-def text_processor_for(model: VSEModel):
-    """The tokeniser a model was trained with (BiGRU vocabulary or the transformer's tokenizer)."""
-    if model.recipe.model.text.kind in ("bigru", "bow"):
-        return Vocabulary(model.spec.vocab_words, model.recipe.model.text.tokenizer)
-    return HFTextProcessor(load_tokenizer(model.spec.text_model_path), model.recipe.model.text.max_tokens)
-
-
-def pad_id_for(text) -> int:
-    return getattr(text, "pad_id", 0)
 
 
 def image_source_for(model: VSEModel, split):

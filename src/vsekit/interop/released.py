@@ -453,7 +453,7 @@ def write_imported_run(imported: ImportedModel, checkpoint: str | Path, out: str
     import shutil
     import tempfile
 
-    from vsekit.training.checkpoint import tensor_bytes, write_run_config
+    from vsekit.runs import tensor_bytes, write_run_config
     from vsekit.utils.io import atomic_write_bytes, sha256_file
 
     out = check_out_dir(out)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vsekit.metrics.retrieval import MetricsInputError, check_inputs
+from vsekit.metrics.common import MetricsInputError, check_inputs, fold_slices
 from vsekit.utils.io import open_npy
 
 COMBINE_RULES = ("max", "mean")
@@ -203,7 +203,6 @@ def coherence_metrics_by_fold(sims: np.ndarray, cap2img: np.ndarray, relevance: 
     """`coherence_metrics` of each of the `n_folds` consecutive image blocks (COCO 1K: five folds of 1,000
     images with their captions), each fold ranked only among its own images and captions, like the recalls
     of `retrieval_metrics_fold5`."""
-    from vsekit.metrics.retrieval import fold_slices
 
     sims, cap2img = check_inputs(sims, cap2img)
     rel = _checked_relevance(relevance, sims.shape[1])

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from vsekit.errors import MissingPackageError, SetupError
-from vsekit.metrics.retrieval import MetricsInputError
+from vsekit.metrics.common import MetricsInputError
 
 log = logging.getLogger(__name__)
 

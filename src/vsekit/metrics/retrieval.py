@@ -19,65 +19,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from vsekit.errors import VseInputError
+from vsekit.metrics.common import (  # noqa: F401  (MetricsInputError, NonFiniteScoresError: public here too)
+    MetricsInputError,
+    NonFiniteScoresError,
+    _raise_not_finite,
+    check_inputs,
+    fold_slices,
+)
 
 RECALL_KS = (1, 5, 10)
 METRIC_KEYS = (
     "i2t_r1", "i2t_r5", "i2t_r10", "i2t_medr", "i2t_meanr",
     "t2i_r1", "t2i_r5", "t2i_r10", "t2i_medr", "t2i_meanr", "rsum",
 )  # fmt: skip
-
-
-class MetricsInputError(VseInputError):
-    """A similarity matrix or caption->image map that cannot be evaluated."""
-
-
-class NonFiniteScoresError(MetricsInputError):
-    """A NaN or inf score in a similarity matrix; `image`, `caption` = the first one (row, column), so that a
-    caller that knows the matrix's file(s) can name the one that holds it."""
-
-    def __init__(self, message: str, image: int, caption: int) -> None:
-        super().__init__(message)
-        self.image, self.caption = image, caption
-
-
-def check_inputs(sims: np.ndarray, cap2img: np.ndarray, finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """(sims, cap2img as int64) after checking shapes, types and the map; `finite=False` leaves the NaN/inf scan
-    to the caller (`ranks_both` does it in its one pass over the matrix)."""
-    sims = np.asarray(sims)
-    cap2img = np.asarray(cap2img)
-    if sims.ndim != 2:
-        raise MetricsInputError(f"similarity matrix must be 2-D (images x captions), got shape {sims.shape}")
-    n_img, n_cap = sims.shape
-    if n_img == 0 or n_cap == 0:
-        raise MetricsInputError(f"similarity matrix is empty: shape {sims.shape}")
-    if not np.issubdtype(sims.dtype, np.floating):
-        if not np.issubdtype(sims.dtype, np.integer):
-            raise MetricsInputError(f"similarity matrix must be numeric, got dtype {sims.dtype}")
-        sims = sims.astype(np.float32)
-    if cap2img.ndim != 1 or len(cap2img) != n_cap:
-        raise MetricsInputError(
-            f"caption->image map has {cap2img.size} entries but the matrix has {n_cap} caption columns"
-        )
-    if not np.issubdtype(cap2img.dtype, np.integer):
-        raise MetricsInputError(f"caption->image map must hold integers, got dtype {cap2img.dtype}")
-    if cap2img.min() < 0 or cap2img.max() >= n_img:
-        raise MetricsInputError(
-            f"caption->image map points outside 0..{n_img - 1} (min {cap2img.min()}, max {cap2img.max()})"
-        )
-    missing = np.setdiff1d(np.arange(n_img), cap2img)
-    if len(missing):
-        raise MetricsInputError(f"{len(missing)} image row(s) have no caption, e.g. row {missing[0]}")
-    if finite and not np.isfinite(sims).all():
-        _raise_not_finite(sims)
-    return sims, cap2img.astype(np.int64)
-
-
-def _raise_not_finite(block: np.ndarray, row0: int = 0) -> None:
-    bad = np.argwhere(~np.isfinite(block))[0]
-    image, caption = row0 + int(bad[0]), int(bad[1])
-    raise NonFiniteScoresError(f"similarity matrix has NaN/inf values, first at (image {image}, caption {caption})",
-                               image, caption)  # fmt: skip
 
 
 def ranks_both(sims: np.ndarray, cap2img: np.ndarray, block_bytes: int = 4 << 20) -> tuple[np.ndarray, np.ndarray]:
@@ -160,19 +114,6 @@ def retrieval_metrics(sims: np.ndarray, cap2img: np.ndarray) -> dict[str, float]
     out.update(summarize_ranks(t2i, "t2i"))
     out["rsum"] = sum(out[f"{d}_r{k}"] for d in ("i2t", "t2i") for k in RECALL_KS)
     return {k: out[k] for k in METRIC_KEYS}
-
-
-def fold_slices(cap2img: np.ndarray, n_img: int, n_folds: int = 5) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(image rows, caption columns) of each consecutive image block."""
-    if n_img % n_folds:
-        raise MetricsInputError(f"fold-{n_folds} needs the image count ({n_img}) to divide by {n_folds}")
-    size = n_img // n_folds
-    folds = []
-    for f in range(n_folds):
-        rows = np.arange(f * size, (f + 1) * size)
-        cols = np.nonzero((cap2img >= f * size) & (cap2img < (f + 1) * size))[0]
-        folds.append((rows, cols))
-    return folds
 
 
 def retrieval_metrics_fold5(sims: np.ndarray, cap2img: np.ndarray, n_folds: int = 5) -> dict:

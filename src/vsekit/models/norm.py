@@ -31,12 +31,18 @@ class MaskedBatchNorm1d(nn.BatchNorm1d):
     padded tensor: the shapes never depend on the data and nothing is read back to the host, so it can be
     compiled whole or captured in a CUDA graph. Padded rows are read as zeros and come out normalised with
     the valid rows' statistics (finite values for the caller to zero, with zero gradient); their content
-    never reaches the statistics or the gradients, even NaN. A subclass of `nn.BatchNorm1d`: parameters, buffers and state-dict keys are the same, so
-    checkpoints load either way, and `mask=None` is plain `nn.BatchNorm1d` on `[N, C]` / `[N, C, L]`.
+    never reaches the statistics or the gradients, even NaN. A subclass of `nn.BatchNorm1d`: parameters,
+    buffers and state-dict keys are the same, so checkpoints load either way, and `mask=None` is plain
+    `nn.BatchNorm1d` on `[N, C]` / `[N, C, L]`.
 
     One difference: `nn.BatchNorm1d` refuses a training batch with a single valid row; here (no host sync
     to check it) that row is normalised to `bias`, and the running variance update uses 0 for it.
     """
+
+    @staticmethod
+    def reduce_sum(t: torch.Tensor) -> torch.Tensor:
+        """Sum of `t` over the processes that share the batch: one process here (see `convert_batchnorm`)."""
+        return t
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
         if mask is None:
@@ -50,14 +56,16 @@ class MaskedBatchNorm1d(nn.BatchNorm1d):
             out = nn.functional.batch_norm(x.reshape(-1, c), self.running_mean, self.running_var, self.weight,
                                            self.bias, False, 0.0, self.eps)  # fmt: skip
             return out.reshape(x.shape)
-        valid = mask.unsqueeze(-1)
         xf = x.to(torch.promote_types(x.dtype, torch.float32))  # bf16/fp16: float32 statistics, as torch keeps
-        valid = valid.reshape(-1, 1)
+        valid = mask.reshape(-1, 1)
         rows = torch.where(valid, xf.reshape(-1, c), 0.0)  # padding as zeros: finite values and gradients
-        count = valid.sum().to(xf.dtype)  # valid rows, a device scalar
-        mean = rows.sum(0) / count.clamp_min(1.0)
+        # sums over the valid rows, reduced across ranks under torchrun (`reduce_sum`, set by
+        # vsekit.distributed.convert_batchnorm: the global batch's statistics); identity otherwise
+        first = self.reduce_sum(torch.cat([rows.sum(0), valid.sum().to(xf.dtype).reshape(1)]))
+        count = first[c].detach()  # valid rows, a device scalar
+        mean = first[:c] / count.clamp_min(1.0)
         centred = rows - mean
-        var_sum = torch.where(valid, centred, 0.0).square().sum(0)
+        var_sum = self.reduce_sum(torch.where(valid, centred, 0.0).square().sum(0))
         var = var_sum / count.clamp_min(1.0)
         out = centred * torch.rsqrt(var + self.eps)
         if self.weight is not None:

@@ -81,35 +81,35 @@ class VSEModel(nn.Module):
         Image embeddings [n_images, views x D] and caption embeddings [n_captions, D], as the encoders give them
         (torch or numpy; different float dtypes are promoted); other shapes are a `ModelInputError` naming the
         side (shape checks only, no host sync)."""
-        from vsekit.api import check_similarity_inputs
+        from vsekit.models.inputs import check_similarity_inputs
 
         image_emb, text_emb = check_similarity_inputs(self, image_emb, text_emb)
         return self.sim(image_emb, text_emb)
 
-    # the open_clip-style face (`vsekit.load(run)`); implemented in vsekit.api
+    # the open_clip-style face (`vsekit.load(run)`); input rules in vsekit.models.inputs
     def encode_image(self, images, lengths=None, **kwargs) -> torch.Tensor:
         """Precomputed features [B, R, D] (+ lengths) or pixels [B, 3, S, S] (or pictures: PIL images or paths)
         -> image embeddings; what is accepted, converted and refused: `vsekit.api.encode_image`."""
-        from vsekit.api import encode_image
+        from vsekit.models.inputs import encode_image
 
         return encode_image(self, images, lengths, **kwargs)
 
     def encode_text(self, text, lengths=None) -> torch.Tensor:
         """A list of strings (tokenised with the run's vocabulary) or token ids [B, L] (+ lengths) -> [B, D];
         what is accepted and refused: `vsekit.api.encode_text`."""
-        from vsekit.api import encode_text
+        from vsekit.models.inputs import encode_text
 
         return encode_text(self, text, lengths)
 
     def tokenize(self, texts) -> tuple[torch.Tensor, torch.Tensor]:
         """(token ids [B, L], lengths [B]) as the run's text encoder expects them."""
-        from vsekit.api import tokenize
+        from vsekit.models.inputs import tokenize
 
         return tokenize(self, texts)
 
     def preprocess(self, image) -> torch.Tensor:
         """A picture (path or PIL image) -> the pixel tensor [3, S, S] of a pixel run."""
-        from vsekit.api import preprocess
+        from vsekit.models.inputs import preprocess
 
         return preprocess(self, image)
 

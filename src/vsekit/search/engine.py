@@ -66,7 +66,7 @@ class SearchEngine:
     def open(cls, index_dir: str | Path, device: str | torch.device = "cpu", run_dir: str | Path | None = None,
              **kwargs) -> SearchEngine:  # fmt: skip
         """Open an index and load its model, refusing a model whose weights differ from the indexed ones."""
-        from vsekit.training.checkpoint import load_run
+        from vsekit.runs import load_run
 
         index = SearchIndex(index_dir)
         m = index.meta["model"]

@@ -878,7 +878,7 @@ def build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, checkp
 def _build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, checkpoint: str, params: FaissParams | None,
                  device: str | torch.device, batch_size: int, chunk_size: int, pixels: bool, strict: bool,
                  captions_file: str | Path | None, progress: bool, log: Callable[[str], None]) -> dict:  # fmt: skip
-    from vsekit.training.checkpoint import load_run
+    from vsekit.runs import load_run
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     device = torch.device(device)
@@ -1023,14 +1023,14 @@ def build_index_from_embeddings(emb_dir: str | Path, out_dir: str | Path, *, par
 
 def _build_from_embeddings(emb_dir: Path, out_dir: Path, params: FaissParams | None, run_dir: str | Path | None,
                            checkpoint: str, log: Callable[[str], None]) -> dict:  # fmt: skip
-    from vsekit.search.embed import open_embedding_folder
+    from vsekit.search.embedding_folder import open_embedding_folder
 
     folder = open_embedding_folder(emb_dir)
     info = folder.info
     fingerprint = info.get("model")
     recorded = isinstance(fingerprint, dict) and bool(fingerprint.get("weights_sha256"))
     if run_dir is not None:
-        from vsekit.training.checkpoint import load_run
+        from vsekit.runs import load_run
 
         model, _ = load_run(Path(run_dir), checkpoint, torch.device("cpu"))
         theirs = model_fingerprint(Path(run_dir), checkpoint, model)

@@ -1,9 +1,10 @@
 """The trainer: builds the parts a recipe names, trains with AdamW + step decay, validates on dev every
 epoch (never on test), keeps the best-on-dev weights, and resumes bit-exactly.
 
-Determinism: the data order of epoch e is a permutation drawn from (seed, e); each sample's augmentation
-from (seed, e, index); in-model randomness (grid size augmentation) from (seed, e, step). A resumed run
-therefore replays exactly the batches an uninterrupted run would have seen.
+Determinism: the data order of epoch e is a permutation drawn from (seed, e); the augmentation of batch
+`step` from (seed, e, step) when the batches are made on the device, from (seed, e, index) per sample with the
+DataLoader (`vsekit.training.data_path`); in-model randomness (grid size augmentation) from (seed, e, step).
+A resumed run therefore replays exactly the batches an uninterrupted run would have seen.
 """
 
 from __future__ import annotations
@@ -11,19 +12,17 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Sampler
 
 from vsekit.config import Recipe, to_dict
-from vsekit.data.datasets import AugmentConfig, Collate, FeatureSource, PairDataset
+from vsekit.data.datasets import FeatureSource
 from vsekit.data.precomp import DataFormatError, load_precomp_split
 from vsekit.data.raw_images import PixelSource
 from vsekit.data.text import HFTextProcessor, Vocabulary
@@ -40,7 +39,6 @@ from vsekit.distributed import (
     main_first,
     rank_device,
     shard_sizes,
-    shard_slice,
 )
 from vsekit.evaluation import pad_id_for, split_similarities
 from vsekit.features.backbones import pixel_transform_of
@@ -49,7 +47,7 @@ from vsekit.metrics import evaluate_sims, format_table
 from vsekit.models.image import BackboneImageEncoder
 from vsekit.models.text import default_transformer_path, load_tokenizer
 from vsekit.models.vse import DataSpec, VSEModel
-from vsekit.training.checkpoint import (
+from vsekit.runs import (
     CheckpointError,
     clear_run_dir,
     is_run_dir,
@@ -65,50 +63,18 @@ from vsekit.training.checkpoint import (
     write_checkpoint_set,
     write_run_config,
 )
+from vsekit.training.data_path import (  # noqa: F401 (EpochBatches, device_batches: imported from here too)
+    EpochBatches,
+    device_batches,
+    make_train_data,
+    train_feature_source,
+    train_pairs,
+)
 from vsekit.training.reporting import check_report_to, make_reporters
 from vsekit.utils.progress import progress_bar
 from vsekit.utils.runtime import derived_seed, resolve_device, seed_everything
 
 logger = logging.getLogger(__name__)
-
-
-class EpochBatches(Sampler[list[int]]):
-    """Shuffled batches of epoch e from seed (seed, e); `skip` drops batches already trained on.
-
-    `batches()` are global batches (the same on every rank); with `world_size > 1` iteration yields this
-    rank's contiguous shard of each (see vsekit.distributed), so the gathered batch is the global one.
-    """
-
-    def __init__(self, n: int, batch_size: int, seed: int, lengths: np.ndarray | None = None,
-                 rank: int = 0, world_size: int = 1) -> None:  # fmt: skip
-        self.n, self.batch_size, self.seed = n, batch_size, seed
-        self.lengths = lengths
-        self.rank, self.world_size = rank, world_size
-        self.epoch, self.skip = 0, 0
-
-    def batches(self) -> list[list[int]]:
-        g = torch.Generator().manual_seed(derived_seed(self.seed, self.epoch, 0xDA7A))
-        perm = torch.randperm(self.n, generator=g).numpy()
-        if self.lengths is not None:
-            # length bucketing: sort within chunks of 50 batches so batches hold similar lengths
-            chunk = self.batch_size * 50
-            perm = np.concatenate([c[np.argsort(self.lengths[c], kind="stable")] for c in np.array_split(perm, max(1, math.ceil(self.n / chunk)))])
-        batches = [perm[i : i + self.batch_size].tolist() for i in range(0, self.n, self.batch_size)]
-        # a single-sample batch has no negatives; under torchrun every rank needs at least one sample
-        batches = [b for b in batches if len(b) >= max(2, self.world_size)]
-        if self.lengths is not None and len(batches) > 1:
-            # shuffle the full batches; a short remainder batch stays last
-            full = batches if len(batches[-1]) == self.batch_size else batches[:-1]
-            order = torch.randperm(len(full), generator=g).tolist()
-            batches = [full[i] for i in order] + batches[len(full):]
-        return batches
-
-    def __iter__(self):
-        for b in self.batches()[self.skip :]:
-            yield b if self.world_size == 1 else b[shard_slice(len(b), self.rank, self.world_size)]
-
-    def __len__(self) -> int:
-        return max(0, len(self.batches()) - self.skip)
 
 
 @dataclass
@@ -118,6 +84,9 @@ class TrainState:
     global_step: int = 0
     best_rsum: float = -1.0
     best_epoch: int = -1
+    # where the batches are made (vsekit.training.data_path: "device:cuda", "device:cpu", "loader"): a resumed
+    # run under train.data_on_device=auto keeps it, so its batches are those of an uninterrupted run
+    data_path: str = ""
 
 
 def lr_at_epoch(base_lr: float, epoch: int, decay_epochs: list[int], decay: float) -> float:
@@ -173,35 +142,6 @@ def tf32_matmul(enabled: bool) -> Iterator[None]:
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
-
-
-def device_batches(loader: Iterable[dict], device: torch.device) -> Iterator[dict]:
-    """The loader's batches, on CUDA already copied to the GPU: the next batch is copied on a side stream
-    (from pinned memory, so asynchronously) while the current one trains. Elsewhere a plain pass-through.
-    `token_lengths` stays on the host: packed RNNs need host lengths, and reading them back would sync."""
-    if device.type != "cuda":
-        yield from loader
-        return
-    stream = torch.cuda.Stream(device)
-
-    def move(b: dict) -> dict:
-        with torch.cuda.stream(stream):
-            return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) and k != "token_lengths" else v
-                    for k, v in b.items()}  # fmt: skip
-
-    it = iter(loader)
-    nxt = next(it, None)
-    nxt = move(nxt) if nxt is not None else None
-    while nxt is not None:
-        current = torch.cuda.current_stream(device)
-        current.wait_stream(stream)
-        batch = nxt
-        for v in batch.values():
-            if torch.is_tensor(v) and v.is_cuda:
-                v.record_stream(current)  # the copy's memory belongs to the compute stream from now on
-        raw = next(it, None)
-        nxt = move(raw) if raw is not None else None
-        yield batch
 
 
 class TrainStep:
@@ -328,7 +268,10 @@ class Trainer:
         self.history: list[dict] = []
         if resume:
             self._load_state()
-        elif self.dist.is_main:
+        # before a new run's folder is made: a data path that cannot be built (train.data_on_device=true on a
+        # set too large) leaves it as it was
+        self._build_loader()
+        if not resume and self.dist.is_main:
             self._start_run_dir()  # only now: an error or Ctrl-C before this point leaves the folder as it was
             manifest = self._dataset_manifest()
             write_run_config(self.run_dir, recipe, spec, {
@@ -341,7 +284,6 @@ class Trainer:
         # scalars a loss wants recorded at every iteration, whatever train.log_every is (ADOPT's K)
         self._step_keys: tuple[str, ...] = tuple(getattr(self.loss_fn, "step_log_keys", ()))
         self._first_bad: torch.Tensor | None = None  # global step of the first non-finite loss, on the device
-        self._build_loader()
         self._tb = None
         # --report-to wandb: the records of _emit, also sent to W&B (rank 0 only)
         self._reporters = make_reporters(report_to, self.run_dir, to_dict(recipe)) if self.dist.is_main else []
@@ -407,29 +349,24 @@ class Trainer:
         img = self.recipe.model.image
         if img.kind in ("backbone", "vit"):
             return PixelSource(split, img.image_size, augment=train, transform=pixel_transform_of(self.model))
-        d = self.recipe.data
-        # multi-view (AVSE): the views are the size augmentation, each drawn from the full set (paper §4.2:
-        # 75 % / 90 % of it); model.image.view_size_augment=true drops regions/cells first, as vsekit did before
-        drop = d.size_augment and (img.views <= 1 or img.view_size_augment)
-        aug = AugmentConfig(drop, img.feature_type, d.region_keep_prob, d.grid_drop_max, d.text_augment_prob)
         split.require_width(self.model.spec.img_dim, f"the run in {self.run_dir}")  # --resume with other --data
-        return FeatureSource(split, aug if train else None)
+        return train_feature_source(self.recipe, split) if train else FeatureSource(split, None)
 
     def _build_loader(self) -> None:
         r = self.recipe
-        self.train_set = PairDataset(self._image_source(self.train_split, True), self.train_split.captions,
-                                     self.train_split.cap2img, self.text, train=True, seed=r.train.seed,
-                                     text_augment_prob=r.data.text_augment_prob if r.data.size_augment else 0.0)  # fmt: skip
+        self.train_set = train_pairs(r, self.train_split, self.text, self._image_source(self.train_split, True))
         lengths = None
         if r.train.length_bucketing:
             lengths = np.array([len(c.split()) for c in self.train_split.captions])
         self.sampler = EpochBatches(len(self.train_set), r.train.batch_size, r.train.seed, lengths,
                                     rank=self.dist.rank, world_size=self.dist.world_size)  # fmt: skip
-        self.loader = DataLoader(
-            self.train_set, batch_sampler=self.sampler, collate_fn=Collate(pad_id_for(self.text)).pairs,
-            num_workers=r.data.num_workers, pin_memory=self.device.type == "cuda",
-            persistent_workers=False,
-        )  # fmt: skip
+        # on the device when the set fits there (train.data_on_device), else the DataLoader: see data_path
+        self.data = make_train_data(r, self.train_split, self.train_set, self.sampler, self.device, self.dist,
+                                    recorded=self.state.data_path, pad_id=pad_id_for(self.text), log=self.log)  # fmt: skip
+        self.loader = self.data.loader
+        self.state.data_path = self.data.path
+        if self.dist.is_main:
+            logger.info("training batches: %s", self.data.reason)
 
     # ----------------------------------------------------------------------------------------- state
     def _save_state(self, tag: str = "last") -> None:
@@ -615,15 +552,17 @@ class Trainer:
             self.sampler.epoch, self.sampler.skip = epoch, self.state.step_in_epoch
             epoch_batches = self.sampler.batches()
             steps_in_epoch = len(epoch_batches)
+            samples = 0  # global batch samples trained in this epoch (by this process: a resumed run counts from there)
             t_epoch = time.perf_counter()
             t_data = t_log = time.perf_counter()
             meter = {"loss": 0.0, "data_time": 0.0, "step_time": 0.0, "n": 0}
             bar = progress_bar(total=steps_in_epoch, initial=self.state.step_in_epoch, desc=f"epoch {epoch + 1}/{total_epochs}",
                                enabled=self.progress, leave=False, dynamic_ncols=True)  # fmt: skip
-            for batch in device_batches(self.loader, self.device):
+            for batch in self.data.epoch(epoch, self.state.step_in_epoch):
                 data_time = time.perf_counter() - t_data
                 t0 = time.perf_counter()
                 step = self.state.step_in_epoch
+                samples += len(epoch_batches[step])
                 sizes = shard_sizes(len(epoch_batches[step]), self.dist.world_size) if self.dist.enabled else None
                 if warmup == "lr":
                     self._set_lr(epoch, (step + 1) / steps_in_epoch)
@@ -671,14 +610,21 @@ class Trainer:
                     return {"stopped_at_step": self.state.global_step}
                 t_data = time.perf_counter()
             bar.close()
-            self._check_finite(epoch)
+            self._check_finite(epoch)  # reads a device flag: the epoch's steps have finished when it returns
             train_time = time.perf_counter() - t_epoch
+            samples_per_s = samples / max(train_time, 1e-9)
+            # the epoch's throughput (training only, validation excluded) in a record of its own: the val record
+            # holds what is the same in any two runs of the recipe (the resume tests compare them whole)
+            self._emit({"kind": "epoch", "epoch": epoch + 1, "step": self.state.global_step, "samples": samples,
+                        "train_time_s": train_time, "samples_per_s": samples_per_s,
+                        "data_path": self.data.path})  # fmt: skip
             metrics = self.validate()
             improved = metrics["rsum"] > self.state.best_rsum
             record = {"kind": "val", "epoch": epoch + 1, "step": self.state.global_step, "train_time_s": train_time, **metrics}
             self.history.append(record)
             self._emit(record)
-            self.log(f"epoch {epoch + 1}/{total_epochs} dev: {format_table(metrics)}{'  (best)' if improved else ''}")
+            self.log(f"epoch {epoch + 1}/{total_epochs} dev: {format_table(metrics)}{'  (best)' if improved else ''}"
+                     f"  [{samples_per_s:,.0f} samples/s]")  # fmt: skip
             self.state.epoch += 1
             self.state.step_in_epoch = 0
             if improved:

@@ -1,14 +1,14 @@
-"""A tiny picture dataset (coloured shapes with captions) and a model trained on it, for search smoke tests.
+"""A tiny picture dataset (coloured shapes with captions), for search smoke tests.
 
 The search path needs real pictures, a feature extractor and a trained model; this builds all three in
-seconds on a CPU, so tests and first-time users can exercise `vse index / search / serve` without the
+seconds on a CPU (the recipe to train on it is `SHAPES_RECIPE_OVERRIDES`; the tests' `shapes_model`
+fixture trains it), so tests and first-time users can exercise `vse index / search / serve` without the
 openclipart set. The pictures go through the same EfficientNet-Lite0 grid extractor as openclipart, and the
 dataset's manifest records that extractor, so a model trained on its features can index raw pictures.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -90,18 +90,3 @@ SHAPES_RECIPE_OVERRIDES = [
     "loss.max_violation=false",
     "optim.lr=2.0e-3",
 ]
-
-
-def train_shapes_model(data_dir: str | Path, run_dir: str | Path, epochs: int = 15, seed: int = 0) -> Path:
-    """A small VSE++ model on the shapes set (seconds on a CPU). Idempotent: a finished run is reused."""
-    from vsekit.config import load_recipe
-    from vsekit.training.trainer import Trainer
-
-    run = Path(run_dir)
-    done = run / "shapes_done.json"
-    if done.is_file():
-        return run
-    recipe = load_recipe("vsepp", SHAPES_RECIPE_OVERRIDES + [f"train.epochs={epochs}", f"train.seed={seed}"])
-    result = Trainer(recipe, data_dir, run, overwrite=True, progress=False, log=lambda *_: None).fit()
-    done.write_text(json.dumps({"best_rsum": result.get("best_rsum")}) + "\n", encoding="utf-8")
-    return run

@@ -1,0 +1,440 @@
+"""Where the training batches are made, and how they reach the device.
+
+Two paths give the trainer (and `vse bench data` / `vse bench train-step`) the batches of an epoch, in the
+order `EpochBatches` draws from (seed, epoch):
+
+- **on the device** (`DeviceBatches`): the training split's precomputed features, as stored (float16 stays
+  float16), and its captions, tokenised once with the run's vocabulary into a fixed-width int32 matrix, live
+  on the run's device. Each batch is gathered there by index (one `index_select` of the feature rows, in the
+  order the augmentation keeps them), augmented with tensor ops (`set_keep_mask`, `pack_order`,
+  `augment_token_batch`: the rules of `augment_set` and `Vocabulary.encode`), converted to float32, and
+  padded to FIXED widths: the set's largest region (frame) count and its longest caption. The randomness of
+  batch `step` of epoch `epoch` comes from one `torch.Generator` on the device seeded with
+  `derived_seed(seed, epoch, step)`, drawn for the global batch (each rank under torchrun keeps its shard
+  of it), so a run is deterministic and `--resume` mid-epoch is exact. On a CUDA device the features are
+  copied there (compacted: real rows only, plus one zero row that padding slots read); on the CPU the
+  memory-mapped array itself is gathered from (`torch.from_numpy`, no copy) and the padding rows are zeroed
+  after the conversion.
+- **the DataLoader** (`make_train_data` builds it over `PairDataset`): per-sample numpy augmentation from
+  (seed, epoch, caption index), float16 kept through the collate function on CUDA (converted to float32
+  after the pinned, side-stream copy of `device_batches`; on the CPU in the collate function, i.e. in the
+  workers), vectorised padding, `persistent_workers` when `data.num_workers > 0` (the epoch travels with
+  each index, so persistent workers draw the right epoch's augmentation).
+
+`train.data_on_device` picks: `false` the DataLoader; `true` the device, or a `SetupError` saying why it
+cannot (pixel or transformer-text recipes, or a set larger than the free memory); `auto` (default) the
+device when the recipe allows it and the set takes at most half the device's free memory
+(`torch.cuda.mem_get_info` on CUDA, `MemAvailable` on the CPU), else the DataLoader. A resumed run keeps the
+path it was trained with under `auto` (recorded in its state), since the two paths draw their augmentation
+from different generators.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from vsekit.config import Recipe
+from vsekit.data.datasets import (
+    AugmentConfig,
+    Collate,
+    FeatureSource,
+    PairDataset,
+    augment_token_batch,
+    pack_order,
+    set_keep_mask,
+)
+from vsekit.data.frames import RaggedFrames
+from vsekit.data.text import END, MASK, PAD, START, Vocabulary
+from vsekit.distributed import DistContext, shard_slice
+from vsekit.errors import SetupError
+from vsekit.utils.runtime import derived_seed
+
+logger = logging.getLogger(__name__)
+
+# `auto` keeps the set on the device when it takes at most this share of the free memory (the rest is for the
+# model, its activations and the optimizer)
+AUTO_MEMORY_SHARE = 0.5
+LOADER, DEVICE = "loader", "device"
+
+
+class EpochBatches(Sampler[list[int]]):
+    """Shuffled batches of epoch e from seed (seed, e); `skip` drops batches already trained on.
+
+    `batches()` are global batches (the same on every rank); with `world_size > 1` iteration yields this
+    rank's contiguous shard of each (see vsekit.distributed), so the gathered batch is the global one.
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int, lengths: np.ndarray | None = None,
+                 rank: int = 0, world_size: int = 1) -> None:  # fmt: skip
+        self.n, self.batch_size, self.seed = n, batch_size, seed
+        self.lengths = lengths
+        self.rank, self.world_size = rank, world_size
+        self.epoch, self.skip = 0, 0
+
+    def batches(self) -> list[list[int]]:
+        g = torch.Generator().manual_seed(derived_seed(self.seed, self.epoch, 0xDA7A))
+        perm = torch.randperm(self.n, generator=g).numpy()
+        if self.lengths is not None:
+            # length bucketing: sort within chunks of 50 batches so batches hold similar lengths
+            chunk = self.batch_size * 50
+            perm = np.concatenate([c[np.argsort(self.lengths[c], kind="stable")] for c in np.array_split(perm, max(1, math.ceil(self.n / chunk)))])
+        batches = [perm[i : i + self.batch_size].tolist() for i in range(0, self.n, self.batch_size)]
+        # a single-sample batch has no negatives; under torchrun every rank needs at least one sample
+        batches = [b for b in batches if len(b) >= max(2, self.world_size)]
+        if self.lengths is not None and len(batches) > 1:
+            # shuffle the full batches; a short remainder batch stays last
+            full = batches if len(batches[-1]) == self.batch_size else batches[:-1]
+            order = torch.randperm(len(full), generator=g).tolist()
+            batches = [full[i] for i in order] + batches[len(full):]
+        return batches
+
+    def __iter__(self):
+        for b in self.batches()[self.skip :]:
+            yield b if self.world_size == 1 else b[shard_slice(len(b), self.rank, self.world_size)]
+
+    def __len__(self) -> int:
+        return max(0, len(self.batches()) - self.skip)
+
+
+class TaggedBatches(Sampler[list[tuple[int, int]]]):
+    """`EpochBatches` whose indices carry their epoch, `(epoch, index)`: persistent DataLoader workers keep the
+    dataset object they started with, so the epoch cannot reach them through `PairDataset.set_epoch`."""
+
+    def __init__(self, sampler: EpochBatches) -> None:
+        self.sampler = sampler
+
+    def __iter__(self):
+        epoch = self.sampler.epoch
+        for b in self.sampler:
+            yield [(epoch, i) for i in b]
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+def device_batches(loader: Iterable[dict], device: torch.device) -> Iterator[dict]:
+    """The loader's batches, on CUDA already copied to the GPU: the next batch is copied on a side stream
+    (from pinned memory, so asynchronously) while the current one trains. Elsewhere a plain pass-through.
+    `token_lengths` stays on the host: packed RNNs need host lengths, and reading them back would sync."""
+    if device.type != "cuda":
+        yield from loader
+        return
+    stream = torch.cuda.Stream(device)
+
+    def move(b: dict) -> dict:
+        with torch.cuda.stream(stream):
+            return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) and k != "token_lengths" else v
+                    for k, v in b.items()}  # fmt: skip
+
+    it = iter(loader)
+    nxt = next(it, None)
+    nxt = move(nxt) if nxt is not None else None
+    while nxt is not None:
+        current = torch.cuda.current_stream(device)
+        current.wait_stream(stream)
+        batch = nxt
+        for v in batch.values():
+            if torch.is_tensor(v) and v.is_cuda:
+                v.record_stream(current)  # the copy's memory belongs to the compute stream from now on
+        raw = next(it, None)
+        nxt = move(raw) if raw is not None else None
+        yield batch
+
+
+# ------------------------------------------------------------------------------------- the resident set
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free for the set on `device`: CUDA's free memory, the host's MemAvailable on the CPU (the page
+    cache counts: a memory-mapped file read from it is what the CPU path gathers); None when unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _feature_layout(split) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(source [rows, D] as stored, first source row of each image, set size of each image)."""
+    feats = split.features
+    rows = np.asarray(split.image_rows, dtype=np.int64)
+    if isinstance(feats, RaggedFrames):
+        return feats.frames, feats.offsets[:-1][rows], feats.lengths[rows].astype(np.int64)
+    n, width, dim = feats.shape
+    sizes = np.full(len(rows), width, dtype=np.int64) if split.set_sizes is None else np.asarray(split.set_sizes, np.int64)[rows]
+    return feats.reshape(n * width, dim), rows * width, sizes
+
+
+def feature_bytes(split, device: torch.device) -> int:
+    """Bytes the device path holds for the split's features: on the CPU the stored array it gathers from, on an
+    accelerator the compacted copy (each image's real rows, plus one zero row)."""
+    source, _, sizes = _feature_layout(split)
+    rows = source.shape[0] if device.type == "cpu" else int(sizes.sum()) + 1
+    return rows * int(source.shape[1]) * source.dtype.itemsize
+
+
+def _as_tensor_no_copy(a: np.ndarray) -> torch.Tensor:
+    with warnings.catch_warnings():  # a read-only memory map: the tensor is only ever read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
+
+
+class DeviceData:
+    """The training split resident on `device`: feature rows [rows, D] as stored, each image's first row and set
+    size, the fixed set width (the largest set), and the captions as an int32 matrix [captions, L] (`<start>
+    words <end>`, `pad` after) with their lengths."""
+
+    def __init__(self, split, text: Vocabulary, device: torch.device, chunk_bytes: int = 256 << 20) -> None:
+        self.device = device
+        source, starts, sizes = _feature_layout(split)
+        self.width, self.dim = int(sizes.max()), int(source.shape[1])
+        if device.type == "cpu":
+            self.flat = _as_tensor_no_copy(source)  # gathered from the (memory-mapped) array itself
+            self.zero_row: int | None = None
+            self.starts = torch.from_numpy(starts)
+        else:
+            # compact copy of each image's real rows, chunk by chunk, and one zero row for the padding slots
+            total = int(sizes.sum())
+            self.flat = torch.empty((total + 1, self.dim), dtype=_torch_dtype(source.dtype), device=device)
+            self.flat[total].zero_()
+            self.zero_row = total
+            dest = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+            per_chunk = max(1, chunk_bytes // max(1, self.width * self.dim * source.dtype.itemsize))
+            for a in range(0, len(sizes), per_chunk):
+                b = min(len(sizes), a + per_chunk)
+                n = sizes[a:b]
+                rows = np.repeat(starts[a:b] - np.cumsum(np.concatenate([[0], n[:-1]])), n) + np.arange(int(n.sum()))
+                block = torch.from_numpy(np.ascontiguousarray(source[rows]))
+                self.flat[dest[a] : dest[a] + len(rows)].copy_(block)
+            self.starts = torch.from_numpy(dest).to(device)
+        self.sizes = torch.from_numpy(sizes).to(device)
+        self.tokens, self.token_lengths = (t.to(device) for t in token_matrix(split.captions, text))
+        self.pad_id, self.start_id, self.end_id = text.word2idx[PAD], text.word2idx[START], text.word2idx[END]
+        self.mask_id = text.word2idx[MASK]
+        self.random_range = text.random_word_range()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.flat, self.tokens, self.token_lengths))
+
+    def images(self, image_index: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float32 [B, width, D], lengths [B]): the kept rows of each image packed to the front in their order,
+        zeros after them, at the fixed width."""
+        b = image_index.shape[0]
+        order, n = pack_order(keep)
+        filled = torch.arange(self.width, device=keep.device) < n[:, None]
+        starts = self.starts[image_index][:, None]
+        if self.zero_row is not None:  # padding slots read the zero row: one gather, no masking pass
+            src = torch.where(filled, starts + order, self.zero_row)
+            out = self.flat.index_select(0, src.view(-1)).float()
+        else:  # the CPU: padding slots read a real row, then are zeroed (only they are written)
+            src = torch.where(filled, starts + order, starts)
+            out = self.flat.index_select(0, src.view(-1)).float()
+            out.index_fill_(0, (~filled).view(-1).nonzero().squeeze(1), 0.0)
+        return out.view(b, self.width, self.dim), n
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.zeros(0, dtype=dtype)).dtype
+
+
+def token_matrix(captions: list[str], text: Vocabulary) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every caption as `<start> word ids <end>` in an int32 matrix [captions, longest], pad 0, plus lengths."""
+    words = [text.word_ids(c) for c in captions]
+    lengths = np.fromiter((len(w) + 2 for w in words), dtype=np.int64, count=len(words))
+    width = int(lengths.max())
+    out = np.zeros((len(words), width), dtype=np.int32)
+    slots = np.arange(width)[None, :]
+    out[(slots >= 1) & (slots < lengths[:, None] - 1)] = np.fromiter(itertools.chain.from_iterable(words), np.int32)
+    out[:, 0] = text.word2idx[START]
+    out[np.arange(len(words)), lengths - 1] = text.word2idx[END]
+    return torch.from_numpy(out), torch.from_numpy(lengths)
+
+
+class DeviceBatches:
+    """The epoch's batches made on the device from `DeviceData` (see the module's docstring). Iterating it
+    yields the batches of `sampler.epoch` from batch `sampler.skip` on, like a DataLoader over the sampler."""
+
+    def __init__(self, data: DeviceData, sampler: EpochBatches, cap2img: np.ndarray, seed: int,
+                 image_aug: AugmentConfig | None, text_prob: float, dist: DistContext | None = None) -> None:  # fmt: skip
+        self.data, self.sampler, self.seed = data, sampler, seed
+        self.device = data.device
+        self.cap2img = torch.as_tensor(np.asarray(cap2img, dtype=np.int64)).to(self.device)
+        self.image_aug = image_aug if image_aug is not None and image_aug.enabled else None
+        self.text_prob = float(text_prob)
+        self.dist = dist or DistContext()
+        self.generator = torch.Generator(device=self.device)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[dict]:
+        epoch, skip = self.sampler.epoch, self.sampler.skip
+        batches = self.sampler.batches()[skip:]
+        if not batches:
+            return
+        # the epoch's caption order goes to the device once; each batch is a slice of it (no copy, no sync)
+        order = torch.from_numpy(np.concatenate([np.asarray(b, dtype=np.int64) for b in batches])).to(self.device)
+        start = 0
+        for k, b in enumerate(batches):
+            yield self.batch(order[start : start + len(b)], epoch, skip + k)
+            start += len(b)
+
+    def batch(self, captions: torch.Tensor, epoch: int, step: int) -> dict:
+        """Global batch `captions` (caption indices on the device) of (epoch, step), this rank's shard of it."""
+        d = self.data
+        g = self.generator.manual_seed(derived_seed(self.seed, epoch, step))
+        image_index = self.cap2img[captions]
+        sizes = d.sizes[image_index]
+        if self.image_aug is not None:
+            keep = set_keep_mask(sizes, d.width, g, self.image_aug)
+        else:
+            keep = torch.arange(d.width, device=self.device) < sizes[:, None]
+        tokens, lengths = d.tokens.index_select(0, captions).long(), d.token_lengths[captions]
+        if self.text_prob > 0:
+            tokens, lengths = augment_token_batch(tokens, lengths, g, self.text_prob, d.mask_id, d.random_range,
+                                                  d.start_id, d.end_id, d.pad_id)  # fmt: skip
+        if self.dist.enabled:  # the draws above cover the global batch: a rank's shard is the same for any world size
+            part = shard_slice(captions.shape[0], self.dist.rank, self.dist.world_size)
+            captions, image_index, keep, tokens, lengths = (t[part] for t in (captions, image_index, keep, tokens, lengths))
+        images, image_lengths = d.images(image_index, keep)
+        return {"images": images, "image_lengths": image_lengths, "tokens": tokens, "token_lengths": lengths,
+                "image_index": image_index, "caption_index": captions}  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------- the choice
+def train_feature_source(recipe: Recipe, split) -> FeatureSource:
+    """The training images of a precomp recipe: features as stored, with the recipe's size augmentation.
+
+    Multi-view (AVSE): the views are the size augmentation, each drawn from the full set (paper §4.2: 75 % /
+    90 % of it); model.image.view_size_augment=true drops regions/cells first, as vsekit did before."""
+    img, d = recipe.model.image, recipe.data
+    drop = d.size_augment and (img.views <= 1 or img.view_size_augment)
+    aug = AugmentConfig(drop, img.feature_type, d.region_keep_prob, d.grid_drop_max, d.text_augment_prob)
+    return FeatureSource(split, aug, keep_dtype=True)
+
+
+def train_pairs(recipe: Recipe, split, text, images) -> PairDataset:
+    d = recipe.data
+    return PairDataset(images, split.captions, split.cap2img, text, train=True, seed=recipe.train.seed,
+                       text_augment_prob=d.text_augment_prob if d.size_augment else 0.0)  # fmt: skip
+
+
+def device_path_blocker(pairs: PairDataset, split) -> str | None:
+    """Why this recipe's batches cannot be made on the device (None: they can)."""
+    if getattr(pairs.images, "kind", None) != "features":
+        return "pixel recipes decode and transform each picture on the host (DataLoader workers)"
+    if not isinstance(pairs.text, Vocabulary):
+        return ("transformer text: its word-piece augmentation works on whole words, which only the tokenizer "
+                "knows per caption")  # fmt: skip
+    feats = split.features
+    source = feats.frames if isinstance(feats, RaggedFrames) else feats
+    if not (isinstance(source, np.ndarray) and source.flags.c_contiguous):
+        return "the feature array is not stored in C order"
+    return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+@dataclass
+class TrainData:
+    """The training batches of a run: `epoch(e, skip)` yields epoch e's batches from batch `skip` on, ready on
+    the device (float32 images). `loader` iterates the current epoch of `sampler` (tests, benchmarks);
+    `path` is `device:<type>` or `loader`, `reason` why."""
+
+    loader: Iterable[dict]
+    sampler: EpochBatches
+    device: torch.device
+    path: str
+    reason: str
+
+    @property
+    def on_device(self) -> bool:
+        return self.path.startswith(DEVICE)
+
+    def epoch(self, epoch: int, skip: int = 0) -> Iterator[dict]:
+        self.sampler.epoch, self.sampler.skip = epoch, skip
+        if self.on_device:
+            yield from self.loader
+            return
+        for batch in device_batches(self.loader, self.device):
+            images = batch["images"]
+            if images.is_floating_point() and images.dtype != torch.float32:
+                batch["images"] = images.float()  # float16 sets became float32 on the device
+            yield batch
+
+
+def make_train_data(recipe: Recipe, split, pairs: PairDataset, sampler: EpochBatches, device: torch.device,
+                    dist: DistContext | None = None, recorded: str = "", pad_id: int = 0,
+                    log=None) -> TrainData:  # fmt: skip
+    """Choose the data path (module docstring) and build it. `recorded`: the path a resumed run was trained
+    with ('' for a new run). `log` gets the warnings a user should see (a resumed run on another path)."""
+    setting = recipe.train.data_on_device
+    on_device, reason = _choose(setting, pairs, split, device, recorded, log)
+    if on_device:
+        data = DeviceData(split, pairs.text, device)
+        aug = getattr(pairs.images, "aug", None)
+        loader = DeviceBatches(data, sampler, split.cap2img, recipe.train.seed, aug, pairs.text_augment_prob, dist)
+        return TrainData(loader, sampler, device, f"{DEVICE}:{device.type}", f"on the {device.type}: {reason}")
+    workers = recipe.data.num_workers
+    loader = DataLoader(pairs, batch_sampler=TaggedBatches(sampler),
+                        collate_fn=Collate(pad_id, float32=device.type == "cpu").pairs, num_workers=workers,
+                        pin_memory=device.type == "cuda", persistent_workers=workers > 0)  # fmt: skip
+    return TrainData(loader, sampler, device, LOADER, f"DataLoader ({workers} workers): {reason}")
+
+
+def _choose(setting, pairs: PairDataset, split, device: torch.device, recorded: str, log) -> tuple[bool, str]:
+    if setting is False:
+        return False, "train.data_on_device=false"
+    blocker = device_path_blocker(pairs, split)
+    if blocker is not None:
+        if setting is True:
+            raise SetupError(f"train.data_on_device=true, but {blocker}; use train.data_on_device=auto or false")
+        return False, blocker
+    need = feature_bytes(split, device) + len(split.captions) * 4 * 64  # captions: a generous bound
+    free = free_memory(device)
+    have = f"{_gib(need)} of features and captions, {_gib(free) if free is not None else 'unknown'} free"
+    if setting is True:
+        if free is not None and need > free:
+            raise SetupError(f"train.data_on_device=true: the training set needs {_gib(need)} on {device} but "
+                             f"only {_gib(free)} is free; use train.data_on_device=auto (the DataLoader when it "
+                             "does not fit) or false")  # fmt: skip
+        return True, f"train.data_on_device=true ({have})"
+    if recorded:  # auto, resumed: keep the path the run was trained with, so the resumed batches are the same
+        if recorded == LOADER:
+            return False, "the run was trained with the DataLoader (resumed with the same path)"
+        if free is None or need <= free:
+            if recorded != f"{DEVICE}:{device.type}" and log is not None:
+                log(f"warning: this run made its batches on {recorded.split(':', 1)[-1]}, now on {device.type}: "
+                    "the random draws of the size augmentation differ between devices, so the batches from here "
+                    "on are not those of an uninterrupted run")  # fmt: skip
+            return True, f"the run was trained with batches made on the device ({have})"
+        if log is not None:
+            log(f"warning: this run made its batches on the device, but now {have}: the DataLoader makes them, "
+                "with other augmentation draws than an uninterrupted run")  # fmt: skip
+        return False, f"the set does not fit ({have})"
+    if free is None:
+        return False, f"the free memory of {device} is unknown (train.data_on_device=true keeps the set there)"
+    if need > AUTO_MEMORY_SHARE * free:
+        return False, f"the set takes more than {AUTO_MEMORY_SHARE:.0%} of the free memory ({have})"
+    return True, f"the set fits ({have})"
