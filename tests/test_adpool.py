@@ -142,16 +142,18 @@ def test_gradients_flow_to_every_parameter(variant):
     (g_omega,) = torch.autograd.grad(loss, omega, retain_graph=True)
     loss.backward()
     # the balance bias enters both logits of every sample: its gradient is a sum of 2B logit gradients that
-    # cancel in pairs, so in float32 it is rounding noise of a few eps x their absolute sum
+    # cancel in pairs, each the softmax backward omega * (g - omega . g); in float32 it is rounding noise of a
+    # few eps x the absolute sum of the terms before they cancel
     om = omega.detach()
-    logit_grad_abs = float((om * (g_omega - (om * g_omega).sum(1, keepdim=True))).abs().sum())
+    terms_abs = float((om * g_omega).abs().sum() + (om * (om * g_omega).sum(1, keepdim=True)).abs().sum())
     names = dict(pool.named_parameters())
     released = {"token_scorer.bias", "balance.bias"} if variant == "reference" else set()
     expected = {"token_scorer.weight", "balance.weight"} | released
     assert set(names) == expected
     for name, p in names.items():
         if name == "balance.bias":  # the released layout's balance bias shifts both logits: it cancels
-            assert p.grad is not None and p.grad.abs().max() <= 8 * EPS32 * logit_grad_abs  # measured 0.8 eps
+            # measured <= 0.32 eps x terms_abs over 300 random initialisations, on native, default and avx2
+            assert p.grad is not None and p.grad.abs().max() <= 4 * EPS32 * terms_abs
             continue
         assert p.grad is not None and p.grad.abs().sum() > 0, name
     assert x.grad.abs().sum() > 0

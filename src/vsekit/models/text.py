@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from vsekit.config import TextEncoderConfig
 from vsekit.errors import MissingPackageError
@@ -43,9 +44,17 @@ class BiGRUTextEncoder(nn.Module):
     def token_features(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """[B, T, embed_dim]: the two directions averaged, zeros past each caption's length (at least 1).
 
-        The BiGRU runs unpacked (`bigru_unpacked`: no `pack_padded_sequence`, so no host sync and fixed
-        shapes); the values are the packed module's up to float rounding."""
-        out = bigru_unpacked(self.gru, self.embed(tokens), lengths)
+        On an accelerator, and whenever it is being compiled, the BiGRU runs unpacked (`bigru_unpacked`: no
+        `pack_padded_sequence`, so no host sync and fixed shapes). In eager CPU mode, where the lengths are
+        host values anyway, it runs packed: only each caption's own steps (captions of 8-25 tokens padded to
+        25: ~1.3x less work). The two give the same values up to float rounding (tests/test_fixed_shape.py)."""
+        x = self.embed(tokens)
+        if tokens.device.type == "cpu" and not torch.compiler.is_compiling():
+            packed = pack_padded_sequence(x, lengths.cpu().clamp(min=1), batch_first=True, enforce_sorted=False)
+            out, _ = self.gru(packed)
+            out, _ = pad_packed_sequence(out, batch_first=True, total_length=tokens.shape[1])
+        else:
+            out = bigru_unpacked(self.gru, x, lengths)
         half = out.shape[-1] // 2
         return (out[..., :half] + out[..., half:]) / 2
 

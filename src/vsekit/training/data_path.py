@@ -231,10 +231,6 @@ class DeviceData:
         self.mask_id = text.word2idx[MASK]
         self.random_range = text.random_word_range()
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.flat, self.tokens, self.token_lengths))
-
     def images(self, image_index: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(float32 [B, width, D], lengths [B]): the kept rows of each image packed to the front in their order,
         zeros after them, at the fixed width."""
