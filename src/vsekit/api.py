@@ -9,24 +9,8 @@
 
 The CLI, evaluation and search use the same run loading (`vsekit.runs.load_run`).
 
-What each method takes (anything else is a `ModelInputError`, a `VseInputError` whose one-line message names
-the argument and what is wrong; a value of a type the API never takes is a `ModelInputTypeError`, which is
-also a TypeError). Valid input is used exactly as given: the checks never change an embedding.
-
-- `encode_image`, runs on precomputed features: a real-valued tensor or numpy array [B, R, D] with D the
-  run's feature width, B >= 1, R >= 1, every value finite; `lengths` [B] integers in 1..R (default R). A 2-D
-  array is refused rather than guessed: one picture's R regions is `x[None]`, one vector per picture `x[:, None]`.
-- `encode_image`, pixel runs (CNN backbone, ViT): pictures (PIL images or paths, alone or in a list), which
-  go through the run's own transform (`preprocess`, any size); or a pixel tensor [B, 3, S, S] ([3, S, S]: one
-  picture) at exactly the run's size S. uint8 pixels (0-255) are scaled as the transform scales pictures
-  (/255, then the run's mean/std); float pixels must already be normalised that way, finite, and within a
-  few times the normalised range (0-255 floats are refused: give them as uint8).
-- `encode_text`: a string or a non-empty list of strings (valid Unicode: no lone surrogates), or integer
-  token ids [B, L] (B, L >= 1) within the run's vocabulary and, for transformers, its position table; `lengths`
-  [B] integers in 1..L (default: up to the first pad id 0).
-- `similarity`: image embeddings [n_images, W] and caption embeddings [n_captions, D] as the encoders give
-  them (W = D, or views x D for AVSE runs).
-- `preprocess`: a PIL image or a path to a picture, of any size and mode.
+What each method takes, converts and refuses (a `ModelInputError` naming the argument) is written once, in
+`vsekit.models.inputs`, whose functions the model's methods call and this module re-exports.
 """
 
 from __future__ import annotations
