@@ -259,3 +259,15 @@ def test_recipes_into_a_closed_pipe_prints_no_error():
     err = proc.stderr.read().decode()
     proc.wait(timeout=60)
     assert err == "" and proc.returncode == 1
+
+
+def test_eval_of_cocos_test_split_warns_that_papers_use_testall(run_a, data_a, tmp_path, capsys):
+    """SCAN's COCO layout: `test` is the first 1K fold of `testall`; scoring it alone says so and names testall."""
+    coco = tmp_path / "coco_precomp"
+    shutil.copytree(data_a, coco)
+    shutil.copy(coco / "test_caps.txt", coco / "testall_caps.txt")  # what marks the COCO layout
+    assert main(["eval", str(run_a), "--data", str(coco), "--split", "test", "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert "first 1K fold" in err and "--split testall --fold5" in err
+    assert main(["eval", str(run_a), "--data", str(data_a), "--split", "test", "--device", "cpu"]) == 0
+    assert "testall" not in capsys.readouterr().err  # a dataset without testall: nothing to say

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -150,7 +151,20 @@ def eval_preflight(args: argparse.Namespace) -> str:
                                 f"ensemble needs one caption->image map: add {args.split}_cap2img.txt")  # fmt: skip
         if args.eccv:  # checked before the encoding, which takes minutes
             check_eccv_split(data, args.split, recipe.data.captions_per_image)
+    note = coco_split_note(data0, args.split, layout[2] if layout else 0)
+    if note:
+        logging.getLogger(__name__).warning(note)
     return data0
+
+
+def coco_split_note(data: str | Path, split: str, n_images: int) -> str | None:
+    """SCAN's COCO layout has `test` (the first 1K fold of the 5K test images) beside `testall` (all 5K): a
+    score on `test` alone matches no paper's table (SCAN #14, vsepp #26). Say so, naming what papers report."""
+    if split != "test" or not (Path(data) / "testall_caps.txt").is_file():
+        return None
+    return (f"{data}: split 'test' ({n_images:,} images) is only the first 1K fold of COCO's 5K test images, and "
+            f"its scores match no paper's table: papers report COCO 1K as the mean over the five 1K folds "
+            f"(--split testall --fold5) and COCO 5K on all of them (--split testall)")
 
 
 def run_eval(args: argparse.Namespace) -> int:
