@@ -127,6 +127,15 @@ def run_relevance_share(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_link_images(args: argparse.Namespace) -> int:
+    from vsekit.data.link_images import link_images
+
+    counts = link_images(args.data, args.images, args.splits, args.captions_per_image)
+    for split, n in counts.items():
+        print(f"{args.data}: {split}_images.txt lists {n:,} pictures under {args.images}")
+    return 0
+
+
 def register(sub) -> None:
     p = sub.add_parser("data", help="build, inspect and check datasets")
     dsub = p.add_subparsers(dest="data_command", required=True, metavar="ACTION")
@@ -143,6 +152,13 @@ def register(sub) -> None:
     k.add_argument("--out", required=True)
     k.add_argument("--splits", nargs="+", default=["train", "dev", "test"], help="dev = the JSON's 'val'")
     k.set_defaults(func=run_karpathy)
+    li = dsub.add_parser("link-images", help="write {split}_images.txt of a COCO / Flickr30K precomp folder from its "
+                         "{split}_ids.txt and a folder of the pictures (so vse serve shows them)")  # fmt: skip
+    li.add_argument("data", help="the precomp folder (with {split}_ids.txt)")
+    li.add_argument("--images", required=True, help="folder holding the pictures (searched recursively)")
+    li.add_argument("--splits", nargs="+", help="default: every split with a {split}_ids.txt")
+    li.add_argument("--captions-per-image", type=int, action=at_least(1), default=5)
+    li.set_defaults(func=run_link_images)
     cv = dsub.add_parser("convert-video", help="convert MSR-VTT / VATEX frame features (npy folder, HDF5, LMDB) "
                          "and captions into the ragged clip layout")  # fmt: skip
     cv.add_argument("--features", required=True, help="a folder of <video_id>.npy, an HDF5 file or an LMDB")

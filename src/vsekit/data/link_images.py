@@ -1,0 +1,86 @@
+"""`vse data link-images D --images DIR`: map a COCO or Flickr30K precomp folder's rows back to picture files.
+
+SCAN's precomp sets ship features and `{split}_ids.txt` but not the pictures' names (SCAN #13), so a run trained
+on them cannot show its hits. The ids are COCO image ids (pictures `COCO_val2014_<12 digits>.jpg`, under
+`train2014/` too, or the 2017 naming `<12 digits>.jpg`) or Flickr30K ids (`<id>.jpg`). This finds each id's
+picture anywhere under DIR and writes `{split}_images.txt` (paths relative to DIR) with `manifest.json`'s
+`images_root` = DIR. Every id must be found, else nothing is written and the first missing ones are named.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from vsekit.data.precomp import MANIFEST, DataFormatError, load_precomp_split
+from vsekit.utils.io import atomic_write_json, atomic_write_text
+
+
+def picture_names(image_id: str) -> list[str]:
+    """File names a COCO or Flickr30K image id may have, most specific first."""
+    names = []
+    if image_id.isdigit():
+        n = int(image_id)
+        names += [f"COCO_val2014_{n:012d}.jpg", f"COCO_train2014_{n:012d}.jpg", f"{n:012d}.jpg"]
+    names += [f"{image_id}.jpg", f"{image_id}.jpeg", f"{image_id}.png"]
+    return names
+
+
+def link_images(data_dir: str | Path, images_dir: str | Path, splits: list[str] | None = None,
+                captions_per_image: int = 5) -> dict[str, int]:  # fmt: skip
+    """Write `{split}_images.txt` for each split (default: every split with `{split}_ids.txt`); returns the
+    number of pictures linked per split."""
+    root, pics = Path(data_dir), Path(images_dir)
+    if not pics.is_dir():
+        what = "is a file, expected a folder of pictures" if pics.exists() else "no such folder"
+        raise DataFormatError(f"{pics}: {what} (--images)")
+    if splits is None:
+        splits = sorted(p.name[: -len("_ids.txt")] for p in root.glob("*_ids.txt"))
+    if not splits:
+        raise DataFormatError(f"{root}: no {{split}}_ids.txt files: the image ids are what the pictures are found by")
+    by_name: dict[str, Path] = {}
+    for dirpath, dirnames, filenames in os.walk(pics):
+        dirnames.sort()
+        for f in sorted(filenames):
+            by_name.setdefault(f, Path(dirpath, f))  # the first in sorted order wins
+    linked: dict[str, list[str]] = {}
+    for split in splits:
+        ids_file = root / f"{split}_ids.txt"
+        if not ids_file.is_file():
+            raise DataFormatError(f"{ids_file}: missing; it names the split's images")
+        data = load_precomp_split(root, split, captions_per_image)
+        rows, missing = [], []
+        for image_id in data.image_ids:
+            found = next((by_name[n] for n in picture_names(str(image_id).strip()) if n in by_name), None)
+            if found is None:
+                missing.append(str(image_id))
+            else:
+                rows.append(found.relative_to(pics).as_posix())
+        if missing:
+            raise DataFormatError(f"{pics}: no picture for {len(missing)} of the {len(rows) + len(missing)} ids of "
+                                  f"{ids_file} (first: {', '.join(missing[:3])}; looked for e.g. "
+                                  f"{picture_names(missing[0])[0]}); nothing was written")  # fmt: skip
+        linked[split] = rows
+    base = pics.resolve()
+    try:
+        declared = base.relative_to(root.resolve()).as_posix() or "."
+    except ValueError:
+        declared = str(base)
+    manifest: dict = {}
+    if (root / MANIFEST).is_file():
+        try:
+            manifest = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DataFormatError(f"{root / MANIFEST}: not valid JSON ({e})") from e
+        if not isinstance(manifest, dict):
+            raise DataFormatError(f"{root / MANIFEST}: expected a JSON object")
+    others = [p.name for p in root.glob("*_images.txt") if p.name[: -len("_images.txt")] not in linked]
+    if others and manifest.get("images_root", declared) != declared:
+        raise DataFormatError(f"{root}: {', '.join(others)} lists pictures under {manifest['images_root']!r}, not "
+                              f"{declared!r}: link every split in one command (--splits)")  # fmt: skip
+    manifest["images_root"] = declared
+    atomic_write_json(root / MANIFEST, manifest)  # first: split files never point into an undeclared root
+    for split, rows in linked.items():
+        atomic_write_text(root / f"{split}_images.txt", "".join(r + "\n" for r in rows))
+    return {s: len(r) for s, r in linked.items()}
