@@ -64,6 +64,22 @@ def train_shapes_model(data_dir: str | Path, run_dir: str | Path, epochs: int = 
     return run
 
 
+def interrupt_on_call(monkeypatch, module, name: str, n: int) -> dict:
+    """Make `module.name` raise KeyboardInterrupt on its n-th call (a Ctrl-C mid-work); the other calls run
+    the real function. Returns the call counter {"n": calls so far}."""
+    real = getattr(module, name)
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, flaky)
+    return calls
+
+
 def reference_fixture_dir(name: str | None = None) -> Path:
     """Folder of the released-code parity fixtures (or one item's subfolder); skips the test when absent.
 

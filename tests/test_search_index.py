@@ -14,7 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_topk_well_separated, brute_force_topk, recall_vs, spy_search_ids
+from conftest import (
+    assert_topk_well_separated,
+    brute_force_topk,
+    interrupt_on_call,
+    recall_vs,
+    spy_search_ids,
+)
 from vsekit.cli import main
 from vsekit.data.precomp import DataFormatError
 from vsekit.datasets.shapes import COLORS, SHAPES
@@ -109,16 +115,8 @@ def test_interrupted_indexing_resumes_from_finished_chunks(shapes_model, tmp_pat
     import vsekit.search.index as index_mod
 
     data, run = shapes_model
-    calls = {"n": 0}
     real = index_mod.embed_features
-
-    def flaky(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(index_mod, "embed_features", flaky)
+    calls = interrupt_on_call(monkeypatch, index_mod, "embed_features", 3)
     kw = {"chunk_size": 4, "batch_size": 4, "progress": False, "log": quiet}
     with pytest.raises(KeyboardInterrupt):
         build_index(run, f"{data}:test", tmp_path / "idx", **kw)

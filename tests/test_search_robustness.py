@@ -19,6 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
+from conftest import interrupt_on_call
 from vsekit.cli import main
 from vsekit.data.precomp import DataFormatError
 from vsekit.errors import VseInputError
@@ -206,16 +207,7 @@ def test_interrupted_index_says_how_to_resume(shapes_model, tmp_path, monkeypatc
 
     data, run = shapes_model
     out = tmp_path / "my idx"
-    real = index_mod.embed_features
-    calls = {"n": 0}
-
-    def flaky(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(index_mod, "embed_features", flaky)
+    calls = interrupt_on_call(monkeypatch, index_mod, "embed_features", 3)
     assert main(index_argv(run, f"{data}:test", out, "--chunk-size", "4", "--batch-size", "4")) == 130
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("vse index: interrupted; 2 finished chunk(s) of embeddings are kept in")
@@ -232,16 +224,7 @@ def test_index_resumed_with_another_chunk_size_keeps_every_picture(shapes_model,
     import vsekit.search.index as index_mod
 
     data, run = shapes_model
-    real = index_mod.embed_features
-    calls = {"n": 0}
-
-    def flaky(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(index_mod, "embed_features", flaky)
+    calls = interrupt_on_call(monkeypatch, index_mod, "embed_features", 3)
     with pytest.raises(KeyboardInterrupt):
         build_index(run, f"{data}:test", tmp_path / "idx", chunk_size=4, batch_size=4, progress=False, log=quiet)
     build_index(run, f"{data}:test", tmp_path / "idx", chunk_size=256, batch_size=4, progress=False, log=quiet)
