@@ -1,5 +1,5 @@
-"""`vse data openclipart | karpathy | convert-video | moving-shapes | wesnoth | show | check | synthetic |
-relevance | relevance-share`."""
+"""`vse data openclipart | karpathy | folder | table | webdataset | convert-video | moving-shapes | wesnoth |
+show | check | synthetic | relevance | relevance-share`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 
 from vsekit.commands.argtypes import at_least, finite, fraction
 from vsekit.commands.jsonout import add_json_args
+from vsekit.commands.own_data import register_own
 from vsekit.errors import VseInputError
 
 
@@ -159,6 +160,7 @@ def register(sub) -> None:
     li.add_argument("--splits", nargs="+", help="default: every split with a {split}_ids.txt")
     li.add_argument("--captions-per-image", type=int, action=at_least(1), default=5)
     li.set_defaults(func=run_link_images)
+    register_own(dsub)  # folder | table | webdataset: vsekit.commands.own_data
     cv = dsub.add_parser("convert-video", help="convert MSR-VTT / VATEX frame features (npy folder, HDF5, LMDB) "
                          "and captions into the ragged clip layout")  # fmt: skip
     cv.add_argument("--features", required=True, help="a folder of <video_id>.npy, an HDF5 file or an LMDB")
