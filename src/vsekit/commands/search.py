@@ -18,6 +18,8 @@ def run_index(args: argparse.Namespace) -> int:
                          ef_construction=args.ef_construction, ef_search=args.ef_search, pq_m=args.pq_m,
                          refine=args.pq_refine)  # fmt: skip
     if args.from_embeddings:
+        if args.refresh:
+            raise VseInputError("--refresh re-reads a folder of pictures; it takes no --from-embeddings DIR")
         if args.source is not None:
             raise VseInputError("--from-embeddings DIR takes no SOURCE (the folder is the source); RUN_DIR only for "
                                 "a folder without embed.json")  # fmt: skip
@@ -29,12 +31,22 @@ def run_index(args: argparse.Namespace) -> int:
     if args.run is None or args.source is None:
         raise VseInputError("give RUN_DIR and SOURCE (or --from-embeddings DIR)")
     try:
-        meta = build_index(
-            args.run, args.source, args.out, checkpoint=args.checkpoint, params=params,
-            device=resolve_device(args.device), batch_size=args.batch_size, chunk_size=args.chunk_size,
-            pixels=args.pixels, strict=args.strict, captions_file=args.captions, progress=not args.quiet,
-            log=lambda msg: print(msg, file=sys.stderr),
-        )  # fmt: skip
+        if args.refresh:
+            from vsekit.search.refresh import refresh_index
+
+            meta = refresh_index(
+                args.run, args.source, args.out, checkpoint=args.checkpoint, params=params,
+                device=resolve_device(args.device), batch_size=args.batch_size, chunk_size=args.chunk_size,
+                strict=args.strict, captions_file=args.captions, progress=not args.quiet,
+                log=lambda msg: print(msg, file=sys.stderr),
+            )  # fmt: skip
+        else:
+            meta = build_index(
+                args.run, args.source, args.out, checkpoint=args.checkpoint, params=params,
+                device=resolve_device(args.device), batch_size=args.batch_size, chunk_size=args.chunk_size,
+                pixels=args.pixels, strict=args.strict, captions_file=args.captions, progress=not args.quiet,
+                log=lambda msg: print(msg, file=sys.stderr),
+            )  # fmt: skip
     except KeyboardInterrupt:
         raise KeyboardInterrupt(_index_interrupt_hint(args)) from None
     c = meta["counts"]
@@ -60,7 +72,7 @@ def index_command(args: argparse.Namespace) -> str:
         value = getattr(args, attr, default)
         if value != default and value is not None:
             parts += [flag, str(value)]
-    for flag, attr in (("--pixels", "pixels"), ("--strict", "strict"), ("--quiet", "quiet")):
+    for flag, attr in (("--pixels", "pixels"), ("--refresh", "refresh"), ("--strict", "strict"), ("--quiet", "quiet")):
         parts += [flag] if getattr(args, attr, False) else []
     return shlex.join(parts)
 
@@ -88,11 +100,15 @@ def run_search(args: argparse.Namespace) -> int:
         raise VseInputError("give a text query, or --image PATH to find captions for a picture")
     if args.query is not None and args.image is not None:
         raise VseInputError("give either a text query or --image PATH, not both")
+    if args.images and args.image is None:
+        raise VseInputError("--images finds the indexed pictures most like a picture: give the picture with --image PATH")
     engine = SearchEngine.open(args.index, resolve_device(args.device), run_dir=args.run)
     engine.index.set_search_params(nprobe=args.nprobe, ef_search=args.ef_search)
     if args.image is not None and (why := engine.picture_query_problem()):
         raise VseInputError(f"--image: {args.index} cannot answer picture queries: {why}")
-    if args.image is not None:
+    if args.image is not None and args.images:
+        hits = engine.search_image_to_images(args.image, args.k)
+    elif args.image is not None:
         hits = engine.search_image(args.image, args.k)
     else:
         if not args.query.strip():
@@ -193,6 +209,9 @@ def register(sub) -> None:
     p.add_argument("--checkpoint", default="best", choices=("best", "last"))
     p.add_argument("--pixels", action="store_true",
                    help="embed a dataset split from its pictures even when it has precomputed features")
+    p.add_argument("--refresh", action="store_true",
+                   help="bring the index up to date with the folder SOURCE: re-embed pictures whose bytes changed "
+                        "(sha256), add new ones, drop deleted ones, keep the rest (docs/search.md)")
     p.add_argument("--captions", metavar="FILE", help="extra captions (one per line) for picture -> text search")
     p.add_argument("--strict", action="store_true", help="stop at the first unreadable picture instead of skipping it")
     p.add_argument("--batch-size", type=int, action=POSITIVE, default=16)
@@ -201,10 +220,12 @@ def register(sub) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_index)
 
-    s = sub.add_parser("search", help="query an index: text -> pictures, or --image -> captions")
+    s = sub.add_parser("search", help="query an index: text -> pictures, --image -> captions, --image --images -> pictures")
     s.add_argument("index", metavar="INDEX_DIR")
     s.add_argument("query", nargs="?", help="text to find pictures for")
     s.add_argument("--image", metavar="PATH", help="find indexed captions that describe this picture")
+    s.add_argument("--images", action="store_true",
+                   help="with --image: find the indexed pictures most like it instead (cosine of the picture vectors)")
     s.add_argument("-k", type=int, action=POSITIVE, default=10, help="number of results")
     add_json_args(s, 'the results (a list of {"path", "score", "caption"}, best first)')
     s.add_argument("--nprobe", type=int, help="ivf: override the lists visited per query")

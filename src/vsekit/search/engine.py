@@ -1,9 +1,20 @@
-"""Queries against an index: text -> pictures, picture -> captions, with exact re-ranking where needed.
+"""Queries against an index: text -> pictures, picture -> captions, picture -> pictures, with exact re-ranking
+where needed.
 
 For cosine models the FAISS inner product *is* the model's similarity, so a flat index is exact and an
 IVF/HNSW index only risks missing items. AEOM (AVSE) scores an image's several views block by block, which
 no inner-product index can do: the index ranks a shortlist by the views' mean, and the shortlist is
 re-scored exactly with `model.similarity` (depth = max(rerank_factor*k, rerank_min) candidates).
+
+Picture -> pictures scores two pictures by the cosine of their *picture vectors*: the image embedding itself
+for a cosine model, and for a multi-view (AVSE) model the L2-normalised mean of its views. The model's own
+similarity compares a picture with a caption, not two pictures; AEOM matches a caption to the views as a set
+(which view is which is not part of the score), so the picture-level summary that does not depend on the order
+of the views is their mean. Both are what the image FAISS index holds (`proxy_vectors`), unit length whenever
+the model L2-normalises its embeddings (or has several views), so the index answers this cosine directly: exactly
+with `flat`, approximately with IVF / HNSW / IVF-PQ. Every picture scores 1 with itself, so a query picture
+that is in the index comes first. For a model that does not normalise its embeddings the inner product is not a
+cosine, and the stored embeddings are scored exactly instead (normalised, no FAISS).
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ from vsekit.search.encode import (
     proxy_vectors,
     run_extractor_spec,
 )
-from vsekit.search.index import IndexFormatError, SearchIndex, run_weights
+from vsekit.search.index import IndexFormatError, SearchIndex, run_weights, stored_proxies
 from vsekit.utils.io import sha256_file
 
 
@@ -170,15 +181,20 @@ class SearchEngine:
             out.append([(int(i), float(s)) for i, s in zip(cand[:k], sc[:k])])
         return out
 
+    def embed_picture(self, image: str | Path | Image.Image) -> torch.Tensor:
+        """The model's image embedding [1, ...] of one picture (a file path or a PIL image), through the inputs it
+        was trained on (its feature extractor, or its pixel transform); VseInputError when it cannot embed one."""
+        if why := self.picture_query_problem():
+            raise VseInputError(why)
+        pixels = self.images.load(image) if isinstance(image, (str, Path)) else self.images.prepare(image)
+        return self.images.embed(pixels.unsqueeze(0))
+
     def search_image(self, image: str | Path | Image.Image, k: int = 10, distinct: bool = True) -> list[Hit]:
         """Indexed captions that best describe a picture (a file path or a PIL image).
 
         With `distinct`, a caption text shared by several pictures ("a red circle") is listed once.
         """
-        if why := self.picture_query_problem():
-            raise VseInputError(why)
-        pixels = self.images.load(image) if isinstance(image, (str, Path)) else self.images.prepare(image)
-        emb = self.images.embed(pixels.unsqueeze(0))
+        emb = self.embed_picture(image)
         wide = 4 * k + 20 if distinct else k
         hits, seen = [], set()
         for i, s in self.search_image_vectors(emb, wide)[0]:
@@ -188,6 +204,65 @@ class SearchEngine:
             seen.add(h.caption)
             hits.append(h)
         return hits[:k]
+
+    # ---------------------------------------------------------------------------------- image -> image
+    @property
+    def unit_picture_vectors(self) -> bool:
+        """Whether the image FAISS index holds unit vectors (so its inner product is the picture cosine): a model
+        that L2-normalises its embeddings, or a multi-view one (the views' mean is normalised)."""
+        return self.rerank or bool(self.model.recipe.model.normalize)
+
+    def _picture_width(self) -> int:
+        """Values in one picture's stored image embedding (views x D for AVSE runs)."""
+        return int(np.prod(self.emb_shape)) if self.emb_shape else self.model.recipe.model.embed_dim
+
+    def picture_vectors(self, image_emb: torch.Tensor) -> np.ndarray:
+        """Image embeddings [Q, ...] (as the model's `encode_image` gives them) -> the unit picture vectors [Q, D]
+        that picture -> picture search compares by cosine (module docstring: the embedding, or its views' mean)."""
+        emb = torch.as_tensor(image_emb).detach().float().cpu()
+        width = self._picture_width()
+        if emb.numel() == 0 or emb.numel() % width:
+            raise VseInputError(f"image embedding of shape {list(emb.shape)}: this index holds pictures embedded to "
+                                f"{list(self.emb_shape) or [width]} values each (what the model's encode_image gives)")  # fmt: skip
+        if not torch.isfinite(emb).all():
+            raise VseInputError("image embedding: it holds NaN or infinite values")
+        v = proxy_vectors(self.model, emb.reshape(-1, width))
+        return np.ascontiguousarray(torch.nn.functional.normalize(v, dim=-1).numpy(), dtype=np.float32)
+
+    @torch.no_grad()
+    def search_image_vectors_to_images(self, image_emb: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+        """Image embeddings [Q, ...] -> per query [(picture id, cosine of the picture vectors)] best first."""
+        q = self.picture_vectors(image_emb)
+        n = self.index.n_pictures
+        if n == 0 or k < 1:
+            return [[] for _ in range(len(q))]
+        k = min(k, n)
+        if self.unit_picture_vectors:
+            scores, ids = self.index.image_faiss.search(q, k)
+            return [[(int(i), float(s)) for i, s in zip(ids[r], scores[r]) if i >= 0] for r in range(len(q))]
+        # embeddings that are not unit length: their inner product is no cosine, so score the stored ones exactly
+        shape = list(self.emb_shape)
+        best_s = np.full((len(q), 0), -np.inf, dtype=np.float32)
+        best_i = np.zeros((len(q), 0), dtype=np.int64)
+        for s, (pics, _) in enumerate(self.index.segment_spans()):
+            if not len(pics):
+                continue
+            x = stored_proxies(np.asarray(self.index.segment_arrays(s)[0]), shape)
+            x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+            best_s = np.concatenate([best_s, q @ x.T], axis=1)
+            best_i = np.concatenate([best_i, np.broadcast_to(np.arange(pics.start, pics.stop), (len(q), len(pics)))], axis=1)
+            top = np.argsort(-best_s, axis=1, kind="stable")[:, :k]
+            best_s, best_i = np.take_along_axis(best_s, top, 1), np.take_along_axis(best_i, top, 1)
+        return [[(int(i), float(s)) for i, s in zip(best_i[r], best_s[r])] for r in range(len(q))]
+
+    def search_image_to_images(self, image: str | Path | Image.Image | torch.Tensor, k: int = 10) -> list[Hit]:
+        """Indexed pictures most like a picture, best first: a file path or a PIL image (embedded as the index's
+        pictures were), or that picture's image embedding as a tensor (e.g. from `model.encode_image`)."""
+        emb = image if isinstance(image, torch.Tensor) else self.embed_picture(image)
+        if emb.numel() > self._picture_width():
+            raise VseInputError(f"image embedding of shape {list(emb.shape)}: give one picture's "
+                                f"({list(self.emb_shape)}); search_image_vectors_to_images takes several")  # fmt: skip
+        return [self._hit_for_picture(i, s) for i, s in self.search_image_vectors_to_images(emb, k)[0]]
 
     def info(self) -> dict:
         m = self.index.meta

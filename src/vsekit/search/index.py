@@ -2,8 +2,10 @@
 
 INDEX_DIR/
   index.json                 written last and atomically: model fingerprint, FAISS settings, roots, segments
-  segments/NNNN/             one per `vse index` call (incremental adds append a segment, never rewrite one)
-    pictures.jsonl           {"root": i, "path": relative path, "caption": str|null, "id": str} per picture
+  segments/NNNN/             one per `vse index` call (incremental adds append a segment, never rewrite one;
+                             `--refresh` writes the refreshed folder's pictures as one new segment: search/refresh.py)
+    pictures.jsonl           {"root": i, "path": relative path, "caption": str|null, "id": str, "sha256": hex of the
+                             file's bytes (pictures embedded from files; what --refresh compares)} per picture
     image_emb.npy            float32 [n, F]: the model's full image embeddings (re-ranking, rebuilding)
     captions.jsonl           {"text": str, "image": global picture id|null} per caption (image -> text search)
     caption_emb.npy          float32 [m, D]
@@ -414,6 +416,27 @@ def resolve_source(spec: str, captions_per_image: int = 5) -> Source:
                           "DATASET_DIR:SPLIT)")  # fmt: skip
 
 
+def hash_pictures(root: Path, paths: list[str], progress: bool = False,
+                  desc: str = "hash pictures") -> tuple[list[str | None], list[str]]:  # fmt: skip
+    """The sha256 of each picture file's bytes (what pictures.jsonl records, so `vse index --refresh` can tell a
+    changed picture from an unchanged one), and a problem naming each file that cannot be read (its hash None).
+
+    Hashed before the pictures are embedded: a picture rewritten in between is then recorded with its older
+    hash and seen as changed by the next refresh, never stored as unchanged with a stale embedding."""
+    from vsekit.utils.progress import progress_bar
+
+    hashes: list[str | None] = []
+    problems: list[str] = []
+    for rel in progress_bar(paths, desc=desc, unit="img", enabled=progress):
+        path = root / rel
+        try:
+            hashes.append(sha256_file(path))
+        except OSError as e:
+            hashes.append(None)
+            problems.append(f"{display_path(path)}: cannot read image ({e.strerror or e})")
+    return hashes, problems
+
+
 # ------------------------------------------------------------------------------ resumable encoding
 
 
@@ -649,6 +672,15 @@ class SearchIndex:
 
     def all_image_emb(self) -> np.ndarray:
         return np.concatenate([np.asarray(a) for a in self._img]) if self._img else np.zeros((0, 0), np.float32)
+
+    def segment_spans(self) -> list[tuple[range, range]]:
+        """Per segment (in index.json's order): the global ids of its pictures and of its captions."""
+        return [(range(int(self._img_offsets[s]), int(self._img_offsets[s + 1])),
+                 range(int(self._cap_offsets[s]), int(self._cap_offsets[s + 1]))) for s in range(len(self._img))]  # fmt: skip
+
+    def segment_arrays(self, s: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Segment `s`'s stored (memory-mapped) image and caption embeddings (None: it has no captions)."""
+        return self._img[s], self._cap[s]
 
     def picture_file(self, i: int) -> Path | None:
         """The picture's file, or None when it is missing or would resolve outside its recorded root."""
@@ -922,6 +954,8 @@ def _build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, check
         check_trainable(params, len(todo))
 
     use_features = use_stored_features(src, model, pixels, run_cfg, run_dir, log)
+    sha: dict[int, str] = {}  # picture files: the sha256 of their bytes, recorded for `vse index --refresh`
+    unread: list[str] = []
     if use_features:
         from vsekit.data.validate import check_split_features
 
@@ -937,6 +971,11 @@ def _build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, check
     else:
         embedder = ImageEmbedder(model, run_cfg, device)
         mode = embedder.describe()
+        hashes, unread = hash_pictures(src.root, [src.paths[i] for i in todo], progress)
+        if strict and unread:
+            raise DataFormatError(unread[0])
+        sha = {i: h for i, h in zip(todo, hashes) if h is not None}
+        todo = [i for i in todo if i in sha]
 
         def load(j: int):
             return embedder.load(src.root / src.paths[todo[j]])
@@ -944,12 +983,15 @@ def _build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, check
         def embed(items: list) -> torch.Tensor:
             return embedder.embed(torch.stack(items))
 
-    job = hashlib.sha256(json.dumps([fingerprint["weights_sha256"], mode, str(src.root), [src.paths[i] for i in todo]],
+    # the job names what is embedded (and, for picture files, their bytes: a picture changed between an interrupted
+    # run and its rerun gets a new job, so no chunk embedded from its old bytes is stored under its new hash)
+    items = [[src.paths[i], sha[i]] for i in todo] if sha else [src.paths[i] for i in todo]
+    job = hashlib.sha256(json.dumps([fingerprint["weights_sha256"], mode, str(src.root), items],
                                     sort_keys=True).encode()).hexdigest()[:16]  # fmt: skip
     work = out_dir / ".work" / job
     emb, kept_local, problems, shape = encode_resumable(work, len(todo), load, embed, chunk_size, batch_size, strict,
                                                         progress, desc="embed pictures")  # fmt: skip
-    problems = src.problems + problems
+    problems = src.problems + unread + problems
     for msg in problems[:10]:
         log(f"warning: skipped {msg}")
     if len(problems) > 10:
@@ -966,7 +1008,8 @@ def _build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, check
 
     base = old.n_pictures if old else 0
     first = src.first_caption()
-    pictures = [{"root": root_id, "path": src.paths[i], "caption": first[i], "id": src.ids[i]} for i in kept]
+    pictures = [{"root": root_id, "path": src.paths[i], "caption": first[i], "id": src.ids[i],
+                 **({"sha256": sha[i]} if i in sha else {})} for i in kept]  # fmt: skip
     new_id = {i: base + n for n, i in enumerate(kept)}
     captions = [{"text": t, "image": new_id[i]} for t, i in src.captions if i in new_id]
     if extra:
@@ -1161,6 +1204,27 @@ def _check_features_only(src: Source, model, pixels: bool, run_cfg: dict, run_di
                               "to embed instead")  # fmt: skip
 
 
+def segment_dir_name(number: int) -> str:
+    """`segments/NNNN`: where segment `number` of an index lives."""
+    return f"segments/{number:04d}"
+
+
+def next_segment_number(meta: dict | None) -> int:
+    """The number of the next new segment folder: one past every folder index.json lists (a refresh drops and
+    renumbers segments, so their count is not enough: a new folder must never be one that is still listed)."""
+    if not meta:
+        return 0
+    listed = [int(m.group(1)) for seg in meta["segments"] if (m := re.fullmatch(r"segments/(\d+)", str(seg.get("dir"))))]
+    return max(len(meta["segments"]), max(listed, default=-1) + 1)
+
+
+def build_caption_faiss(caption_emb: np.ndarray, params: FaissParams):
+    """The caption index of a new (or rebuilt) index: the pictures' kind, except a flat one when there are too
+    few captions to train IVF lists (or PQ codes) on."""
+    small = params.kind in IVF_KINDS and len(caption_emb) < max(39 * max(1, params.nlist), 10_000 if params.kind == "ivfpq" else 0)
+    return build_faiss(caption_emb, FaissParams("flat") if small else replace(params))
+
+
 def append_segment(out_dir: Path, old: SearchIndex | None, *, fingerprint: dict, params: FaissParams, roots: list[str],
                    pictures: list[dict], image_emb: np.ndarray, emb_shape: list[int], proxies: np.ndarray,
                    captions: list[dict], caption_emb: np.ndarray, segment: dict) -> dict:  # fmt: skip
@@ -1170,7 +1234,7 @@ def append_segment(out_dir: Path, old: SearchIndex | None, *, fingerprint: dict,
     one rename, then the old generation's files are deleted — a crash at any point leaves a readable index.
     """
     out_dir = Path(out_dir)
-    seg_rel = f"segments/{len(old.meta['segments']) if old else 0:04d}"
+    seg_rel = segment_dir_name(next_segment_number(old.meta if old else None))
     seg_dir = out_dir / seg_rel
     if seg_dir.exists():
         shutil.rmtree(seg_dir)  # left by a run that crashed before index.json listed it
@@ -1195,8 +1259,7 @@ def append_segment(out_dir: Path, old: SearchIndex | None, *, fingerprint: dict,
             img_index.add(np.ascontiguousarray(proxies, dtype=np.float32))
     cap_index = old.caption_faiss if old else None
     if cap_index is None and captions:
-        small = params.kind in IVF_KINDS and len(captions) < max(39 * max(1, params.nlist), 10_000 if params.kind == "ivfpq" else 0)
-        cap_index = build_faiss(caption_emb, FaissParams("flat") if small else replace(params))
+        cap_index = build_caption_faiss(caption_emb, params)
     elif cap_index is not None and captions:
         cap_index.add(np.ascontiguousarray(caption_emb, dtype=np.float32))
     gen = int(old.meta["generation"]) + 1 if old else 1

@@ -276,9 +276,13 @@ def create_app(index_dir: str | Path | SearchEngine, *, device: str = "cpu", run
         return await run_in_threadpool(text_search, q, k)
 
     @app.post("/search/image")
-    async def search_image(request: Request, k: str | None = None) -> dict:
-        """Picture -> indexed captions: the raw picture bytes as the body (PNG, JPEG, …)."""
+    async def search_image(request: Request, k: str | None = None, target: str | None = None) -> dict:
+        """Picture -> indexed captions (`target=captions`, the default) or the indexed pictures most like it
+        (`target=images`): the raw picture bytes as the body (PNG, JPEG, …)."""
         kk = _parse_k(k, limits)
+        target = target or "captions"
+        if target not in ("captions", "images"):
+            raise HTTPException(422, f"target must be 'captions' or 'images', got {target[:20]!r}")
         if why := engine.picture_query_problem():  # before the upload is read
             raise HTTPException(501, f"picture queries are not available for this index: {why}")
         data = await request.body()
@@ -298,13 +302,13 @@ def create_app(index_dir: str | Path | SearchEngine, *, device: str = "cpu", run
             except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
                 raise HTTPException(400, "the body is not a readable picture (PNG, JPEG, WebP, GIF, BMP)") from None
             try:
-                hits = engine.search_image(img, kk)
+                hits = engine.search_image_to_images(img, kk) if target == "images" else engine.search_image(img, kk)
             except DataFormatError as e:
                 raise HTTPException(400, str(e)) from None
             except ValueError as e:  # e.g. a run without a feature extractor
                 raise HTTPException(501, f"picture queries are not available for this index: {e}") from None
             results = [{"id": h.id, "score": round(h.score, 6), "caption": h.caption, **picture_json(h.picture)} for h in hits]
-            return {"k": kk, "took_ms": round((time.perf_counter() - t0) * 1000, 2), "results": results}
+            return {"k": kk, "target": target, "took_ms": round((time.perf_counter() - t0) * 1000, 2), "results": results}
 
         return await run_in_threadpool(run)
 

@@ -1,5 +1,5 @@
 "use strict";
-// The page talks only to this server's /healthz, /search, /search/image and /thumb/ID.
+// The page talks only to this server's /healthz, /search, /search/image (?target=images|captions) and /thumb/ID.
 // Every piece of text from the index goes in through textContent, never as HTML.
 const $ = (id) => document.getElementById(id);
 
@@ -91,27 +91,86 @@ $("search-form").addEventListener("submit", (ev) => {
   searchText(q, $("k").value);
 });
 
-$("image-form").addEventListener("submit", async (ev) => {
-  ev.preventDefault();
-  const file = $("image").files[0];
-  if (!file) {
-    setStatus("choose a picture first", true);
+function showQueryPicture(file) {
+  // a data: URL (the page's CSP allows 'self' and data: pictures only), read locally: nothing is uploaded here
+  const preview = $("query-preview");
+  const reader = new FileReader();
+  reader.onload = () => {
+    preview.src = reader.result;
+    preview.alt = file.name;
+    preview.hidden = false;
+  };
+  reader.readAsDataURL(file);
+  $("drop-text").textContent = file.name;
+}
+
+async function searchPicture(file, target) {
+  clearResults();
+  setStatus(target === "images" ? "looking for similar pictures…" : "describing…");
+  const params = new URLSearchParams({ k: $("k").value, target });
+  let resp;
+  try {
+    resp = await fetch(`/search/image?${params}`, {
+      method: "POST",
+      headers: { "content-type": file.type || "application/octet-stream" },
+      body: file,
+    });
+  } catch (err) {
+    setStatus(`the server did not answer (${err})`, true);
     return;
   }
-  clearResults();
-  setStatus("describing…");
-  const resp = await fetch(`/search/image?k=${encodeURIComponent($("k").value)}`, {
-    method: "POST",
-    headers: { "content-type": file.type || "application/octet-stream" },
-    body: file,
-  });
   const body = await readJson(resp);
   if (!resp.ok) {
     setStatus(body.detail || `error ${resp.status}`, true);
     return;
   }
-  body.results.forEach((hit) => $("captions").append(captionRow(hit)));
-  setStatus(`${body.results.length} captions in ${body.took_ms} ms`);
+  if (target === "images") {
+    body.results.forEach((hit, i) => $("results").append(pictureCard(hit, i + 1)));
+    setStatus(`${body.results.length} similar pictures in ${body.took_ms} ms`);
+  } else {
+    body.results.forEach((hit) => $("captions").append(captionRow(hit)));
+    setStatus(`${body.results.length} captions in ${body.took_ms} ms`);
+  }
+}
+
+function pictureTarget() {
+  return document.querySelector("input[name=target]:checked").value;
+}
+
+$("image").addEventListener("change", () => {
+  const file = $("image").files[0];
+  if (file) showQueryPicture(file);
+});
+
+$("image-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  const file = $("image").files[0];
+  if (!file) {
+    setStatus("choose or drop a picture first", true);
+    return;
+  }
+  searchPicture(file, pictureTarget());
+});
+
+// drag and drop: a dropped picture becomes the chosen file and is searched at once
+const drop = $("drop");
+drop.addEventListener("dragover", (ev) => {
+  ev.preventDefault();
+  drop.classList.add("over");
+});
+drop.addEventListener("dragleave", () => drop.classList.remove("over"));
+drop.addEventListener("drop", (ev) => {
+  ev.preventDefault();
+  drop.classList.remove("over");
+  const file = ev.dataTransfer && ev.dataTransfer.files[0];
+  if (!file) return;
+  if (file.type && !file.type.startsWith("image/")) {
+    setStatus(`${file.name} is not a picture`, true);
+    return;
+  }
+  $("image").files = ev.dataTransfer.files;
+  showQueryPicture(file);
+  searchPicture(file, pictureTarget());
 });
 
 async function init() {
