@@ -59,22 +59,35 @@ def _first(trainer: Trainer, epoch: int, n: int) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- the same batches, the same loss
-def test_device_and_loader_paths_give_the_same_batches_and_losses_without_augmentation(ragged_data, tmp_path):
-    """With the size augmentation off, both paths give batch for batch the same captions, images and values;
-    the device path pads to the set's widths (10 regions, the longest caption), the DataLoader to the batch's."""
-    sets = ("train.batch_size=4", "data.size_augment=false")
+@pytest.mark.parametrize("buckets", [4, 1, 0])
+def test_device_and_loader_paths_give_the_same_batches_and_losses_without_augmentation(ragged_data, tmp_path, buckets):
+    """With the size augmentation off, both paths give batch for batch the same captions, images and values.
+    With caption buckets (N >= 1) both pad to the same fixed widths: feature sets to the set's largest (10),
+    captions to the same bucket; with 0 each DataLoader batch is padded to its own longest set and caption, the
+    device path's feature sets to 10 and its captions to the batch's longest (chosen from host lengths)."""
+    sets = ("train.batch_size=4", "data.size_augment=false", f"train.caption_buckets={buckets}")
     dev, ldr = _trainer(ragged_data, tmp_path / "d", *sets, "train.data_on_device=true"), _trainer(
         ragged_data, tmp_path / "l", *sets, "train.data_on_device=false")
     assert dev.data.path == "device:cpu" and ldr.data.path == "loader"
+    longest = int(dev.data.loader.data.caption_lengths.max())
+    assert dev.data.caption_widths == ldr.data.caption_widths
+    assert len(dev.data.caption_widths) == min(buckets, 3 if buckets else 0)  # repeats dropped (few distinct lengths)
+    assert dev.data.caption_widths[-1:] == ((longest,) if buckets else ())
     for a, b in zip(_first(dev, 0, 8), _first(ldr, 0, 8)):
         for key in ("caption_index", "image_index", "image_lengths", "token_lengths"):
             assert torch.equal(a[key].cpu(), b[key]), key
-        width, length = b["images"].shape[1], b["tokens"].shape[1]
         assert a["images"].dtype == b["images"].dtype == torch.float32
-        assert a["images"].shape[1] == 10 and a["tokens"].shape[1] == dev.data.loader.data.tokens.shape[1]
+        own = int(b["token_lengths"].max())  # no augmentation: the un-augmented longest is the batch's longest
+        want = min(w for w in dev.data.caption_widths if w >= own) if buckets else own
+        assert a["tokens"].shape[1] == b["tokens"].shape[1] == want
+        assert torch.equal(a["tokens"], b["tokens"])
+        width = b["images"].shape[1]
+        assert a["images"].shape[1] == 10 and (width == 10 if buckets else width <= 10)
         assert torch.equal(a["images"][:, :width], b["images"]) and not a["images"][:, width:].any()
-        assert torch.equal(a["tokens"][:, :length], b["tokens"]) and not a["tokens"][:, length:].any()
-    assert any(b["images"].shape[1] < 10 for b in _first(ldr, 0, 8))  # the widths really differ
+    if buckets == 0:
+        assert any(b["images"].shape[1] < 10 for b in _first(ldr, 0, 8))  # the widths really differ
+    elif buckets > 1:
+        assert len({b["tokens"].shape[1] for b in _first(dev, 0, 15)}) > 1  # several buckets in use
     # the same model (same seed) trained on them: the same losses. Tolerance: the batches are equal, only padded
     # to other widths, which the encoders mask; what can differ is float rounding of reductions over tensors of
     # another shape (a matmul over B x L rows blocks differently). Measured: bit-identical here (native, default

@@ -214,10 +214,27 @@ class TrainConfig:
     length_bucketing: bool = False
     tf32: bool = False  # CUDA: TF32 matmuls during the train step (fp32 storage, ~10-bit mantissa products)
     compile: bool = False  # torch.compile the two encoders for the train step
+    # gradient caching (vsekit.training.grad_cache): encode the batch in chunks of this many pairs, score the full
+    # batch, then re-encode each chunk to back-propagate: the full batch's gradients (all its in-batch negatives)
+    # at about one chunk's activation memory, for ~2x the encoder work; 0 = off (one pass over the whole batch)
+    grad_cache_chunk: int = 0
+    # collapse alarm (vsekit.training.collapse): warn once when the loss stays within 1 % of its all-similarities-
+    # equal value, or the embeddings' spread near 0, for this many consecutive steps; 0 = off
+    collapse_steps: int = 200
+    stop_on_collapse: bool = False  # and then stop the run (state saved, `vse train` exits non-zero)
     # where the training batches are made (vsekit.training.data_path): true = precomp features and tokenised
     # captions live on the device and each batch is gathered and augmented there; false = the DataLoader;
     # auto = on the device when the recipe allows it and the set fits in half the free device memory
     data_on_device: bool | str = "auto"
+    # caption widths a batch is padded to (vsekit.training.data_path): N >= 1 fixed widths at the quantiles of the
+    # training captions' token lengths, the last the longest caption (1: that one width); each batch takes the
+    # smallest that holds its longest caption (with length_bucketing most batches fall in small ones), and the
+    # DataLoader also pads feature sets to the set's largest: a small fixed set of shapes. 0: each batch its own
+    # width (dynamic shapes). Transformer text (DataLoader only) pads each batch to its own longest caption
+    caption_buckets: int = 4
+    # CUDA: the whole step (forward, loss, backward, clipping, fused AdamW) captured as one CUDA graph per batch
+    # shape and replayed (vsekit.training.cuda_graph); refused on other devices and for parts that cannot be captured
+    cuda_graph: bool = False
 
 
 @dataclass
@@ -504,6 +521,9 @@ def _validate_numbers(r: Recipe) -> None:
             raise ConfigError(f"{key}: adpool needs token_level or embedding_level (both are false)")
     if r.loss.view_reg_weight > 0 and r.model.image.views < 2:
         raise ConfigError("loss.view_reg_weight > 0 (the view regulariser) needs model.image.views >= 2")
+    if r.train.grad_cache_chunk > 0 and (r.train.compile or r.train.cuda_graph):
+        raise ConfigError("train.grad_cache_chunk (gradient caching) cannot be combined with train.compile or "
+                          "train.cuda_graph: it re-enters the encoders chunk by chunk; set one of them off")  # fmt: skip
     from vsekit.errors import check_device_name
 
     check_device_name(r.train.device, "train.device (--device)", ConfigError)
@@ -544,6 +564,9 @@ def _validate_ranges(r: Recipe) -> None:
         ("train.eval_batch_size", t.eval_batch_size, ">= 1"),
         ("train.log_every", t.log_every, ">= 0"),
         ("train.checkpoint_every", t.checkpoint_every, ">= 0"),
+        ("train.grad_cache_chunk", t.grad_cache_chunk, ">= 0"),
+        ("train.collapse_steps", t.collapse_steps, ">= 0"),
+        ("train.caption_buckets", t.caption_buckets, ">= 0"),
         ("train.seed", t.seed, "in -2**63 .. 2**64-1 (torch's seed range)"),
         ("data.val_max_images", d.val_max_images, ">= 0"),
         ("data.captions_per_image", d.captions_per_image, ">= 1"),

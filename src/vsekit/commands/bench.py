@@ -16,7 +16,9 @@ from vsekit.commands.jsonout import add_json_args
 
 SECTIONS = {
     "train-step": "Training step (`vse bench train-step`)",
+    "grad-cache": "Gradient caching: peak memory of one step (`vse bench grad-cache`)",
     "data": "Data path (`vse bench data`)",
+    "amp": "bf16 autocast against float32: one step's loss and gradients (`vse bench amp`)",
     "eval": "Evaluation: `vse eval-sims` (`vse bench eval`)",
     "eval-sims": "Evaluation as whole processes: `vse eval-sims` vs a minimal numpy script (`vse bench eval-sims`)",
     "pool": "Pooling cost (`vse bench pool`)",
@@ -135,7 +137,7 @@ def emit(args: argparse.Namespace, columns: list[tuple[str, str]], rows: list[di
 
 # ------------------------------------------------------------------------------------------- runs
 def run_train_step(args: argparse.Namespace) -> int:
-    from vsekit.bench.train_step import bench_train_step
+    from vsekit.bench.train_step import bench_train_step_variants
 
     sets = list(args.set)
     if args.amp:
@@ -146,22 +148,63 @@ def run_train_step(args: argparse.Namespace) -> int:
         sets.append("train.compile=true")
     if args.data_on_device is not None:
         sets.append(f"train.data_on_device={args.data_on_device}")
+    if args.length_bucketing:
+        sets.append("train.length_bucketing=true")
+    if args.cuda_graph:
+        sets.append("train.cuda_graph=true")
+    # variants timed in one run (before / after): each --variant, then each --caption-buckets value
+    variants = [[s for s in v.split(",") if s] for v in args.variant]
+    variants += [[f"train.caption_buckets={n}"] for n in args.caption_buckets or []]
     if args.threads > 0:
         import torch
 
         torch.set_num_threads(args.threads)
-    row = bench_train_step(args.recipe, batch=args.batch, device=args.device, steps=args.steps, warmup=args.warmup,
-                           overrides=sets, text=args.text, text_model=args.text_model, regions=args.regions,
-                           img_dim=args.img_dim, embed_dim=args.embed_dim, vocab=args.vocab,
-                           n_images=args.n)  # fmt: skip
-    row["peak"] = f"{row['peak_gib']:.2f} GiB ({row['peak_kind']})"
-    row["precision"] = f"{row['amp']}{', tf32' if row['tf32'] else ''}{', compiled' if row['compile'] else ''}"
-    row["data_share_pct"] = 100 * row["data_share"]
-    emit(args, [("recipe", "recipe"), ("text", "text"), ("shapes", "shapes"), ("device_name", "device"),
-                ("precision", "precision"), ("batch", "batch"), ("data_path", "data path"),
-                ("ms_median", "ms/step (median)"), ("samples_per_s", "samples/s"),
-                ("data_share_pct", "data path % of step"), ("peak", "peak memory")], [row], args.device)  # fmt: skip
-    _write_json(args, row)
+    rows = bench_train_step_variants(args.recipe, batch=args.batch, device=args.device, steps=args.steps,
+                                     warmup=args.warmup, overrides=sets, variants=variants or [[]], rounds=args.rounds,
+                                     text=args.text, text_model=args.text_model, regions=args.regions,
+                                     img_dim=args.img_dim, embed_dim=args.embed_dim, vocab=args.vocab,
+                                     n_images=args.n)  # fmt: skip
+    for row in rows:
+        row["peak"] = f"{row['peak_gib']:.2f} GiB ({row['peak_kind']})"
+        row["precision"] = (f"{row['amp']}{', tf32' if row['tf32'] else ''}{', compiled' if row['compile'] else ''}"
+                            f"{', CUDA graph' if row['cuda_graph'] else ''}")  # fmt: skip
+        row["data_share_pct"] = 100 * row["data_share"]
+        row["captions"] = (f"{row['caption_buckets']} bucket(s) {row['caption_widths']}"
+                           f"{', length-bucketed' if row['length_bucketing'] else ''}: mean {row['mean_caption_width']:.1f}")  # fmt: skip
+    columns = [("recipe", "recipe"), ("text", "text"), ("shapes", "shapes"), ("device_name", "device"),
+               ("precision", "precision"), ("batch", "batch"), ("data_path", "data path"),
+               ("captions", "caption widths (mean)"), ("ms_median", "ms/step (median)"), ("samples_per_s", "samples/s"),
+               ("data_share_pct", "data path % of step"), ("peak", "peak memory")]  # fmt: skip
+    if len(rows) > 1:
+        columns[1:1] = [("variant", "variant")]
+        columns.append(("speedup", "speed-up vs first row"))
+    emit(args, columns, rows, args.device)
+    _write_json(args, rows[0] if len(rows) == 1 else {"rows": rows})
+    return 0
+
+
+def run_amp(args: argparse.Namespace) -> int:
+    from vsekit.bench.amp import bf16_numerics
+
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    rows = []
+    for warmup in (False, True):
+        rows += bf16_numerics(args.recipe, batch=args.batch, regions=args.regions, img_dim=args.img_dim,
+                              embed_dim=args.embed_dim, vocab=args.vocab, seeds=range(args.seeds), device=args.device,
+                              overrides=args.set, warmup=warmup)  # fmt: skip
+    emit(args, [("recipe", "recipe"), ("loss_kind", "loss"), ("shapes", "shapes"), ("batch", "batch"),
+                ("seeds", "seeds"), ("loss_rel", "loss rel. error"), ("image_emb_rel", "image emb."),
+                ("text_emb_rel", "caption emb."), ("grads_rel", "gradients (all)"),
+                ("grad_median_rel", "gradients (median tensor)"), ("grad_worst_rel", "worst tensor"),
+                ("grad_worst_tensor", "which"), ("left_out", "left out (zero in exact arithmetic)")], rows,
+         args.device)  # fmt: skip
+    for row in rows[: len(args.recipe)]:
+        print(f"{row['recipe']}: bf16 outputs: {', '.join(row['bf16_modules'])}; float32 outputs: "
+              f"{', '.join(row['fp32_modules']) or '-'}")  # fmt: skip
+    _write_json(args, {"rows": rows})
     return 0
 
 
@@ -250,6 +293,22 @@ def run_pool(args: argparse.Namespace) -> int:
         r["shape"] = f"{r['batch']}x{r['n']}x{r['dim']}" + (" (variable sizes)" if r["variable_lengths"] else "")
     emit(args, [("pooling", "pooling"), ("shape", "B x N x D"), ("params", "params"),
                 ("ms_median", "fwd+bwd ms (median)"), ("ms_std", "std"), ("vs_avg", "x avg")], rows, args.device)  # fmt: skip
+    _write_json(args, {"rows": rows})
+    return 0
+
+
+def run_grad_cache(args: argparse.Namespace) -> int:
+    from vsekit.bench.grad_cache import bench_grad_cache
+
+    rows = bench_grad_cache(args.recipe, batch=args.batch, chunks=args.chunks, device=args.device, overrides=args.set,
+                            regions=args.regions, img_dim=args.img_dim, embed_dim=args.embed_dim, vocab=args.vocab,
+                            threads=args.threads)  # fmt: skip
+    for r in rows:
+        r["step"] = f"{r['step_gib']:.2f} GiB" + ("" if r["step_peak_observed"] else " (below the setup's peak)")
+    emit(args, [("recipe", "recipe"), ("shapes", "shapes"), ("batch", "batch"), ("setting", "setting"),
+                ("step", "step peak above before"), ("step_ratio", "ratio"), ("peak_gib", "process/device peak GiB"),
+                ("measure", "measured by"), ("seconds", "s/step"), ("encoder_calls", "encoder calls"),
+                ("loss", "loss"), ("loss_diff", "loss diff to whole batch")], rows, args.device)  # fmt: skip
     _write_json(args, {"rows": rows})
     return 0
 
@@ -371,7 +430,41 @@ def register(sub) -> None:
     t.add_argument("--n", type=int, default=None, metavar="N",
                    help="images of the synthetic set the batches are drawn from (default: enough for every step)")
     t.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = leave as is)")
-    add_json_args(t, "the row")
+    t.add_argument("--length-bucketing", action="store_true", help="train.length_bucketing=true (similar lengths per batch)")
+    t.add_argument("--cuda-graph", action="store_true", help="train.cuda_graph=true: the step as CUDA graphs (CUDA only)")
+    t.add_argument("--caption-buckets", type=int, nargs="+", metavar="N",
+                   help="time one variant per value of train.caption_buckets, in one run (e.g. 1 4: before / after)")
+    t.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                   help="a variant timed in the same run (repeat it; rows keep the order, --caption-buckets last)")
+    t.add_argument("--rounds", type=int, default=1, help="rounds of --steps steps per variant, alternated")
+    add_json_args(t, "the row (several variants: {'rows': [...]})")
+
+    am = add("amp", "bf16 autocast vs float32: relative error of one step's loss and gradients", run_amp)
+    am.add_argument("--recipe", nargs="+", default=["vsepp", "vse_infty"])
+    am.add_argument("--batch", type=int, default=64)
+    am.add_argument("--regions", type=int, default=36)
+    am.add_argument("--img-dim", type=int, default=512)
+    am.add_argument("--embed-dim", type=int, default=256)
+    am.add_argument("--vocab", type=int, default=2000)
+    am.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (weights and batch); the worst is reported")
+    am.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 …")
+    am.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = leave as is)")
+    am.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any recipe key")
+    add_json_args(am, "the rows")
+
+    gc = add("grad-cache", "peak memory of one training step, whole batch vs gradient caching (train.grad_cache_chunk)",
+             run_grad_cache)  # fmt: skip
+    gc.add_argument("--recipe", default="vse_infty")
+    gc.add_argument("--batch", type=int, default=1024)
+    gc.add_argument("--chunks", type=int, nargs="+", default=[128], help="chunk sizes to compare with the whole batch")
+    gc.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 …")
+    gc.add_argument("--regions", type=int, default=36)
+    gc.add_argument("--img-dim", type=int, default=2048)
+    gc.add_argument("--embed-dim", type=int, default=1024)
+    gc.add_argument("--vocab", type=int, default=10_000)
+    gc.add_argument("--threads", type=int, default=0, help="torch CPU threads in each measuring process (0 = default)")
+    gc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any recipe key")
+    add_json_args(gc, "the rows")
 
     da = add("data", "the training data path alone (batches ready on the device) vs a bare gather", run_data)
     da.add_argument("--n", type=int, default=20_000, help="images of the synthetic COCO-shaped set (5 captions each)")

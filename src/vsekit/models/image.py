@@ -49,14 +49,16 @@ def grid_size_augment(feats: torch.Tensor, lengths: torch.Tensor, generator: tor
     """VSE∞ grid augmentation, vectorised: 80% of images drop each cell with prob drop_max*U(0.2,1).
 
     Returns (features [b, n, D] with each set's kept cells packed to the front and zeros after, lengths [b]).
-    The width stays n whatever was dropped (fixed shapes, no host sync); the random numbers are drawn on the
-    CPU from `generator` (or the global CPU generator) and copied to the device asynchronously.
+    The width stays n whatever was dropped (fixed shapes, no host sync); the random numbers are drawn from
+    `generator` on its device (the trainer's is on the run's device: no copy; a CPU generator's draws, or the
+    global CPU generator's, are copied to the device asynchronously).
     """
     b, n, _ = feats.shape
     dev = feats.device
-    # the same draws as always (CPU generator, uniform [b, 1] then [b, n]): runs stay reproducible
-    r = to_device_async(torch.rand(b, 1, generator=generator), dev)
-    cell = to_device_async(torch.rand(b, n, generator=generator), dev)
+    # the same draws as always (uniform [b, 1] then [b, n]): a CPU generator gives the numbers it always gave
+    gen_dev = generator_device(generator)
+    r = to_device_async(torch.rand(b, 1, generator=generator, device=gen_dev), dev)
+    cell = to_device_async(torch.rand(b, n, generator=generator, device=gen_dev), dev)
     keep = (r <= 0.2) | (cell >= drop_max * r)
     keep = keep & length_mask(lengths.to(dev, non_blocking=True), n)
     # a set that lost every cell keeps its first one (a tensor op, no host read of the counts)
@@ -69,6 +71,11 @@ def grid_size_augment(feats: torch.Tensor, lengths: torch.Tensor, generator: tor
     packed = packed.masked_fill(~length_mask(new_len, n).unsqueeze(-1), 0.0)
     # the full width n, not the longest kept set: a fixed shape (poolings ignore the zero padding)
     return packed, new_len
+
+
+def generator_device(generator: torch.Generator | None) -> torch.device:
+    """Where `generator` draws (the CPU for torch's global generator, None)."""
+    return generator.device if generator is not None else torch.device("cpu")
 
 
 def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from vsekit.config import ImageEncoderConfig
-from vsekit.models.image import PrecompImageEncoder, to_device_async
+from vsekit.models.image import PrecompImageEncoder, generator_device, to_device_async
 from vsekit.models.norm import l2_normalize
 from vsekit.pooling import length_mask
 from vsekit.utils.runtime import derived_seed
@@ -79,8 +79,9 @@ def view_groups(lengths: torch.Tensor, views: int, keep: float, max_len: int,
     lengths = lengths.detach()
     if deterministic:
         prio = eval_view_priorities(views, lengths, max_len)
-    else:  # drawn on the generator's device (the CPU), copied without a host sync
-        prio = to_device_async(torch.rand(b, views, max_len, generator=generator), lengths.device)
+    else:  # drawn on the generator's device (the trainer's: the run's device), copied without a host sync if not
+        prio = to_device_async(torch.rand(b, views, max_len, generator=generator, device=generator_device(generator)),
+                               lengths.device)  # fmt: skip
     valid = length_mask(lengths, max_len).unsqueeze(1)
     prio = prio.masked_fill(~valid, 2.0)  # padding sorts last
     order = prio.argsort(dim=-1, stable=True)

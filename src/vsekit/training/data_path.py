@@ -8,7 +8,8 @@ order `EpochBatches` draws from (seed, epoch):
   on the run's device. Each batch is gathered there by index (one `index_select` of the feature rows, in the
   order the augmentation keeps them), augmented with tensor ops (`set_keep_mask`, `pack_order`,
   `augment_token_batch`: the rules of `augment_set` and `Vocabulary.encode`), converted to float32, and
-  padded to FIXED widths: the set's largest region (frame) count and its longest caption. The randomness of
+  padded to FIXED widths: the set's largest region (frame) count, and for captions the smallest of a few
+  bucket widths that holds the batch's longest caption (`train.caption_buckets`, see below). The randomness of
   batch `step` of epoch `epoch` comes from one `torch.Generator` on the device seeded with
   `derived_seed(seed, epoch, step)`, drawn for the global batch (each rank under torchrun keeps its shard
   of it), so a run is deterministic and `--resume` mid-epoch is exact. On a CUDA device the features are
@@ -19,7 +20,20 @@ order `EpochBatches` draws from (seed, epoch):
   (seed, epoch, caption index), float16 kept through the collate function on CUDA (converted to float32
   after the pinned, side-stream copy of `device_batches`; on the CPU in the collate function, i.e. in the
   workers), vectorised padding, `persistent_workers` when `data.num_workers > 0` (the epoch travels with
-  each index, so persistent workers draw the right epoch's augmentation).
+  each index, so persistent workers draw the right epoch's augmentation). With caption buckets the collate
+  function (`FixedWidthCollate`) pads captions to the same bucket widths and feature sets to the set's largest.
+
+**Caption buckets** (`train.caption_buckets` = N >= 1): the widths are the token lengths at the quantiles
+k/N (k = 1..N-1) of the training captions, plus the longest caption (`caption_widths`); a batch is padded (the
+device path: cut) to the smallest width that holds its longest caption (`bucket_width`). On the device path
+that choice is made on the host, from a host copy of the captions' token lengths indexed by the batch's
+caption ids (the sampler's indices are host values): the caption augmentation only shortens captions, so the
+un-augmented longest bounds the augmented one and no device value is read back. It augments at the full
+width, then cuts, so the random draws are those of one bucket. Every encoder masks what lies past a
+caption's length, so the width changes rounding only (tests/test_caption_buckets.py); with
+`train.length_bucketing` (similar lengths per batch) most batches take a small width. N = 1 is the one width
+of the longest caption; 0 pads each batch to its own longest caption (dynamic shapes). Transformer text
+(DataLoader only) pads each batch to its own longest caption: its word-piece lengths are not known up front.
 
 `train.data_on_device` picks: `false` the DataLoader; `true` the device, or a `SetupError` saying why it
 cannot (pixel or transformer-text recipes, or a set larger than the free memory); `auto` (default) the
@@ -31,12 +45,13 @@ from different generators.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import math
 import os
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,7 +140,8 @@ class TaggedBatches(Sampler[list[tuple[int, int]]]):
 def device_batches(loader: Iterable[dict], device: torch.device) -> Iterator[dict]:
     """The loader's batches, on CUDA already copied to the GPU: the next batch is copied on a side stream
     (from pinned memory, so asynchronously) while the current one trains. Elsewhere a plain pass-through.
-    `token_lengths` stays on the host: packed RNNs need host lengths, and reading them back would sync."""
+    Every tensor goes, the caption lengths included: on CUDA the BiGRU runs unpacked (device lengths, no host
+    sync), and the step's inputs are then all on the device (a CUDA graph copies them into its buffers)."""
     if device.type != "cuda":
         yield from loader
         return
@@ -133,8 +149,7 @@ def device_batches(loader: Iterable[dict], device: torch.device) -> Iterator[dic
 
     def move(b: dict) -> dict:
         with torch.cuda.stream(stream):
-            return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) and k != "token_lengths" else v
-                    for k, v in b.items()}  # fmt: skip
+            return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in b.items()}
 
     it = iter(loader)
     nxt = next(it, None)
@@ -149,6 +164,57 @@ def device_batches(loader: Iterable[dict], device: torch.device) -> Iterator[dic
         raw = next(it, None)
         nxt = move(raw) if raw is not None else None
         yield batch
+
+
+# ------------------------------------------------------------------------------------- caption buckets
+def caption_widths(lengths: np.ndarray, buckets: int) -> tuple[int, ...]:
+    """The caption widths batches are padded to (module docstring): the token lengths at the quantiles k/buckets
+    (k = 1..buckets-1; each a length some caption has) and the longest, ascending, repeats dropped. () for
+    buckets=0: each batch is padded to its own longest caption."""
+    if buckets < 0:
+        raise ValueError(f"caption_buckets must be >= 0, got {buckets}")
+    lengths = np.asarray(lengths)
+    if buckets == 0 or lengths.size == 0:
+        return ()
+    qs = np.quantile(lengths, [k / buckets for k in range(1, buckets)], method="higher") if buckets > 1 else []
+    return tuple(sorted({int(q) for q in qs} | {int(lengths.max())}))
+
+
+def bucket_width(widths: Sequence[int], longest: int) -> int:
+    """The smallest of `widths` that holds a caption of `longest` tokens (`longest` itself when there are no
+    widths). A caption longer than every width is a bug of the caller (the last width is the set's longest)."""
+    if not widths:
+        return int(longest)
+    i = bisect.bisect_left(widths, longest)
+    if i == len(widths):
+        raise ValueError(f"a caption of {longest} tokens is longer than every bucket width {tuple(widths)}")
+    return int(widths[i])
+
+
+def vocabulary_lengths(captions: Sequence[str], text: Vocabulary) -> np.ndarray:
+    """Token lengths (`<start> words <end>`) of every caption, as `Vocabulary.encode` gives them."""
+    return np.fromiter((len(text.word_ids(c)) + 2 for c in captions), dtype=np.int64, count=len(captions))
+
+
+class FixedWidthCollate:
+    """`Collate.pairs`, then padded to fixed widths: the tokens to the smallest of `widths` that holds the
+    batch's longest (augmented) caption, feature sets [B, n, D] to `image_width` (the set's largest); pixels are
+    left as they are. A module-level class, so DataLoader workers can pickle it."""
+
+    def __init__(self, pad_id: int, float32: bool, widths: Sequence[int], image_width: int | None) -> None:
+        self.inner = Collate(pad_id, float32=float32)
+        self.pad_id, self.widths, self.image_width = pad_id, tuple(widths), image_width
+
+    def __call__(self, batch) -> dict:
+        out = self.inner.pairs(batch)
+        tokens = out["tokens"]
+        width = bucket_width(self.widths, tokens.shape[1])
+        if width > tokens.shape[1]:
+            out["tokens"] = torch.nn.functional.pad(tokens, (0, width - tokens.shape[1]), value=self.pad_id)
+        images = out["images"]
+        if self.image_width is not None and images.ndim == 3 and images.shape[1] < self.image_width:
+            out["images"] = torch.nn.functional.pad(images, (0, 0, 0, self.image_width - images.shape[1]))
+        return out
 
 
 # ------------------------------------------------------------------------------------- the resident set
@@ -200,7 +266,8 @@ def _as_tensor_no_copy(a: np.ndarray) -> torch.Tensor:
 class DeviceData:
     """The training split resident on `device`: feature rows [rows, D] as stored, each image's first row and set
     size, the fixed set width (the largest set), and the captions as an int32 matrix [captions, L] (`<start>
-    words <end>`, `pad` after) with their lengths."""
+    words <end>`, `pad` after) with their lengths (on the device, and a host copy `caption_lengths` from which
+    the batches' caption widths are chosen without reading the device)."""
 
     def __init__(self, split, text: Vocabulary, device: torch.device, chunk_bytes: int = 256 << 20) -> None:
         self.device = device
@@ -226,7 +293,9 @@ class DeviceData:
                 self.flat[dest[a] : dest[a] + len(rows)].copy_(block)
             self.starts = torch.from_numpy(dest).to(device)
         self.sizes = torch.from_numpy(sizes).to(device)
-        self.tokens, self.token_lengths = (t.to(device) for t in token_matrix(split.captions, text))
+        tokens, lengths = token_matrix(split.captions, text)
+        self.caption_lengths = lengths.numpy()
+        self.tokens, self.token_lengths = tokens.to(device), lengths.to(device)
         self.pad_id, self.start_id, self.end_id = text.word2idx[PAD], text.word2idx[START], text.word2idx[END]
         self.mask_id = text.word2idx[MASK]
         self.random_range = text.random_word_range()
@@ -267,10 +336,13 @@ def token_matrix(captions: list[str], text: Vocabulary) -> tuple[torch.Tensor, t
 
 class DeviceBatches:
     """The epoch's batches made on the device from `DeviceData` (see the module's docstring). Iterating it
-    yields the batches of `sampler.epoch` from batch `sampler.skip` on, like a DataLoader over the sampler."""
+    yields the batches of `sampler.epoch` from batch `sampler.skip` on, like a DataLoader over the sampler.
+    `widths`: the caption bucket widths (`caption_widths`; None: the one width of the longest caption, () each
+    batch's own longest)."""
 
     def __init__(self, data: DeviceData, sampler: EpochBatches, cap2img: np.ndarray, seed: int,
-                 image_aug: AugmentConfig | None, text_prob: float, dist: DistContext | None = None) -> None:  # fmt: skip
+                 image_aug: AugmentConfig | None, text_prob: float, dist: DistContext | None = None,
+                 widths: Sequence[int] | None = None) -> None:  # fmt: skip
         self.data, self.sampler, self.seed = data, sampler, seed
         self.device = data.device
         self.cap2img = torch.as_tensor(np.asarray(cap2img, dtype=np.int64)).to(self.device)
@@ -278,6 +350,11 @@ class DeviceBatches:
         self.text_prob = float(text_prob)
         self.dist = dist or DistContext()
         self.generator = torch.Generator(device=self.device)
+        self.widths = (int(data.tokens.shape[1]),) if widths is None else tuple(int(w) for w in widths)
+
+    def width_for(self, captions: Sequence[int]) -> int:
+        """The caption width of the global batch `captions` (host ids), from the host copy of the lengths."""
+        return bucket_width(self.widths, int(self.data.caption_lengths[np.asarray(captions, dtype=np.int64)].max()))
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -291,11 +368,12 @@ class DeviceBatches:
         order = torch.from_numpy(np.concatenate([np.asarray(b, dtype=np.int64) for b in batches])).to(self.device)
         start = 0
         for k, b in enumerate(batches):
-            yield self.batch(order[start : start + len(b)], epoch, skip + k)
+            yield self.batch(order[start : start + len(b)], epoch, skip + k, self.width_for(b))
             start += len(b)
 
-    def batch(self, captions: torch.Tensor, epoch: int, step: int) -> dict:
-        """Global batch `captions` (caption indices on the device) of (epoch, step), this rank's shard of it."""
+    def batch(self, captions: torch.Tensor, epoch: int, step: int, width: int | None = None) -> dict:
+        """Global batch `captions` (caption indices on the device) of (epoch, step), this rank's shard of it;
+        captions cut to `width` tokens (None: the full width), which must hold the batch's longest caption."""
         d = self.data
         g = self.generator.manual_seed(derived_seed(self.seed, epoch, step))
         image_index = self.cap2img[captions]
@@ -308,6 +386,8 @@ class DeviceBatches:
         if self.text_prob > 0:
             tokens, lengths = augment_token_batch(tokens, lengths, g, self.text_prob, d.mask_id, d.random_range,
                                                   d.start_id, d.end_id, d.pad_id)  # fmt: skip
+        if width is not None and width < tokens.shape[1]:  # augmented at the full width: the same draws
+            tokens = tokens[:, :width].contiguous()
         if self.dist.enabled:  # the draws above cover the global batch: a rank's shard is the same for any world size
             part = shard_slice(captions.shape[0], self.dist.rank, self.dist.world_size)
             captions, image_index, keep, tokens, lengths = (t[part] for t in (captions, image_index, keep, tokens, lengths))
@@ -356,13 +436,15 @@ def _gib(n: float) -> str:
 class TrainData:
     """The training batches of a run: `epoch(e, skip)` yields epoch e's batches from batch `skip` on, ready on
     the device (float32 images). `loader` iterates the current epoch of `sampler` (tests, benchmarks);
-    `path` is `device:<type>` or `loader`, `reason` why."""
+    `path` is `device:<type>` or `loader`, `reason` why; `caption_widths` the caption bucket widths (() when
+    each batch is padded to its own longest caption)."""
 
     loader: Iterable[dict]
     sampler: EpochBatches
     device: torch.device
     path: str
     reason: str
+    caption_widths: tuple[int, ...] = ()
 
     @property
     def on_device(self) -> bool:
@@ -386,17 +468,35 @@ def make_train_data(recipe: Recipe, split, pairs: PairDataset, sampler: EpochBat
     """Choose the data path (module docstring) and build it. `recorded`: the path a resumed run was trained
     with ('' for a new run). `log` gets the warnings a user should see (a resumed run on another path)."""
     setting = recipe.train.data_on_device
+    buckets = recipe.train.caption_buckets
     on_device, reason = _choose(setting, pairs, split, device, recorded, log)
     if on_device:
         data = DeviceData(split, pairs.text, device)
         aug = getattr(pairs.images, "aug", None)
-        loader = DeviceBatches(data, sampler, split.cap2img, recipe.train.seed, aug, pairs.text_augment_prob, dist)
-        return TrainData(loader, sampler, device, f"{DEVICE}:{device.type}", f"on the {device.type}: {reason}")
+        widths = caption_widths(data.caption_lengths, buckets)
+        loader = DeviceBatches(data, sampler, split.cap2img, recipe.train.seed, aug, pairs.text_augment_prob, dist,
+                               widths)  # fmt: skip
+        return TrainData(loader, sampler, device, f"{DEVICE}:{device.type}",
+                         f"on the {device.type}: {reason}; {_widths_note(widths)}", widths)  # fmt: skip
     workers = recipe.data.num_workers
-    loader = DataLoader(pairs, batch_sampler=TaggedBatches(sampler),
-                        collate_fn=Collate(pad_id, float32=device.type == "cpu").pairs, num_workers=workers,
+    float32 = device.type == "cpu"
+    widths: tuple[int, ...] = ()
+    if buckets > 0 and isinstance(pairs.text, Vocabulary):
+        widths = caption_widths(vocabulary_lengths(split.captions, pairs.text), buckets)
+        image_width = int(_feature_layout(split)[2].max()) if getattr(pairs.images, "kind", None) == "features" else None
+        collate = FixedWidthCollate(pad_id, float32, widths, image_width)
+    else:
+        collate = Collate(pad_id, float32=float32).pairs
+    loader = DataLoader(pairs, batch_sampler=TaggedBatches(sampler), collate_fn=collate, num_workers=workers,
                         pin_memory=device.type == "cuda", persistent_workers=workers > 0)  # fmt: skip
-    return TrainData(loader, sampler, device, LOADER, f"DataLoader ({workers} workers): {reason}")
+    return TrainData(loader, sampler, device, LOADER, f"DataLoader ({workers} workers): {reason}; {_widths_note(widths)}",
+                     widths)  # fmt: skip
+
+
+def _widths_note(widths: tuple[int, ...]) -> str:
+    if not widths:
+        return "each batch padded to its own longest caption"
+    return f"caption widths {', '.join(map(str, widths))} (train.caption_buckets)"
 
 
 def _choose(setting, pairs: PairDataset, split, device: torch.device, recorded: str, log) -> tuple[bool, str]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vsekit.config import Recipe, to_dict
+from vsekit.config import ConfigError, Recipe, to_dict
 from vsekit.data.datasets import FeatureSource
 from vsekit.data.precomp import DataFormatError, load_precomp_split
 from vsekit.data.raw_images import PixelSource
@@ -63,6 +63,14 @@ from vsekit.runs import (
     write_checkpoint_set,
     write_run_config,
 )
+from vsekit.training.collapse import CollapseMonitor, TrainingCollapsed, embedding_spread
+from vsekit.training.cuda_graph import (
+    CudaCapture,
+    EagerCapture,
+    StepGraphs,
+    check_cuda_graph,
+    make_capturable,
+)
 from vsekit.training.data_path import (  # noqa: F401 (EpochBatches, device_batches: imported from here too)
     EpochBatches,
     device_batches,
@@ -70,6 +78,7 @@ from vsekit.training.data_path import (  # noqa: F401 (EpochBatches, device_batc
     train_feature_source,
     train_pairs,
 )
+from vsekit.training.grad_cache import GradCache, check_grad_cache_setup
 from vsekit.training.reporting import check_report_to, make_reporters
 from vsekit.utils.progress import progress_bar
 from vsekit.utils.runtime import derived_seed, resolve_device, seed_everything
@@ -148,13 +157,18 @@ class TrainStep:
     """One optimisation step: encode, all-gather across ranks, similarity, loss, backward, AdamW.
 
     Shared by `Trainer` and `vse bench train-step`, so the benchmark times exactly the step that trains.
-    It never reads a value back to the host itself (the returned loss is a device tensor); autocast
-    (`train.amp=bf16`) works on any device; `train.compile` wraps the two encoders in `torch.compile`
-    (the modules themselves are untouched, so checkpoints keep their keys).
+    It never reads a value back to the host itself (the returned loss and diagnostics are device tensors:
+    ADOPT's logged K and gammas too, `host_diag=False`); autocast (`train.amp=bf16`) works on any device;
+    `train.compile` wraps the two encoders in `torch.compile` (the modules themselves are untouched, so
+    checkpoints keep their keys). In-model randomness (grid size augmentation, AVSE's views) comes from a
+    generator on the device (the CPU's on the CPU) seeded from (seed, epoch, step).
+
+    `train.cuda_graph` (CUDA): the whole step is one CUDA graph per batch shape (`vsekit.training.cuda_graph`);
+    `graph="eager"` runs that machinery with the capture replaced by eager execution (CPU tests).
     """
 
     def __init__(self, recipe: Recipe, model: VSEModel, loss_fn: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 device: torch.device, dist: DistContext | None = None) -> None:  # fmt: skip
+                 device: torch.device, dist: DistContext | None = None, graph: str | None = None) -> None:  # fmt: skip
         self.recipe, self.model, self.loss_fn, self.optimizer = recipe, model, loss_fn, optimizer
         self.device = device
         self.dist = dist or DistContext()
@@ -164,19 +178,69 @@ class TrainStep:
         if recipe.train.compile:
             self.encode_images = torch.compile(model.encode_images)
             self.encode_texts = torch.compile(model.encode_texts)
+        if hasattr(loss_fn, "host_diag"):
+            loss_fn.host_diag = False  # no host read in the loss: the trainer reads the values when it logs
+        self.generator = torch.Generator(device=device) if device.type == "cuda" else torch.Generator()
+        self.graphs: StepGraphs | None = None
+        if recipe.train.cuda_graph or graph is not None:
+            self.graphs = self._step_graphs(graph)
+        # train.grad_cache_chunk: the same step in chunks, with the whole batch's gradients (training/grad_cache.py)
+        self.grad_cache: GradCache | None = None
+        if recipe.train.grad_cache_chunk > 0:
+            check_grad_cache_setup(recipe.train.grad_cache_chunk, compiled=recipe.train.compile, distributed=self.dist.enabled)
+            self.grad_cache = GradCache(model, loss_fn, optimizer, device, recipe.train.grad_cache_chunk, amp=self.amp,
+                                        grad_clip=recipe.optim.grad_clip)  # fmt: skip
 
     def __call__(self, batch: dict, epoch: int, step: int, steps_in_epoch: int = 1, loss_warmup: bool = False,
                  shard_sizes: list[int] | None = None) -> dict:  # fmt: skip
         """Train on `batch` (this rank's shard; `shard_sizes` = every rank's shard size of the global batch)."""
-        r, dev, ctx = self.recipe, self.device, self.dist
+        r, ctx = self.recipe, self.dist
         self.model.train()
         rank_part = (ctx.rank,) if ctx.enabled else ()
-        gen = torch.Generator().manual_seed(derived_seed(r.train.seed, epoch, step, 0x1A6E, *rank_part))
+        seed = derived_seed(r.train.seed, epoch, step, 0x1A6E, *rank_part)
+        warmup = epoch < r.loss.warmup_epochs
+        if self.graphs is not None:
+            if loss_warmup:  # only pixel recipes ramp the loss in, and they are refused (cuda_graph_blockers)
+                raise ConfigError("train.cuda_graph: a loss warm-up scales the loss by the step, which a graph cannot")
+            return self.graphs(batch, (warmup,), seed)
+        gen = self.generator.manual_seed(seed)
+        if self.grad_cache is not None:
+            with tf32_matmul(self.tf32):
+                loss, diag, img, txt = self.grad_cache(batch, gen, warmup=epoch < r.loss.warmup_epochs,
+                                                       ramp=(step + 1, steps_in_epoch) if loss_warmup else None)  # fmt: skip
+            return {"loss": loss, "spread": embedding_spread(img, txt),
+                    **{k: v for k, v in diag.items() if torch.is_tensor(v) or isinstance(v, (int, float))}}  # fmt: skip
+        return self._body(batch, warmup, (step + 1, steps_in_epoch) if loss_warmup else None, shard_sizes)
+
+    def _step_graphs(self, graph: str | None) -> StepGraphs:
+        """The step as CUDA graphs per batch shape (`graph="eager"`: captured as eager calls, CPU tests)."""
+        if graph not in (None, "cuda", "eager"):
+            raise ValueError(f"graph must be 'cuda' or 'eager', got {graph!r}")
+        if graph != "eager":
+            check_cuda_graph(self.recipe, self.device, self.dist)
+        lrs = make_capturable(self.optimizer, self.device)
+        if graph == "eager":
+            capture: EagerCapture | CudaCapture = EagerCapture(lrs)
+        else:
+            capture = CudaCapture([self.model, self.loss_fn], self.optimizer, lrs, self.generator, self.device)
+
+        def before_run(seed: int) -> None:
+            self.generator.manual_seed(seed)
+            lrs.sync()
+
+        return StepGraphs(lambda b, flags: self._body(b, flags[0], graph=True), capture, self.device, before_run)
+
+    def _body(self, batch: dict, warmup: bool, loss_scale: tuple[int, int] | None = None,
+              shard_sizes: list[int] | None = None, graph: bool = False) -> dict:  # fmt: skip
+        """The step itself. `graph` (a step a CUDA graph records): gradients zeroed, not set to None, so every
+        replay accumulates into the same tensors; autocast without its cast cache; tensor outputs only."""
+        r, dev, ctx = self.recipe, self.device, self.dist
         with tf32_matmul(self.tf32):
-            with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=self.amp):
+            with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=self.amp, cache_enabled=not graph):
                 img = self.encode_images(batch["images"].to(dev, non_blocking=True),
-                                         batch["image_lengths"].to(dev, non_blocking=True), generator=gen)  # fmt: skip
-                txt = self.encode_texts(batch["tokens"].to(dev, non_blocking=True), batch["token_lengths"])
+                                         batch["image_lengths"].to(dev, non_blocking=True), generator=self.generator)  # fmt: skip
+                txt = self.encode_texts(batch["tokens"].to(dev, non_blocking=True),
+                                        batch["token_lengths"].to(dev, non_blocking=True))  # fmt: skip
                 image_ids, caption_ids = batch["image_index"].to(dev), batch["caption_index"].to(dev)
                 if ctx.enabled:  # every rank scores the global batch: its negatives are everyone's
                     sizes = shard_sizes or local_shard_sizes(img.shape[0], ctx, dev)
@@ -185,17 +249,21 @@ class TrainStep:
                 sims = self.model.similarity(img, txt).float()
             loss, diag = self.loss_fn(
                 sims, image_ids=image_ids, caption_ids=caption_ids,
-                warmup=epoch < r.loss.warmup_epochs, image_emb=img, text_emb=txt,
+                warmup=warmup, image_emb=img, text_emb=txt,
             )  # fmt: skip
-            if loss_warmup:
-                loss = loss * (step + 1) / steps_in_epoch
-            self.optimizer.zero_grad(set_to_none=True)
+            if loss_scale is not None:
+                loss = loss * loss_scale[0] / loss_scale[1]
+            self.optimizer.zero_grad(set_to_none=not graph)
             loss.backward()
             average_gradients(self.model.parameters(), ctx)
             if r.optim.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), r.optim.grad_clip)
             self.optimizer.step()
-        return {"loss": loss.detach(), **{k: v for k, v in diag.items() if torch.is_tensor(v) or isinstance(v, (int, float))}}
+        if graph:  # a Python number would be the capture's value at every replay
+            return {"loss": loss.detach(), "spread": embedding_spread(img, txt),
+                    **{k: v.detach() for k, v in diag.items() if torch.is_tensor(v)}}  # fmt: skip
+        return {"loss": loss.detach(), "spread": embedding_spread(img, txt),  # the collapse alarm's second sign
+                **{k: v for k, v in diag.items() if torch.is_tensor(v) or isinstance(v, (int, float))}}  # fmt: skip
 
 
 def _quiet(*_args, **_kwargs) -> None:
@@ -215,6 +283,10 @@ class Trainer:
         # under torchrun: join the group, one GPU per rank; only rank 0 logs and writes files
         self.dist = init_from_env(self.device.type)
         self.device = rank_device(self.device, self.dist)
+        # before anything is read or written: a grad cache setting this process cannot run
+        check_grad_cache_setup(recipe.train.grad_cache_chunk, compiled=recipe.train.compile, distributed=self.dist.enabled)
+        if recipe.train.cuda_graph:  # likewise: a device or recipe parts a CUDA graph cannot capture
+            check_cuda_graph(recipe, self.device, self.dist)
         if not self.dist.is_main:
             self.progress, self.log = False, _quiet
         seed_everything(recipe.train.seed)
@@ -283,7 +355,11 @@ class Trainer:
         self.step_fn = TrainStep(recipe, self.model, self.loss_fn, self.optimizer, self.device, self.dist)
         # scalars a loss wants recorded at every iteration, whatever train.log_every is (ADOPT's K)
         self._step_keys: tuple[str, ...] = tuple(getattr(self.loss_fn, "step_log_keys", ()))
+        # their values stay on the device until _check_finite reads them all at once (no host read per step)
+        self._pending_steps: list[tuple[int, int, dict]] = []
         self._first_bad: torch.Tensor | None = None  # global step of the first non-finite loss, on the device
+        # train.collapse_steps: counters on the device, read where _check_finite reads (training/collapse.py)
+        self._collapse = CollapseMonitor(recipe.loss, recipe.train.collapse_steps) if recipe.train.collapse_steps else None
         self._tb = None
         # --report-to wandb: the records of _emit, also sent to W&B (rank 0 only)
         self._reporters = make_reporters(report_to, self.run_dir, to_dict(recipe)) if self.dist.is_main else []
@@ -506,10 +582,44 @@ class Trainer:
         self._first_bad = torch.where(bad, self.state.global_step, self._first_bad)
 
     def _check_finite(self, epoch: int) -> None:
-        """Read the flag back (one sync) at log intervals and before anything is saved or validated."""
+        """Read the flag back (one sync) at log intervals and before anything is saved or validated; the
+        per-step records (`_pending_steps`) are written here too."""
+        self._write_step_records()
         if self._first_bad is not None and int(self._first_bad) >= 0:
             raise FloatingPointError(f"loss became NaN/inf at step {int(self._first_bad)} (epoch {epoch + 1}); "
                                      f"{self._last_checkpoint_note()}")  # fmt: skip
+        self._check_collapse()
+
+    def _check_collapse(self) -> None:
+        """The collapse alarm, read at the same points: warn once; with train.stop_on_collapse save and stop."""
+        report = self._collapse.poll() if self._collapse is not None else None
+        if report is None:
+            return
+        self._emit({"kind": "collapse", "step": report.step, "loss": report.loss, "collapse_value": report.collapse_value,
+                    "spread": report.spread, "by_loss": report.by_loss, "by_spread": report.by_spread})  # fmt: skip
+        if not self.recipe.train.stop_on_collapse:
+            self.log(f"warning: {report.message()} (train.stop_on_collapse=true stops such a run)")
+            return
+        self._save_state()  # the state at this step: `vse train --resume` can continue it, e.g. with another lr schedule
+        raise TrainingCollapsed(f"{report.message()}. Stopped at step {self.state.global_step} "
+                                f"(train.stop_on_collapse=true); its state is saved in {self.run_dir}")  # fmt: skip
+
+    def _write_step_records(self) -> None:
+        """The per-step records kept since the last read (ADOPT's K and gammas), read back in one transfer per
+        device and written in step order, as they would have been written one by one."""
+        if not self._pending_steps:
+            return
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for _, _, values in self._pending_steps:
+            for v in values.values():
+                if torch.is_tensor(v):
+                    by_device.setdefault(v.device, []).append(v.detach().reshape(()).to(
+                        torch.float32 if v.device.type == "mps" else torch.float64))  # fmt: skip
+        host = {dev: iter(torch.stack(vs).tolist()) for dev, vs in by_device.items()}
+        pending, self._pending_steps = self._pending_steps, []
+        for epoch, step, values in pending:
+            self._emit({"kind": "step", "epoch": epoch, "step": step,
+                        **{k: next(host[v.device]) if torch.is_tensor(v) else float(v) for k, v in values.items()}})  # fmt: skip
 
     def _last_checkpoint_note(self) -> str:
         """Where the last good weights are: only a checkpoint that was committed is named."""
@@ -568,9 +678,13 @@ class Trainer:
                     self._set_lr(epoch, (step + 1) / steps_in_epoch)
                 out = self.train_step(batch, epoch, step, steps_in_epoch, loss_warmup, sizes)
                 self._track_finite(out["loss"])  # no float(loss) here: that would sync with the GPU every step
+                if self._collapse is not None:
+                    self._collapse.update(out, batch.get("image_index"), len(epoch_batches[step]),
+                                          hardest=epoch >= r.loss.warmup_epochs, step=self.state.global_step + 1,
+                                          scale=(step + 1) / steps_in_epoch if loss_warmup else 1.0)  # fmt: skip
                 if self._step_keys:
-                    self._emit({"kind": "step", "epoch": epoch + 1, "step": self.state.global_step + 1,
-                                **{k: float(out[k]) for k in self._step_keys if k in out}})  # fmt: skip
+                    self._pending_steps.append((epoch + 1, self.state.global_step + 1,
+                                                {k: out[k] for k in self._step_keys if k in out}))  # fmt: skip
                 step_time = time.perf_counter() - t0  # host time; the device may still be working
                 self.state.step_in_epoch += 1
                 self.state.global_step += 1

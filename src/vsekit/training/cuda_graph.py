@@ -1,0 +1,282 @@
+"""The whole training step as one CUDA graph per batch shape (`train.cuda_graph`).
+
+A step of a small model at batch 128 is a few hundred short kernels; launching them one by one from Python
+takes longer than running them. A CUDA graph records them once and replays them with one launch
+(PyTorch's "CUDA Graphs" notes, whole-network capture). What that needs, and where it is here:
+
+- **Static inputs.** A graph reads the memory it was captured with. `StepGraphs` keeps one set of input
+  buffers per batch shape key (image width, caption width, batch size; with the loss's warm-up flag), copies
+  each batch into them (device to device, asynchronous) and replays that shape's graph; a new shape is
+  captured once. The data path gives few shapes: feature sets padded to the set's largest, captions to a few
+  bucket widths (`train.caption_buckets`), and a shorter last batch per epoch.
+- **No host syncs, no data-dependent shapes** in forward, loss, backward, clipping and the optimizer
+  (tests/test_fixed_shape.py compiles the models and losses whole); ADOPT's logged K and gammas stay
+  device tensors (`host_diag=False`), read by the trainer when it logs.
+- **A capturable optimizer.** AdamW with `fused=True, capturable=True` (its step counts live on the device)
+  and a device tensor learning rate per parameter group (`LrTensors`): the group's float `lr` stays what the
+  trainer sets, logs and checkpoints; before each replay its value is written into the tensor the graph reads
+  (`fill_`, no host read). Checkpoints record the optimizer as it was built (the flags are restored in its
+  state dict), so a run trained with graphs resumes without them and the other way round.
+- **Warm-up before capture, on a side stream** (`CudaCapture`): three eager steps on the batch (they create
+  the optimizer state, the gradients and every cache, e.g. GPO's positional encodings, outside the graph's
+  memory pool), then the model, its buffers and the optimizer state are put back as they were, so the step
+  that the captured graph then replays is the only one applied. Gradients are zeroed inside the graph (not set
+  to None) and accumulated into the same tensors every replay.
+- **Randomness.** The step's generator (AVSE's random views) is a CUDA generator registered with every
+  graph (`register_generator_state`) and re-seeded from (seed, epoch, step) before each replay: a graph-safe
+  generator reads its seed and offset at replay time, so each replay draws what the eager step would.
+- **Autocast** (bf16) runs with `cache_enabled=False` under capture, as the notes require.
+
+What cannot be captured is refused before any training (`cuda_graph_blockers`, a `ConfigError` naming
+each part). NOT YET RUN ON A GPU: the capture (`CudaCapture`) is exercised only by tests that need CUDA
+(tests/test_cuda_graph.py, skipped here); the shape keying, static buffers, learning-rate tensors and the
+optimizer conversion are tested on the CPU with the capture replaced by eager execution (`EagerCapture`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vsekit.config import ConfigError, Recipe
+from vsekit.distributed import DistContext
+
+logger = logging.getLogger(__name__)
+
+# the batch entries the step reads: each gets a static buffer
+INPUT_KEYS = ("images", "image_lengths", "tokens", "token_lengths", "image_index", "caption_index")
+WARMUP_STEPS = 3  # eager steps before a capture (the notes' example uses 3; DDP needs 11, not supported here)
+# the optimizer flags the conversion sets; a checkpoint records the values the optimizer was built with
+_FLAGS = ("fused", "capturable", "foreach")
+# the losses whose forward was checked free of host syncs and data-dependent shapes (tests/test_fixed_shape.py)
+_CAPTURABLE_LOSSES = ("triplet", "adopt", "infonce")
+
+
+def cuda_graph_blockers(recipe: Recipe, device: torch.device, dist: DistContext | None = None) -> list[str]:
+    """Why the recipe's step cannot run as a CUDA graph on `device` (empty: it can)."""
+    r, out = recipe, []
+    if device.type != "cuda":
+        out.append(f"the run is on {device} (CUDA graphs need a CUDA device; train.device=cuda)")
+    if dist is not None and dist.enabled:
+        out.append("torchrun (the all-gather of embeddings and the gradient all-reduce across ranks are not captured)")
+    if r.train.compile:
+        out.append("train.compile=true (choose one of the two: the graph replays eager kernels)")
+    if r.model.image.kind != "precomp":
+        out.append(f"model.image.kind={r.model.image.kind} (pixel encoders: the backbone unfreezes and its loss or lr "
+                   "warm-up changes the step from one step to the next)")  # fmt: skip
+    if r.model.text.kind not in ("bigru", "bow"):
+        out.append(f"model.text.kind={r.model.text.kind} (only bigru and bow text encoders are checked free of host "
+                   "syncs; the transformer's length-sorted chunks and frozen-state cache read lengths back)")  # fmt: skip
+    if r.loss.name not in _CAPTURABLE_LOSSES:
+        out.append(f"loss.name={r.loss.name} (only {', '.join(_CAPTURABLE_LOSSES)} are checked free of host syncs)")
+    if r.loss.name == "adopt" and r.loss.adopt_zero_fill_negatives:
+        out.append("loss.adopt_zero_fill_negatives=true (the released selection reads K back to the host every step)")
+    if r.model.image.views > 1 and not hasattr(torch.cuda.CUDAGraph, "register_generator_state"):
+        out.append(f"model.image.views={r.model.image.views} (random views need graph-safe generators, "
+                   f"torch >= 2.4; this is {torch.__version__})")  # fmt: skip
+    return out
+
+
+def check_cuda_graph(recipe: Recipe, device: torch.device, dist: DistContext | None = None) -> None:
+    """A `ConfigError` naming every part of the recipe that keeps `train.cuda_graph=true` from running."""
+    blockers = cuda_graph_blockers(recipe, device, dist)
+    if blockers:
+        raise ConfigError("train.cuda_graph=true cannot capture this run's step: " + "; ".join(blockers)
+                          + ". Set train.cuda_graph=false")  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ the optimizer
+class LrTensors:
+    """A device tensor per parameter group holding its learning rate, for a captured optimizer step.
+
+    The groups keep float `lr`s (what the trainer's schedule sets, its logs read and checkpoints save);
+    `sync()` writes each into its tensor when it changed (one `fill_`, no host read), and inside `swapped()`
+    the groups hold the tensors, so a step run or captured there reads the learning rate from device memory."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        self.optimizer = optimizer
+        self.values = [float(g["lr"]) for g in optimizer.param_groups]
+        self.tensors = [torch.tensor(v, dtype=torch.float32, device=device) for v in self.values]
+
+    def sync(self) -> None:
+        for i, g in enumerate(self.optimizer.param_groups):
+            lr = g["lr"]
+            if torch.is_tensor(lr):  # left swapped in (an interrupted capture): nothing to copy
+                continue
+            if float(lr) != self.values[i]:
+                self.values[i] = float(lr)
+                self.tensors[i].fill_(float(lr))
+
+    @contextlib.contextmanager
+    def swapped(self) -> Iterator[None]:
+        self.sync()
+        groups = self.optimizer.param_groups
+        saved = [g["lr"] for g in groups]
+        for g, t in zip(groups, self.tensors):
+            g["lr"] = t
+        try:
+            yield
+        finally:
+            for g, lr in zip(groups, saved):
+                g["lr"] = lr
+
+
+def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> LrTensors:
+    """Turn an AdamW built by the trainer into the fused, capturable one a graph can record, in place.
+
+    Step counts move to the device (float32, as the fused step keeps them); the optimizer's state dict reports
+    the flags it was built with, so checkpoints are the same with or without graphs. Returns the learning-rate
+    tensors the captured step reads."""
+    if not isinstance(optimizer, torch.optim.AdamW):
+        raise ConfigError(f"train.cuda_graph needs the trainer's AdamW, got {type(optimizer).__name__}")
+    built = [{k: g.get(k) for k in _FLAGS} for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["fused"], g["capturable"], g["foreach"] = True, True, None
+        for p in g["params"]:
+            state = optimizer.state.get(p, {})
+            if "step" in state:
+                state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).to(p.device)
+
+    def as_built(_opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+        for g, flags in zip(state_dict["param_groups"], built):
+            g.update(flags)
+        return state_dict
+
+    optimizer.register_state_dict_post_hook(as_built)
+    return LrTensors(optimizer, device)
+
+
+# --------------------------------------------------------------------------------- graphs per shape
+Body = Callable[[dict, tuple], dict]
+Replay = Callable[[], dict]
+
+
+def shape_key(batch: dict) -> tuple:
+    """(shape, dtype) of every input the step reads: batches with the same key share one graph."""
+    return tuple((k, tuple(batch[k].shape), batch[k].dtype) for k in INPUT_KEYS)
+
+
+@dataclass
+class _Entry:
+    inputs: dict[str, torch.Tensor]
+    replay: Replay
+
+
+class StepGraphs:
+    """One captured step per (batch shape, flags): static input buffers and the replay of the step on them.
+
+    `body(inputs, flags)` is the eager step on the buffers (forward, loss, backward, clipping, optimizer step;
+    it returns device tensors); `capture(fn)` turns `fn` (the body on a shape's buffers) into a replay
+    (`CudaCapture`, or `EagerCapture` that runs it as it is: CPU tests); `before_run(seed)` runs right before
+    every replay (re-seeds the step's generator, writes the learning rates). A call copies the batch into its
+    shape's buffers (capturing on first sight), replays, and returns copies of the outputs (a replay
+    overwrites them)."""
+
+    def __init__(self, body: Body, capture: Callable[[Callable[[], dict]], Replay], device: torch.device,
+                 before_run: Callable[[int], None] | None = None) -> None:  # fmt: skip
+        self.body, self.capture, self.device = body, capture, device
+        self.before_run = before_run
+        self.entries: dict[tuple, _Entry] = {}
+
+    def __call__(self, batch: dict, flags: tuple = (), seed: int = 0) -> dict:
+        key = (shape_key(batch), flags)
+        entry = self.entries.get(key)
+        if entry is None:
+            inputs = {k: torch.empty(batch[k].shape, dtype=batch[k].dtype, device=self.device) for k in INPUT_KEYS}
+            self._copy(inputs, batch)
+            logger.info("capturing the training step for batch shape %s (graph %d)",
+                        {k: tuple(v.shape) for k, v in inputs.items()}, len(self.entries) + 1)  # fmt: skip
+            entry = _Entry(inputs, self.capture(lambda: self.body(inputs, flags)))
+            self.entries[key] = entry
+        else:
+            self._copy(entry.inputs, batch)
+        if self.before_run is not None:
+            self.before_run(seed)
+        out = entry.replay()
+        return {k: v.clone() for k, v in out.items()}
+
+    @staticmethod
+    def _copy(inputs: dict[str, torch.Tensor], batch: dict) -> None:
+        for k, buf in inputs.items():
+            buf.copy_(batch[k], non_blocking=True)
+
+
+class EagerCapture:
+    """The capture replaced by running the step as it is, with the learning rates read from their tensors as a
+    captured step reads them: `StepGraphs` and the optimizer conversion without a GPU (tests)."""
+
+    def __init__(self, lrs: LrTensors) -> None:
+        self.lrs = lrs
+        self.captured = 0
+
+    def __call__(self, fn: Callable[[], dict]) -> Replay:
+        self.captured += 1
+
+        def run() -> dict:
+            with self.lrs.swapped():
+                return fn()
+
+        return run
+
+
+class CudaCapture:
+    """Capture `fn` as a CUDA graph (PyTorch's whole-network recipe): warm-up steps on a side stream, the
+    model's and optimizer's state put back, then `torch.cuda.graph`. Every graph shares one memory pool
+    (they never run at the same time). NOT YET RUN ON A GPU (tests/test_cuda_graph.py)."""
+
+    def __init__(self, modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer, lrs: LrTensors,
+                 generator: torch.Generator | None, device: torch.device, warmup: int = WARMUP_STEPS) -> None:  # fmt: skip
+        self.modules, self.optimizer, self.lrs = list(modules), optimizer, lrs
+        self.generator, self.device, self.warmup = generator, device, warmup
+        self.pool = None
+        self.captured = 0
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """Everything a step changes: parameters, buffers (BatchNorm statistics), optimizer state."""
+        out: list[torch.Tensor] = []
+        for m in self.modules:
+            out += [p.data for p in m.parameters()] + [b for b in m.buffers()]
+        for state in self.optimizer.state.values():
+            out += [v for v in state.values() if torch.is_tensor(v)]
+        return out
+
+    def __call__(self, fn: Callable[[], dict]) -> Replay:
+        before = {id(p) for p in self.optimizer.state}
+        saved = [t.clone() for t in self._tensors()]
+        count = len(saved)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), self.lrs.swapped():
+            for _ in range(self.warmup):
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        with torch.no_grad():
+            # the state as it was: tensors that existed are copied back; optimizer state the warm-up created
+            # (a first step) is zeroed, which is what a fresh AdamW state holds (step 0, zero moments)
+            now = self._tensors()
+            for t, s in zip(now[:count], saved):
+                t.copy_(s)
+            for p, state in self.optimizer.state.items():
+                if id(p) not in before:
+                    for v in state.values():
+                        if torch.is_tensor(v):
+                            v.zero_()
+        graph = torch.cuda.CUDAGraph()
+        if self.generator is not None and self.generator.device.type == "cuda":
+            graph.register_generator_state(self.generator)
+        with self.lrs.swapped(), torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.captured += 1
+
+        def replay() -> dict:
+            graph.replay()
+            return out
+
+        return replay

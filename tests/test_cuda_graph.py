@@ -1,0 +1,264 @@
+"""`train.cuda_graph`: the training step as one CUDA graph per batch shape (vsekit.training.cuda_graph).
+
+On the CPU (no GPU in the test environment) the machinery runs with the capture replaced by eager execution
+(`TrainStep(..., graph="eager")`): one capture and one set of static input buffers per (batch shape, loss
+warm-up flag), buffers reused, the fused capturable AdamW reading its learning rate from device tensors that
+follow the trainer's schedule, AVSE's random views re-seeded before every run. Against the plain step with
+the same (converted) optimizer it must be bit-identical: the same operations on the same values. The capture
+itself is tested where CUDA exists (skipped here: NOT YET RUN ON A GPU).
+
+Tolerances where the optimizer differs (a checkpoint of the graph run continued by torch's default AdamW, and
+on CUDA the graph against the eager step): torch's fused AdamW kernel and its loop compute the same formula
+with the terms in another order, and a float32 learning-rate tensor is not the Python float, so each update
+differs by a few float32 ulps: rtol 1e-5 / atol 1e-7 on weights of ~0.2 and rtol 1e-6 on the O(1) loss after
+one step (measured <= 3e-8 absolute). Two kinds of entries are left out there: biases whose gradient is zero in
+exact arithmetic — the linear layer's before the region encoder's BatchNorm (`mlp.fc1.bias`, the BatchNorm
+subtracts it again) and ADPOOL's balance bias (added to both logits of a softmax) — so their gradient is
+rounding noise that AdamW normalises into lr-sized steps, and the BatchNorm running mean that carries the
+first; the loss depends on none of them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from vsekit.cli import main
+from vsekit.config import ConfigError, load_recipe
+from vsekit.losses import create_loss
+from vsekit.models.vse import DataSpec, VSEModel
+from vsekit.pooling import length_mask
+from vsekit.runs import optimizer_from_files, optimizer_to_files
+from vsekit.training.cuda_graph import StepGraphs, cuda_graph_blockers, make_capturable, shape_key
+from vsekit.training.trainer import Trainer, TrainStep
+
+SMALL = ["model.embed_dim=32", "model.text.word_dim=16", "model.image.mlp_hidden=16", "loss.warmup_epochs=1",
+         "optim.lr=0.002"]  # fmt: skip
+IMG_DIM, VOCAB = 12, 40
+WEIGHTS = {"rtol": 1e-5, "atol": 1e-7}
+NOISE_DRIVEN = ("mlp.fc1.bias", "mlp.bn.running_mean", "pool.balance.bias")  # see the module docstring
+
+
+def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, **tol) -> None:
+    compared = 0
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        if not name.endswith(NOISE_DRIVEN):
+            torch.testing.assert_close(x, y, **(tol or WEIGHTS), msg=name)
+            compared += 1
+    assert compared > 20
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _step(recipe: str, graph: str | None = None, device: str = "cpu", fused: bool | None = None,
+          sets: tuple[str, ...] = ()) -> TrainStep:  # fmt: skip
+    extra = ["model.similarity.block_dim=16"] if recipe == "avse" else []
+    r = load_recipe(recipe, SMALL + extra + list(sets))
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    model = VSEModel(r, DataSpec(img_dim=IMG_DIM, vocab_words=[f"w{i}" for i in range(VOCAB)])).to(dev)
+    opt = torch.optim.AdamW(model.parameter_groups(r.optim.lr), lr=r.optim.lr, weight_decay=r.optim.weight_decay,
+                            fused=fused)  # fmt: skip
+    return TrainStep(r, model, create_loss(r.loss, r.model.image.views).to(dev), opt, dev, graph=graph)
+
+
+def _batch(b: int, width: int, seed: int, device: str = "cpu") -> dict:
+    """A batch as the device data path gives it: sets padded to 6, captions to the bucket `width`."""
+    g = torch.Generator().manual_seed(seed)
+    img_len = torch.randint(2, 7, (b,), generator=g)
+    images = torch.randn(b, 6, IMG_DIM, generator=g).masked_fill(~length_mask(img_len, 6).unsqueeze(-1), 0.0)
+    tok_len = torch.randint(3, width + 1, (b,), generator=g)
+    tokens = torch.randint(5, VOCAB, (b, width), generator=g).masked_fill(~length_mask(tok_len, width), 0)
+    out = {"images": images, "image_lengths": img_len, "tokens": tokens, "token_lengths": tok_len,
+           "image_index": torch.arange(b) // 2, "caption_index": torch.arange(b)}  # fmt: skip
+    return {k: v.to(device) for k, v in out.items()}
+
+
+# (epoch, batch size, caption width): two buckets, the loss warm-up epoch and the next, a short last batch
+PLAN = [(0, 10, 5), (0, 10, 9), (0, 10, 5), (1, 10, 5), (1, 10, 9), (1, 6, 9), (1, 10, 9), (1, 10, 5)]
+
+
+def _run(step: TrainStep, device: str = "cpu") -> list[float]:
+    losses = []
+    for i, (epoch, b, width) in enumerate(PLAN):
+        if i == 4:  # the trainer's schedule sets the groups' float lr (an lr decay)
+            for g in step.optimizer.param_groups:
+                g["lr"] = g["lr"] * 0.25
+        losses.append(float(step(_batch(b, width, seed=i, device=device), epoch=epoch, step=i)["loss"]))
+    return losses
+
+
+def _plain_with_the_graphs_optimizer(recipe: str) -> TrainStep:
+    """The plain step with the optimizer the graph step runs: fused, capturable, lr read from its tensors."""
+    step = _step(recipe)
+    lrs = make_capturable(step.optimizer, torch.device("cpu"))
+    inner = step.optimizer.step
+
+    def optimizer_step(*args, **kwargs):
+        with lrs.swapped():
+            return inner(*args, **kwargs)
+
+    step.optimizer.step = optimizer_step
+    return step
+
+
+@pytest.mark.parametrize("recipe", ["vse_infty", "vse_2ad", "avse"])
+def test_graph_machinery_on_the_cpu_equals_the_plain_step(recipe):
+    """vse_infty (GPO, triplet with warm-up), vse_2ad (ADPOOL, ADOPT's device K), avse (random views from the
+    re-seeded generator, AEOM): the eager-captured graph step trains bit for bit like the plain step."""
+    plain, graphed = _plain_with_the_graphs_optimizer(recipe), _step(recipe, graph="eager")
+    want, got = _run(plain), _run(graphed)
+    assert all(math.isfinite(v) for v in want)
+    assert got == want
+    for (name, a), b in zip(graphed.model.state_dict().items(), plain.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    for a, b in zip(graphed.optimizer.state.values(), plain.optimizer.state.values()):
+        assert all(torch.equal(a[k], b[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    # one capture per (shape, warm-up flag): widths 5 and 9 in epoch 0; 5, 9 and the short batch of 6 in epoch 1
+    keys = {(epoch, b, width) for epoch, b, width in PLAN}
+    assert len(graphed.graphs.entries) == len(keys) == 5 and graphed.graphs.capture.captured == 5
+
+
+def test_the_learning_rate_tensors_follow_the_schedule():
+    """Without the tensors' update (`LrTensors.sync`) the decayed lr would never reach the graph: the same run
+    with the decay differs from one without it only after the decay (steps 5-8)."""
+    decayed = _run(_step("vse_infty", graph="eager"))
+    step = _step("vse_infty", graph="eager")
+    kept = [float(step(_batch(b, w, seed=i), epoch=e, step=i)["loss"]) for i, (e, b, w) in enumerate(PLAN)]
+    assert decayed[:5] == kept[:5] and decayed[5:] != kept[5:]
+    assert float(step.graphs.capture.lrs.tensors[0]) == pytest.approx(0.002, rel=1e-7)
+
+
+def test_static_buffers_are_reused_per_shape_and_hold_the_last_batch():
+    step = _step("vse_infty", graph="eager")
+    first = _batch(10, 5, seed=1)
+    step(first, epoch=1, step=0)
+    (entry,) = step.graphs.entries.values()
+    ptrs = {k: v.data_ptr() for k, v in entry.inputs.items()}
+    second = _batch(10, 5, seed=2)
+    step(second, epoch=1, step=1)
+    assert len(step.graphs.entries) == 1  # same shape, same flags: the same graph
+    assert {k: v.data_ptr() for k, v in entry.inputs.items()} == ptrs  # the same memory, copied into
+    assert all(torch.equal(entry.inputs[k], second[k]) for k in ptrs)
+    step(_batch(10, 9, seed=3), epoch=1, step=2)
+    assert len(step.graphs.entries) == 2 and step.graphs.capture.captured == 2
+
+
+def test_step_graphs_key_by_shape_and_flags_and_return_copies():
+    """`StepGraphs` with a counting body: a capture per new (shape, flags), replays otherwise, the seed hook
+    before every run, and outputs that a later replay does not overwrite."""
+    calls, seeds = [], []
+    out = torch.zeros(())
+
+    def body(inputs: dict, flags: tuple) -> dict:
+        calls.append((tuple(inputs["tokens"].shape), flags))
+        out.fill_(float(inputs["tokens"].sum()))
+        return {"loss": out}
+
+    graphs = StepGraphs(body, lambda fn: fn, torch.device("cpu"), before_run=seeds.append)
+    a, b = _batch(4, 5, 0), _batch(4, 5, 1)
+    ra = graphs(a, (False,), seed=11)
+    rb = graphs(b, (False,), seed=12)
+    graphs(a, (True,), seed=13)
+    graphs(_batch(4, 7, 2), (False,), seed=14)
+    assert len(graphs.entries) == 3 and seeds == [11, 12, 13, 14]
+    assert float(ra["loss"]) == float(a["tokens"].sum()) and float(rb["loss"]) == float(b["tokens"].sum())
+    assert shape_key(a) == shape_key(b) != shape_key(_batch(4, 7, 0))
+
+
+def test_the_optimizer_is_checkpointed_as_built_and_resumes_without_graphs():
+    """The fused, capturable AdamW's state dict reports the flags the trainer built it with and float learning
+    rates (JSON); loaded into a plain AdamW it continues as the graph step does."""
+    graphed = _step("vse_infty", graph="eager")
+    _run(graphed)
+    built = torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+    tensors, meta = optimizer_to_files(graphed.optimizer)
+    json.dumps(meta)  # float lrs, no tensors
+    for g in meta["param_groups"]:
+        assert (g["fused"], g["capturable"], g["foreach"]) == (built.defaults["fused"], False, built.defaults["foreach"])
+    assert all(g["fused"] and g["capturable"] for g in graphed.optimizer.param_groups)  # as it runs
+    plain = _step("vse_infty")
+    plain.model.load_state_dict(graphed.model.state_dict())
+    optimizer_from_files(plain.optimizer, {k: v.clone() for k, v in tensors.items()}, json.loads(json.dumps(meta)))
+    assert not any(g["fused"] for g in plain.optimizer.param_groups)
+    batch = _batch(10, 9, seed=20)
+    a, b = plain(batch, epoch=1, step=20), graphed(batch, epoch=1, step=20)
+    assert float(a["loss"]) == pytest.approx(float(b["loss"]), rel=1e-6)
+    _assert_same_weights(plain.model, graphed.model)
+
+
+# -------------------------------------------------------------------------------------------- refusals
+def _blockers(recipe: str, *sets: str, device: str = "cuda") -> str:
+    return "; ".join(cuda_graph_blockers(load_recipe(recipe, list(sets)), torch.device(device)))
+
+
+def test_what_cannot_be_captured_is_named():
+    assert _blockers("vse_infty") == _blockers("vsepp") == _blockers("vse_2ad") == _blockers("bow") == ""
+    assert "the run is on cpu" in _blockers("vse_infty", device="cpu")
+    assert "model.text.kind=transformer" in _blockers("vse_infty", "model.text.kind=transformer")
+    assert "loss.name=ladder" in _blockers("cvsepp")
+    assert "model.image.kind=backbone" in _blockers("vse_infty_grid_e2e")
+    assert "adopt_zero_fill_negatives" in _blockers("vse_2ad", "loss.adopt_variant=reference",
+                                                    "loss.adopt_zero_fill_negatives=true")  # fmt: skip
+    assert "train.compile=true" in _blockers("vse_infty", "train.compile=true")
+    both = _blockers("vse_infty", "model.text.kind=transformer", "train.compile=true")
+    assert "transformer" in both and "compile" in both  # every part is named at once
+    with pytest.raises(ConfigError, match=r"train.cuda_graph=true cannot capture .* the run is on cpu"):
+        _step("vse_infty", sets=("train.cuda_graph=true",))
+
+
+def test_vse_train_refuses_a_graph_on_the_cpu_before_writing_anything(tiny_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match="the run is on cpu"):
+        Trainer(load_recipe("vse_infty", ["train.cuda_graph=true", "train.device=cpu"]), tiny_data, out,
+                progress=False, log=lambda *_: None)  # fmt: skip
+    assert not out.exists()
+    assert main(["train", "--data", str(tiny_data), "--out", str(out), "--device", "cpu",
+                 "--set", "train.cuda_graph=true"]) == 2  # fmt: skip
+    assert "train.cuda_graph=true cannot capture" in capsys.readouterr().err and not out.exists()
+
+
+# ------------------------------------------------------------------------------------ on a GPU (skipped)
+@CUDA
+@pytest.mark.parametrize("recipe", ["vse_infty", "vse_2ad", "avse"])
+def test_cuda_graph_step_equals_the_eager_step(recipe):
+    """The captured step replays what the eager step computes (both with the fused AdamW), over two caption
+    buckets, the loss warm-up flag, a short batch and an lr change; replays run under sync debug mode "error"
+    (a host sync raises), captures before them."""
+    plain = _step(recipe, device="cuda", fused=True)
+    graphed = _step(recipe, graph="cuda", device="cuda", sets=("train.cuda_graph=true",))
+    want = _run(plain, "cuda")
+    got = []
+    for i, (epoch, b, width) in enumerate(PLAN):
+        if i == 4:
+            for g in graphed.optimizer.param_groups:
+                g["lr"] = g["lr"] * 0.25
+        batch = _batch(b, width, seed=i, device="cuda")
+        replay = len(graphed.graphs.entries) == len({k for k in PLAN[:i]}) and (epoch, b, width) in PLAN[:i]
+        if replay:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = graphed(batch, epoch=epoch, step=i)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        got.append(float(out["loss"]))
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0.0)
+    _assert_same_weights(graphed.model, plain.model, rtol=1e-5, atol=1e-6)
+    assert len(graphed.graphs.entries) == 5 and graphed.graphs.capture.captured == 5
+
+
+@CUDA
+def test_vse_train_with_cuda_graphs_trains_and_resumes(tiny_data, tmp_path):
+    sets = ["model.embed_dim=32", "model.text.word_dim=16", "train.batch_size=16", "train.epochs=2",
+            "train.device=cuda", "train.cuda_graph=true", "train.length_bucketing=true", "train.log_every=2"]  # fmt: skip
+    ref = Trainer(load_recipe("vse_infty", sets), tiny_data, tmp_path / "ref", progress=False, log=lambda *_: None)
+    assert math.isfinite(ref.fit()["best_rsum"])
+    stopped = Trainer(load_recipe("vse_infty", sets), tiny_data, tmp_path / "run", progress=False, log=lambda *_: None)
+    stopped.fit(max_steps=4)
+    resumed = Trainer(load_recipe("vse_infty", sets), tiny_data, tmp_path / "run", resume=True, progress=False,
+                      log=lambda *_: None)  # fmt: skip
+    resumed.fit()
+    _assert_same_weights(ref.model, resumed.model, rtol=1e-5, atol=1e-6)
