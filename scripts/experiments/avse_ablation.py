@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
+from vsekit.bench.view_reg import view_reg_grad_ratio
 from vsekit.config import load_recipe, to_dict
 from vsekit.evaluation import evaluate_model
-from vsekit.bench.view_reg import view_reg_grad_ratio
 from vsekit.runs import load_weights
 from vsekit.training.trainer import Trainer
 
