@@ -37,18 +37,23 @@ def open_image(path: str | Path) -> Image.Image:
     path = Path(path)
     if path.is_dir():
         raise DataFormatError(f"{path}: is a folder, expected a picture file")
+    return decode_bounded(path, str(path))
+
+
+def decode_bounded(fp, name: str) -> Image.Image:
+    """`open_image` for a path or a binary file object (e.g. a tar member's bytes); errors name `name`."""
     try:
-        with open_bounded(path) as im:
+        with open_bounded(fp) as im:
             if im.width * im.height > MAX_IMAGE_PIXELS:
-                raise DataFormatError(f"{path}: {im.width}x{im.height} pixels is larger than the {MAX_IMAGE_PIXELS} limit")
+                raise DataFormatError(f"{name}: {im.width}x{im.height} pixels is larger than the {MAX_IMAGE_PIXELS} limit")
             im.load()
             return im.copy()
     except DataFormatError:
         raise
     except Image.DecompressionBombError as e:
-        raise DataFormatError(f"{path}: larger than the {MAX_IMAGE_PIXELS} pixel limit ({e})") from None
-    except (OSError, ValueError, SyntaxError) as e:
-        raise DataFormatError(f"{path}: cannot read image ({e})") from e
+        raise DataFormatError(f"{name}: larger than the {MAX_IMAGE_PIXELS} pixel limit ({e})") from None
+    except (OSError, ValueError, SyntaxError, EOFError) as e:
+        raise DataFormatError(f"{name}: cannot read image ({e})") from e
 
 
 def backbone_pixels(img: Image.Image, size: int, transform=None) -> torch.Tensor:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vsekit.data.pictures import MAX_IMAGE_PIXELS, open_bounded
+from vsekit.data.pictures import decode_bounded
 from vsekit.data.precomp import DataFormatError
 from vsekit.utils.io import atomic_save_npy, atomic_write_text, sha256_file
 from vsekit.utils.progress import progress_bar
@@ -62,19 +62,7 @@ class FeatureOptions:
 
 def decode_picture(data: bytes, name: str) -> Image.Image:
     """Fully decoded picture (errors surface here, naming `name`); more than MAX_IMAGE_PIXELS is refused."""
-    try:
-        with open_bounded(io.BytesIO(data)) as im:
-            if im.width * im.height > MAX_IMAGE_PIXELS:
-                raise DataFormatError(f"{name}: {im.width}x{im.height} pixels is larger than the "
-                                      f"{MAX_IMAGE_PIXELS} limit")  # fmt: skip
-            im.load()
-            return im.copy()
-    except DataFormatError:
-        raise
-    except Image.DecompressionBombError as e:
-        raise DataFormatError(f"{name}: larger than the {MAX_IMAGE_PIXELS} pixel limit ({e})") from None
-    except (OSError, ValueError, SyntaxError, EOFError) as e:
-        raise DataFormatError(f"{name}: cannot read picture ({e})") from e
+    return decode_bounded(io.BytesIO(data), name)
 
 
 class GridExtractor:
