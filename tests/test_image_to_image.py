@@ -14,8 +14,6 @@ import base64
 import json
 import logging
 import shutil
-import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -276,69 +274,54 @@ def test_endpoint_target_images_answers_501_before_reading_the_upload():
 def test_page_drop_a_picture_shows_similar_pictures(folder_index, tmp_path):
     """Headless Chromium: a picture dropped on the page's drop zone (with "similar pictures" chosen) shows the
     indexed pictures most like it, itself first; "captions" lists captions instead."""
-    from test_search_browser import CHROMIUM, CHROMIUM_ARGS, _require_browser
+    from test_search_browser import CHROMIUM, CHROMIUM_ARGS, _require_browser, serving
 
     _require_browser()
-    import uvicorn
     from playwright.sync_api import sync_playwright
 
-    from vsekit.search.server import create_app
-
     folder, out = folder_index
-    server = uvicorn.Server(uvicorn.Config(create_app(out), host="127.0.0.1", port=0, log_level="warning",
-                                           access_log=False))  # fmt: skip
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the search server did not start within 30 s"
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/"
     png = base64.b64encode((folder / "test_blue_triangle_1.png").read_bytes()).decode()
-    try:
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-            try:
-                page = browser.new_page(viewport={"width": 1100, "height": 900})
-                errors = []
-                page.on("pageerror", lambda e: errors.append(str(e)))
-                page.goto(url)
-                page.wait_for_function("() => document.getElementById('info').textContent.includes('24 pictures')")
-                page.click("#image-search summary")
-                page.select_option("#k", "5")
-                dt = page.evaluate_handle(
-                    """(b64) => {
-                        const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
-                        const dt = new DataTransfer();
-                        dt.items.add(new File([bytes], "query.png", { type: "image/png" }));
-                        return dt;
-                    }""",
-                    png,
-                )
-                page.dispatch_event("#drop", "drop", {"dataTransfer": dt})
-                page.wait_for_function("() => document.querySelectorAll('#results li.result').length === 5")
-                page.wait_for_function(
-                    "() => [...document.querySelectorAll('#results img')].every(i => i.complete && i.naturalWidth > 0)"
-                )
-                captions = page.locator("#results .caption").all_text_contents()
-                assert captions[0] == "a blue triangle", captions
-                assert "5 similar pictures in" in page.text_content("#status")
-                assert page.get_attribute("#query-preview", "src").startswith("data:image/png;base64,")
-                shot = tmp_path / "drop.png"
-                page.screenshot(path=str(shot), full_page=True)
-                assert shot.stat().st_size > 10_000
-                # the same picture (now the chosen file) with "captions"
-                page.check("input[name=target][value=captions]")
-                page.click("#image-form button[type=submit]")
-                page.wait_for_selector("#captions li.caption-result")
-                assert page.locator("#captions .caption").all_text_contents()[0] == "a blue triangle"
-                assert page.locator("#results li").count() == 0
-                assert not errors, errors
-            finally:
-                browser.close()
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    with serving(out) as base, sync_playwright() as p:
+        url = base + "/"
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1100, "height": 900})
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(url)
+            page.wait_for_function("() => document.getElementById('info').textContent.includes('24 pictures')")
+            page.click("#image-search summary")
+            page.select_option("#k", "5")
+            dt = page.evaluate_handle(
+                """(b64) => {
+                    const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+                    const dt = new DataTransfer();
+                    dt.items.add(new File([bytes], "query.png", { type: "image/png" }));
+                    return dt;
+                }""",
+                png,
+            )
+            page.dispatch_event("#drop", "drop", {"dataTransfer": dt})
+            page.wait_for_function("() => document.querySelectorAll('#results li.result').length === 5")
+            page.wait_for_function(
+                "() => [...document.querySelectorAll('#results img')].every(i => i.complete && i.naturalWidth > 0)"
+            )
+            captions = page.locator("#results .caption").all_text_contents()
+            assert captions[0] == "a blue triangle", captions
+            assert "5 similar pictures in" in page.text_content("#status")
+            assert page.get_attribute("#query-preview", "src").startswith("data:image/png;base64,")
+            shot = tmp_path / "drop.png"
+            page.screenshot(path=str(shot), full_page=True)
+            assert shot.stat().st_size > 10_000
+            # the same picture (now the chosen file) with "captions"
+            page.check("input[name=target][value=captions]")
+            page.click("#image-form button[type=submit]")
+            page.wait_for_selector("#captions li.caption-result")
+            assert page.locator("#captions .caption").all_text_contents()[0] == "a blue triangle"
+            assert page.locator("#results li").count() == 0
+            assert not errors, errors
+        finally:
+            browser.close()
 
 
 @pytest.mark.slow

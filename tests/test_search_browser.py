@@ -4,6 +4,7 @@ localhost and must see pictures whose captions match. Needs Debian's chromium an
 The screenshot is an artefact: it goes to $VSE_ARTIFACTS/search_page.png when that variable names a folder
 (CI uploads it; docs/figures/search_page.png was made this way), else to the test's tmp folder."""
 
+import contextlib
 import os
 import threading
 import time
@@ -30,29 +31,37 @@ def _require_browser():
     pytest.importorskip("efficientnet_lite_pytorch")
 
 
-@pytest.fixture(scope="module")
-def server_url(tmp_path_factory, request):
-    _require_browser()
+@contextlib.contextmanager
+def serving(index_dir: Path):
+    """`vse serve INDEX` in a thread on a free port; yields its base URL (no trailing slash), stops it after."""
     import uvicorn
 
     from vsekit.search.server import create_app
 
-    data, run = request.getfixturevalue("shapes_model")  # after the browser check: no training when it skips
-    out = tmp_path_factory.mktemp("browser") / "idx"
-    build_index(run, f"{data}:test", out, progress=False, log=lambda *_: None)
-    server = uvicorn.Server(uvicorn.Config(create_app(out), host="127.0.0.1", port=0, log_level="warning",
+    server = uvicorn.Server(uvicorn.Config(create_app(index_dir), host="127.0.0.1", port=0, log_level="warning",
                                            access_log=False))  # fmt: skip
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            pytest.fail("the search server did not start within 30 s")
-        time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                pytest.fail("the search server did not start within 30 s")
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory, request):
+    _require_browser()
+    data, run = request.getfixturevalue("shapes_model")  # after the browser check: no training when it skips
+    out = tmp_path_factory.mktemp("browser") / "idx"
+    build_index(run, f"{data}:test", out, progress=False, log=lambda *_: None)
+    with serving(out) as url:
+        yield url
 
 
 @pytest.mark.slow

@@ -907,6 +907,14 @@ def build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, checkp
                             captions_file=captions_file, progress=progress, log=log)  # fmt: skip
 
 
+def read_extra_captions(captions_file: str | Path | None) -> list[str]:
+    """`--captions FILE`: its non-empty lines, stripped (read before any picture is embedded)."""
+    if not captions_file:
+        return []
+    expect_file(Path(captions_file), "a text file of captions (one per line)", DataFormatError)
+    return [s.strip() for s in read_lines(Path(captions_file)) if s.strip()]
+
+
 def _build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, checkpoint: str, params: FaissParams | None,
                  device: str | torch.device, batch_size: int, chunk_size: int, pixels: bool, strict: bool,
                  captions_file: str | Path | None, progress: bool, log: Callable[[str], None]) -> dict:  # fmt: skip
@@ -946,10 +954,7 @@ def _build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, check
     # everything that can be checked before the pictures are embedded is checked here, so no work is wasted
     if strict and src.problems:
         raise DataFormatError(src.problems[0])
-    extra: list[str] = []
-    if captions_file:
-        expect_file(Path(captions_file), "a text file of captions (one per line)", DataFormatError)
-        extra = [s.strip() for s in read_lines(Path(captions_file)) if s.strip()]
+    extra = read_extra_captions(captions_file)
     if old is None and todo:
         check_trainable(params, len(todo))
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vsekit.data.precomp import DataFormatError, read_lines
+from vsekit.data.precomp import DataFormatError
 from vsekit.errors import VseInputError
 from vsekit.search.encode import ImageEmbedder, TextEmbedder
 from vsekit.search.index import (
@@ -55,11 +55,11 @@ from vsekit.search.index import (
     check_trainable,
     display_path,
     encode_resumable,
-    expect_file,
     hash_pictures,
     model_fingerprint,
     next_segment_number,
     path_kind,
+    read_extra_captions,
     resolve_source,
     segment_dir_name,
     stored_proxies,
@@ -135,10 +135,7 @@ def _refresh(run_dir: Path, source: str, out_dir: Path, checkpoint: str, params:
     src = refresh_source(source, model.recipe.data.captions_per_image)
     if strict and src.problems:
         raise DataFormatError(src.problems[0])
-    extra: list[str] = []
-    if captions_file:
-        expect_file(Path(captions_file), "a text file of captions (one per line)", DataFormatError)
-        extra = [s.strip() for s in read_lines(Path(captions_file)) if s.strip()]
+    extra = read_extra_captions(captions_file)
     embedder = ImageEmbedder(model, run_cfg, device)  # before any hashing: a run that cannot embed pictures says so
 
     roots = [str(r) for r in old.roots]
