@@ -33,7 +33,7 @@ def rng():
 @pytest.fixture(scope="session")
 def shapes_model(tmp_path_factory) -> tuple[Path, Path]:
     """(dataset dir, run dir): the coloured-shapes set and a small model trained on its EfficientNet-Lite0
-    features, built once per session (both steps are idempotent) for the search tests."""
+    features, built once per test run (both steps are idempotent) for the search tests."""
     pytest.importorskip("efficientnet_lite_pytorch")
     from vsekit.datasets.shapes import make_shapes_dataset
 

@@ -1,4 +1,4 @@
-"""Issue 22: errors name their cause in one line (exit 2) instead of a library's words; `--json` means the same
+"""Errors name their cause in one line (exit 2) instead of a library's words; `--json` means the same
 everywhere; a split without pictures is indexed from its features; `vse` starts without torch; `vse eval-sims`
 is as fast as a minimal numpy script; only dedicated input-error types count as bad input."""
 

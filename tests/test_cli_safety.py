@@ -1,4 +1,4 @@
-"""CLI and data safety (issue 22): float literals in recipes, `--resume` with `--epochs` (and the flags it
+"""CLI and data safety: float literals in recipes, `--resume` with `--epochs` (and the flags it
 refuses), `--epochs 0`, `--out` at a file / a non-run folder, `--overwrite` clearing the old run, Ctrl-C
 before the first checkpoint, `vse data synthetic` over a dataset, and the `vse index` writer lock."""
 

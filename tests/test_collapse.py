@@ -45,7 +45,7 @@ def test_collapse_values_by_hand():
     ref = LossConfig(name="adopt", adopt_variant="reference", margin=0.2, temperature=0.05)
     assert float(collapse_value(ref, n, k=2.0)) == pytest.approx(4.702264, abs=1e-6)
     assert collapse_value(LossConfig(name="ladder"), n) is None  # depends on relevance: spread only
-    # the rule of thumb, distinct images: 2 B m for B = 128, m = 0.2
+    # the rule of thumb, distinct images: 2 B m for B = 128, m = 0.2
     assert float(collapse_value(cfg, negatives_per_row(torch.arange(128), 128))) == pytest.approx(51.2, abs=1e-9)
 
 

@@ -1,4 +1,4 @@
-"""Issue 20: ECCV Caption, CxC and COCO 1K/5K keys of `vse eval --eccv` / `vse eval-sims --eccv`.
+"""ECCV Caption, CxC and COCO 1K/5K keys of `vse eval --eccv` / `vse eval-sims --eccv`.
 
 The reference is the eccv-caption package's own `Metrics.compute_all_metrics`, fed with lists built here the
 slow, plain way: a full sort of every query's scores. vsekit.metrics.eccv builds only the prefixes the

@@ -1,4 +1,4 @@
-"""Logging conventions (issue 20, part 4): library modules log through `logging` and never print; the CLI
+"""Logging conventions: library modules log through `logging` and never print; the CLI
 configures logging once (`vse -q` warnings only, `vse -v` debug); `vse --version` without torch;
 `vse train --report-to wandb` logs metrics.jsonl's records to an offline W&B run."""
 

@@ -1,4 +1,4 @@
-"""`vse data folder | table | webdataset`: users' own pictures and captions as a training set (issue 33).
+"""`vse data folder | table | webdataset`: users' own pictures and captions as a training set.
 
 The pictures are drawn here (coloured shapes at places and sizes, captions that say so). The main check
 builds the SAME 200 pictures from a folder, a CSV and two tar shards and compares the three datasets file

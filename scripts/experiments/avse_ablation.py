@@ -7,9 +7,9 @@ initialisation and for the best checkpoint; `vsekit.bench.view_reg.view_reg_grad
 Each (variant, seed) trains with the same small config, keeps the best-on-dev epoch, and is scored on the
 test split; the Markdown table goes into docs/avse.md between the `ablation` markers.
 
-    nice -n 10 .venv/bin/python scripts/experiments/avse_ablation.py --data /work/data/openclipart \\
-        --out /work/runs/avse/ablation --seeds 0 1 2
-    .venv/bin/python scripts/experiments/avse_ablation.py --out /work/runs/avse/ablation --report-only
+    nice -n 10 .venv/bin/python scripts/experiments/avse_ablation.py --data data/openclipart \\
+        --out runs/avse/ablation --seeds 0 1 2
+    .venv/bin/python scripts/experiments/avse_ablation.py --out runs/avse/ablation --report-only
 
 Runs that finished (result.json present) are skipped, so an interrupted grid resumes; `--variants` picks
 a subset, and the table is rewritten from whatever results exist (partial grids say so).
@@ -186,7 +186,7 @@ def write_docs(results: dict[str, list[dict]], args: argparse.Namespace, command
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", default="/work/data/openclipart")
+    ap.add_argument("--data", default="data/openclipart")
     ap.add_argument("--out", required=True, help="directory for the runs (outside the repository)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=sorted(VARIANTS))

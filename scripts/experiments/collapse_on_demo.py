@@ -3,7 +3,7 @@ recipes and overrides, `vsekit.demo.demo_overrides`) with a far more sensitive a
 (`train.collapse_steps` = --steps, default 3 instead of 200) and reports, per run, the steps trained, the
 final dev rsum and whether the alarm fired (a `collapse` record in metrics.jsonl).
 
-    python scripts/experiments/collapse_on_demo.py --data /work/data/openclipart --out /tmp/collapse_demo
+    python scripts/experiments/collapse_on_demo.py --data data/openclipart --out runs/collapse_demo
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Coherent-retrieval metrics (CS@K under both protocols, mean rank, mAP) of finished runs, e.g. the floor's:
 
-    .venv/bin/python scripts/experiments/floor_coherence.py --data /work/data/openclipart \\
-        /work/runs/demo/bow/seed0 /work/runs/demo/bow/seed1 /work/runs/demo/bow/seed2
+    .venv/bin/python scripts/experiments/floor_coherence.py --data data/openclipart \\
+        runs/demo/bow/seed0 runs/demo/bow/seed1 runs/demo/bow/seed2
 
 Each run's best-on-dev weights are scored on the test split with `vsekit.evaluation.evaluate_model` and
 `vsekit.metrics.coherence.coherence_metrics` (relevance: the split's MiniLM caption relevance, cached in the

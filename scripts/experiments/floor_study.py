@@ -1,4 +1,4 @@
-"""The floor study on openclipart (issue: a floor in every table): the `bow` recipe over seeds, a learning
+"""The floor study on openclipart: the `bow` recipe over seeds, a learning
 curve (25 / 50 / 100 % of the training images) for bow, VSE++ and VSE∞, one-change-per-row evidence for
 why the BiGRU recipes sit at the floor, and the small-data recipe's margin over the floor.
 
@@ -7,9 +7,9 @@ with the shared metrics module (the last epoch is scored too, to show what dev s
 The demo models use the demo's own settings (`vsekit.demo.demo_overrides`), so the 100 % points are the
 demo table's runs: with `--demo-out runs/demo` they are written where `vse demo` finds and reuses them.
 
-    nice -n 10 .venv/bin/python scripts/experiments/floor_study.py --data /work/data/openclipart \\
-        --out /work/runs/floor --demo-out /work/runs/demo --jobs 2 --groups floor curve small why ensemble
-    .venv/bin/python scripts/experiments/floor_study.py --out /work/runs/floor --demo-out /work/runs/demo --report-only
+    nice -n 10 .venv/bin/python scripts/experiments/floor_study.py --data data/openclipart \\
+        --out runs/floor --demo-out runs/demo --jobs 2 --groups floor curve small why ensemble
+    .venv/bin/python scripts/experiments/floor_study.py --out runs/floor --demo-out runs/demo --report-only
 
 Finished runs (result.json present) are skipped, so an interrupted study resumes. Tables go to
 OUT/report.md; the learning-curve plot to docs/figures/learning_curve.png (`--figure`).

@@ -1,4 +1,4 @@
-"""Step-time benchmark of the ladder losses (the issue's budget: adaptive ladder step <= 1.3x a VSE++ step at
+"""Step-time benchmark of the ladder losses (the budget: adaptive ladder step <= 1.3x a VSE++ step at
 batch 128), plus a device-agnosticism check: the loss and the adaptive levels on `--device` equal CPU's.
 
     nice -n 10 .venv/bin/python scripts/experiments/ladder_bench.py --device cpu --threads 1

@@ -6,9 +6,9 @@ the loss differs), the best-on-dev epoch is scored on test with the shared metri
 is written to docs/coherent_results.md; the figure to docs/figures/. Runs that finished
 (test_metrics.json present) are skipped, so an interrupted grid resumes.
 
-    nice -n 10 .venv/bin/python scripts/experiments/ladder_table.py --data /work/data/openclipart \
-        --out /work/runs/coherent --seeds 0 1 2
-    .venv/bin/python scripts/experiments/ladder_table.py --out /work/runs/coherent --report-only
+    nice -n 10 .venv/bin/python scripts/experiments/ladder_table.py --data data/openclipart \
+        --out runs/coherent --seeds 0 1 2
+    .venv/bin/python scripts/experiments/ladder_table.py --out runs/coherent --report-only
 """
 
 from __future__ import annotations
@@ -158,8 +158,8 @@ def figure(args, out_png: Path, n_queries: int = 4, top: int = 10) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="/work/data/openclipart")
-    p.add_argument("--out", default="/work/runs/coherent")
+    p.add_argument("--data", default="data/openclipart")
+    p.add_argument("--out", default="runs/coherent")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--cs-k", type=int, nargs="+", default=[100, 500])

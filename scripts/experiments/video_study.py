@@ -12,8 +12,8 @@ Steps, each a `vse` command run as a subprocess and recorded verbatim in the rep
    the right caption against the same events in swapped order, or with one action replaced by its opposite;
 4. write the Markdown tables (mean ± std over seeds) into docs/video.md between the study markers.
 
-    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python scripts/experiments/video_study.py --out /work/runs/video_study
-    .venv/bin/python scripts/experiments/video_study.py --out /work/runs/video_study --report-only  # no training: probes + tables
+    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python scripts/experiments/video_study.py --out runs/video_study
+    .venv/bin/python scripts/experiments/video_study.py --out runs/video_study --report-only  # no training: probes + tables
 
 Finished steps (manifest.json, a run's done.json, eval JSON present) are skipped, so an interrupted study resumes.
 """
@@ -284,7 +284,7 @@ def report(out: Path, seeds: list[int], shrink: list[str], doc: Path) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("/work/runs/video_study"))
+    p.add_argument("--out", type=Path, default=Path("runs/video_study"))
     p.add_argument("--clips", type=int, nargs=3, default=[600, 150, 150], metavar=("TRAIN", "DEV", "TEST"))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--data-seed", type=int, default=0)

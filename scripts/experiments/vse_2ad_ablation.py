@@ -6,9 +6,9 @@ into docs/figures/. Dev rsum is also measured every `--eval-every` iterations fo
 without ADOPT (training is chunked with `Trainer.fit(max_steps=...)`; the evaluation in between does not
 touch the training randomness, so the trajectory is the one an unchunked run takes).
 
-    nice -n 10 .venv/bin/python scripts/experiments/vse_2ad_ablation.py --data /work/data/openclipart \
-        --out /work/runs/vse_2ad --seeds 0 1 2
-    .venv/bin/python scripts/experiments/vse_2ad_ablation.py --out /work/runs/vse_2ad --report-only
+    nice -n 10 .venv/bin/python scripts/experiments/vse_2ad_ablation.py --data data/openclipart \
+        --out runs/vse_2ad --seeds 0 1 2
+    .venv/bin/python scripts/experiments/vse_2ad_ablation.py --out runs/vse_2ad --report-only
 
 Runs that finished (result.json present) are skipped, so an interrupted grid resumes.
 """
@@ -366,7 +366,7 @@ def write_docs(results: dict[str, list[dict]], args: argparse.Namespace, command
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="/work/data/openclipart", help="precomp dataset folder (train/dev/test)")
+    p.add_argument("--data", default="data/openclipart", help="precomp dataset folder (train/dev/test)")
     p.add_argument("--out", required=True, help="where runs go (outside the repo)")
     p.add_argument("--docs", default=str(REPO / "docs"), help="docs folder to write vse_2ad.md and figures into")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])

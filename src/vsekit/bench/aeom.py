@@ -16,14 +16,12 @@ the first few images.
     from vsekit.bench.aeom import bench_aeom
     bench_aeom(1000, 5000, 1024, "cpu", 3)
 
-or `python -m vsekit.bench.aeom --images 1000 --captions 5000 --dim 1024`. `bench_aeom_eval` (`--model-eval`)
+or `vse bench aeom --images 1000 --captions 5000 --dim 1024`. `bench_aeom_eval` (`--model-eval`)
 times the whole `vse eval` path instead: encoders + scoring + metrics, AVSE recipe vs VSE∞ recipe.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 
@@ -162,32 +160,3 @@ def bench_aeom_eval(n_images: int = 1000, captions_per_image: int = 5, device: s
         "cosine_eval_s": med["vse_infty"], "aeom_eval_s": med["avse"], "ratio_eval": med["avse"] / med["vse_infty"],
     }  # fmt: skip
 
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--images", type=int, default=1000)
-    ap.add_argument("--captions", type=int, default=5000)
-    ap.add_argument("--dim", type=int, default=1024, help="caption embedding size d1 (images: views x d1)")
-    ap.add_argument("--views", type=int, default=2)
-    ap.add_argument("--block-dim", type=int, default=512)
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
-    ap.add_argument("--model-eval", action="store_true",
-                    help="time `vse eval` end to end with the avse and vse_infty recipes instead (bench_aeom_eval)")
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.model_eval:
-        print(json.dumps(bench_aeom_eval(args.images, max(1, args.captions // args.images), args.device,
-                                         args.repeats), indent=2))  # fmt: skip
-        return 0
-    out = bench_aeom(args.images, args.captions, args.dim, args.device, args.repeats,
-                     views=args.views, block_dim=args.block_dim, iters=args.iters)  # fmt: skip
-    print(json.dumps(out, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Cost of the (adaptive) ladder loss: one full training step against a VSE++ step.
 
-The issue's budget: a step with the adaptive ladder costs at most 1.3x a VSE++ step at batch 128. A step
+The budget: a step with the adaptive ladder costs at most 1.3x a VSE++ step at batch 128. A step
 is what the trainer does per batch: encode images and captions, similarity, loss, backward, AdamW. The
 model is the `vsepp` recipe (precomputed region features, BiGRU, average pooling); the three losses run
 interleaved on the same batch so that load from other processes hits them alike; medians are reported.

@@ -8,7 +8,7 @@ so avg/max pay for their backward too) and the sum of its output is back-propaga
     from vsekit.bench.pool import bench_pool
     rows = bench_pool(batch=128, n=36, dim=1024, device="cpu", repeats=20)
 
-or from a shell: `python -m vsekit.bench.pool --device cuda --batch 128 --n 36 --dim 1024`.
+or from a shell: `vse bench pool --device cuda --batch 128 --n 36 --dim 1024`.
 """
 
 from __future__ import annotations

@@ -4,8 +4,7 @@
     rows = bench_search(n=1_000_000, dim=1024)      # exact vs IVF: p50/p99 ms per query, recall@10
     load = bench_serve("runs/demo/index", requests=2000, concurrency=4, max_seconds=60)
 
-From a shell: `vse bench search [OPTIONS]` (defaults: this function's) and `vse bench serve INDEX`;
-`python -m vsekit.bench.search ann|serve [OPTIONS]` runs exactly those commands.
+From a shell: `vse bench search [OPTIONS]` (defaults: this function's) and `vse bench serve INDEX`.
 
 `bench_search` draws a clustered set (a mixture of `clusters` Gaussian blobs on the unit sphere, like real
 embeddings, where neighbours share a topic; unclustered Gaussian vectors have no near neighbours and are

@@ -1,6 +1,6 @@
-"""Time one training step (forward + backward + AdamW) on synthetic data with the issue's shapes.
+"""Time one training step (forward + backward + AdamW) on synthetic data of the released step's shapes.
 
-The reference point (issue 9): VSE∞'s BUTD-region + BiGRU step — batch 128, 36 x 2048 regions, embed 1024,
+The reference point: VSE∞'s BUTD-region + BiGRU step — batch 128, 36 x 2048 regions, embed 1024,
 a 10k-word vocabulary, captions of 8-25 tokens, hardest negatives — takes 52.3 ms (2,447 samples/s) on one
 H100 in the reference code. `bench_train_step` times exactly the step the trainer runs (`TrainStep`, with
 the recipe's AMP / TF32 / compile settings) on consecutive, different batches of those shapes, drawn through

@@ -552,7 +552,7 @@ def register(sub) -> None:
 
 
 def _add_search_args(add) -> None:
-    """`vse bench search` and `vse bench serve`; `python -m vsekit.bench.search ann|serve` is the same parser.
+    """`vse bench search` and `vse bench serve`.
     The search defaults are `bench_search`'s own: the documented 1M x 1024 run (docs/benchmarks.md)."""
     from vsekit.bench.search import SEARCH_DEFAULTS as d
     se = add("search", "FAISS exact vs IVF (and HNSW) latency and recall on synthetic vectors or your own (--vectors)",

@@ -1,6 +1,6 @@
 """`vse serve`: a FastAPI app over one index — JSON API, thumbnails and a small web page.
 
-Safety basics (a later issue revisits them): the CLI binds to 127.0.0.1; Host headers are checked (DNS
+Safety basics: the CLI binds to 127.0.0.1; Host headers are checked (DNS
 rebinding); request bodies are capped (413); k and the query length are bounded (422 with a message that
 says the bound); CORS is off unless origins are named; thumbnails are served by picture id only, and a
 picture's file must resolve inside the root it was indexed from, so no request can name a path; static
