@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from vsekit.datasets.synthetic import make_synthetic_precomp
+from vsekit_lab.datasets.synthetic import make_synthetic_precomp
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +35,7 @@ def shapes_model(tmp_path_factory) -> tuple[Path, Path]:
     """(dataset dir, run dir): the coloured-shapes set and a small model trained on its EfficientNet-Lite0
     features, built once per test run (both steps are idempotent) for the search tests."""
     pytest.importorskip("efficientnet_lite_pytorch")
-    from vsekit.datasets.shapes import make_shapes_dataset
+    from vsekit_lab.datasets.shapes import make_shapes_dataset
 
     base = tmp_path_factory.getbasetemp() / "shapes"
     threads = torch.get_num_threads()
@@ -51,8 +51,8 @@ def shapes_model(tmp_path_factory) -> tuple[Path, Path]:
 def train_shapes_model(data_dir: str | Path, run_dir: str | Path, epochs: int = 15, seed: int = 0) -> Path:
     """A small VSE++ model on the shapes set (seconds on a CPU). Idempotent: a finished run is reused."""
     from vsekit.config import load_recipe
-    from vsekit.datasets.shapes import SHAPES_RECIPE_OVERRIDES
     from vsekit.training.trainer import Trainer
+    from vsekit_lab.datasets.shapes import SHAPES_RECIPE_OVERRIDES
 
     run = Path(run_dir)
     done = run / "shapes_done.json"
@@ -116,8 +116,8 @@ class StepClock:
 
 
 def spy_search_ids(monkeypatch) -> list[np.ndarray]:
-    """The ids every index returned in `vsekit.bench.search` (one [queries, k] array per timed index), in order."""
-    import vsekit.bench.search as bench
+    """The ids every index returned in `vsekit_lab.bench.search` (one [queries, k] array per timed index), in order."""
+    import vsekit_lab.bench.search as bench
 
     seen: list[np.ndarray] = []
     real = bench._time_single

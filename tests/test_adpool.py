@@ -6,10 +6,10 @@
 import pytest
 import torch
 
-from vsekit.bench.pool import POOLINGS, bench_pool
 from vsekit.config import PoolingConfig, load_recipe
 from vsekit.pooling import AvgPool, KMaxPool, MaxPool, create_pooling
 from vsekit.pooling.adpool import ADPool
+from vsekit_lab.bench.pool import POOLINGS, bench_pool
 
 LENGTHS = torch.tensor([9, 5, 1, 7])
 EPS32 = torch.finfo(torch.float32).eps

@@ -174,7 +174,7 @@ def test_bad_shapes_and_configs_are_clear_errors():
 
 
 def test_bench_aeom_runs_and_reports_ratio():
-    from vsekit.bench.aeom import bench_aeom
+    from vsekit_lab.bench.aeom import bench_aeom
 
     out = bench_aeom(n_images=20, n_captions=100, dim=32, device="cpu", repeats=1, block_dim=16)
     assert out["n_images"] == 20 and out["p"] == 4 and out["q"] == 2

@@ -71,7 +71,7 @@ def test_bf16_step_numerics_as_docs_state_them(recipe, warmup):
     native, default and avx2 kernels; a hardest negative that bf16 flips adds to it). Lower bound 1e-4 on the
     embeddings and gradients: float32 alone differs by ~1e-7, so autocast really ran in bf16 (none on the loss:
     a mean of many rounded terms can land on float32's value by cancellation, 8e-7 once)."""
-    from vsekit.bench.amp import bf16_numerics
+    from vsekit_lab.bench.amp import bf16_numerics
 
     (row,) = bf16_numerics([recipe], batch=32, img_dim=64, embed_dim=64, vocab=200, seeds=(0,), warmup=warmup)
     assert row["loss_rel"] < 1e-2

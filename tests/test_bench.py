@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 from conftest import StepClock, assert_topk_well_separated, brute_force_topk, recall_vs, spy_search_ids
-from vsekit.bench.eval import bench_eval, planted_sims, reference_loop_metrics
-from vsekit.bench.train_step import bench_train_step, synthetic_batch
 from vsekit.cli import main
-from vsekit.commands.bench import SECTIONS, append_markdown
 from vsekit.errors import VseInputError
 from vsekit.metrics import cap2img_for_k, evaluate_sims
+from vsekit_lab.bench.eval import bench_eval, planted_sims, reference_loop_metrics
+from vsekit_lab.bench.train_step import bench_train_step, synthetic_batch
+from vsekit_lab.commands.bench import SECTIONS, append_markdown
 
 TINY = dict(regions=5, img_dim=12, embed_dim=16, vocab=60, min_tokens=3, max_tokens=7, steps=1, warmup=1)
 
@@ -43,7 +43,7 @@ def test_train_step_bench_times_real_steps():
     assert row["ms_median"] > 0 and row["ms_min"] <= row["ms_median"]
     assert row["peak_gib"] > 0 and row["params"] > 0 and row["amp"] == "none"
     # the arithmetic, on steps of known length: one untimed 9 s warm-up, then 0.1 s, 0.5 s and 0.2 s
-    import vsekit.bench.train_step as module
+    import vsekit_lab.bench.train_step as module
 
     with pytest.MonkeyPatch.context() as mp:
         clock = StepClock([9.0, 0.1, 0.5, 0.2]).install(mp, module)
@@ -78,7 +78,7 @@ def test_eval_bench_times_eval_sims_and_the_reference():
     row = bench_eval(n_images=50, repeats=2)
     assert row["eval_sims_s"] > 0 and row["reference_s"] > 0 and row["max_abs_diff"] < 1e-9
     # known durations: `vse eval-sims` 0.5 s and 0.7 s, in memory 0.1 s, the reference loop 6 s
-    import vsekit.bench.eval as module
+    import vsekit_lab.bench.eval as module
 
     with pytest.MonkeyPatch.context() as mp:
         clock = StepClock([0.5, 0.7, 0.1, 6.0]).install(mp, module)
@@ -128,7 +128,7 @@ def test_bench_eval_and_ladder_cli(capsys):
 
 @pytest.mark.skipif(importlib.util.find_spec("faiss") is None, reason="needs faiss-cpu")
 def test_bench_search_cli(capsys, monkeypatch):
-    from vsekit.bench.search import ClusteredVectors
+    from vsekit_lab.bench.search import ClusteredVectors
 
     seen = spy_search_ids(monkeypatch)
     args = ["bench", "search", "--n", "3000", "--dim", "16", "--queries", "40", "--clusters", "20", "--nlist", "8",
@@ -165,7 +165,7 @@ def test_bench_search_on_own_vectors_holds_out_queries(tmp_path, capsys):
 
 
 def test_bench_search_own_vectors_bad_input_names_the_file(tmp_path):
-    from vsekit.bench.search import NpyVectors
+    from vsekit_lab.bench.search import NpyVectors
 
     bad = tmp_path / "bad.npy"
     np.save(bad, np.ones((10, 4, 2), np.float32))
@@ -195,14 +195,14 @@ def test_bench_aeom_cli_prints_rows_and_appends(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_bench_aeom_model_eval_times_both_recipes():
-    from vsekit.bench.aeom import bench_aeom_eval
+    from vsekit_lab.bench.aeom import bench_aeom_eval
 
     row = bench_aeom_eval(8, 2, repeats=1, regions=3, img_dim=16,
                           overrides=["model.embed_dim=32", "model.similarity.block_dim=16"])  # fmt: skip
     assert row["n_captions"] == 16 and row["views"] == 2 and row["block_dim"] == 16
     assert row["aeom_eval_s"] > 0 and row["cosine_eval_s"] > 0
     # known durations: the vse_infty eval takes 2 s, the avse one 5 s (the untimed warm-ups are not counted)
-    import vsekit.bench.aeom as module
+    import vsekit_lab.bench.aeom as module
 
     with pytest.MonkeyPatch.context() as mp:
         clock = StepClock([2.0, 5.0]).install(mp, module)
@@ -257,7 +257,7 @@ def test_bench_pool_append_extends_the_docs_table(tmp_path, capsys):
 
 def test_bench_search_defaults_are_the_documented_run(monkeypatch, capsys, tmp_path):
     """`vse bench search` runs the documented 1M x 1024 benchmark by default (bench_search's own defaults)."""
-    import vsekit.bench.search as module
+    import vsekit_lab.bench.search as module
 
     calls = []
 
@@ -283,7 +283,7 @@ def test_bench_search_defaults_are_the_documented_run(monkeypatch, capsys, tmp_p
 
 
 def test_bench_startup_medians_and_torch_detection(monkeypatch):
-    import vsekit.bench.startup as startup
+    import vsekit_lab.bench.startup as startup
 
     assert startup.imports_torch(["-c", "import torch"]) is True
     assert startup.imports_torch(["-c", "import json"]) is False

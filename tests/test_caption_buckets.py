@@ -62,7 +62,7 @@ def test_a_batch_takes_the_smallest_width_that_holds_its_longest_caption():
 
 # ------------------------------------------------------------------------- padding changes nothing but rounding
 def _tiny_bert(tmp_path_factory) -> str:
-    from vsekit.bench.train_step import random_bert_dir
+    from vsekit_lab.bench.train_step import random_bert_dir
 
     path = random_bert_dir("tiny", vocab=VOCAB + 10)
     dest = tmp_path_factory.mktemp("bert") / "tiny"
@@ -229,7 +229,7 @@ def test_train_step_bench_times_variants_in_one_run(monkeypatch):
     """`vse bench train-step --caption-buckets 1 4 --length-bucketing`: one row per variant, the same batches
     (hence a smaller mean caption width with 4 buckets), and the speed-up of each row over the first from
     alternated rounds: known step durations give the medians and the ratio by hand."""
-    import vsekit.bench.train_step as module
+    import vsekit_lab.bench.train_step as module
     from conftest import StepClock
 
     tiny = dict(regions=5, img_dim=12, embed_dim=16, vocab=60, min_tokens=3, max_tokens=12, steps=2, warmup=1)

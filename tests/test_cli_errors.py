@@ -18,8 +18,8 @@ import torch
 
 from vsekit.cli import main
 from vsekit.config import ConfigError, load_recipe
-from vsekit.datasets.synthetic import make_synthetic_precomp
 from vsekit.training.trainer import Trainer
+from vsekit_lab.datasets.synthetic import make_synthetic_precomp
 
 TINY = ["model.embed_dim=16", "model.text.word_dim=8", "train.batch_size=16", "train.log_every=0", "train.epochs=1"]
 
@@ -140,6 +140,42 @@ def test_zero_or_negative_numeric_options_are_refused_while_parsing(argv, option
     err = one_line_error(capsys, argv, argv[0])
     assert f"{option} {needle}" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_every_numeric_option_of_every_verb_is_range_checked():
+    """One checker (`vsekit.commands.argtypes`) for every numeric option of every `vse` verb, the lab's
+    (`vse bench …`, `vse demo`, `vse experiment …`) included: no option that takes a number is stored unchecked."""
+    import argparse
+
+    from vsekit.cli import build_parser
+
+    def numeric(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from numeric(sub, [*path, name])
+            elif action.type in (int, float):
+                yield " ".join(path), action
+
+    found = list(numeric(build_parser(), ["vse"]))
+    assert len([c for c, _ in found if c.startswith("vse bench")]) >= 84
+    unchecked = [f"{c} {a.option_strings[0]}" for c, a in found if type(a).__module__ != "vsekit.commands.argtypes"]
+    assert unchecked == []
+
+
+@pytest.mark.parametrize("argv, option, needle", [
+    (["bench", "pool", "--repeats", "0"], "--repeats", "must be at least 1, got 0"),
+    (["bench", "train-step", "--caption-buckets", "1", "0"], "--caption-buckets", "must be at least 1, got 0"),
+    (["bench", "search", "--hnsw-m", "1"], "--hnsw-m", "must be 0 (no HNSW rows) or at least 2, got 1"),
+    (["bench", "search", "--spread", "nan"], "--spread", "must be a finite number"),
+    (["bench", "serve", "IDX", "--max-seconds", "0"], "--max-seconds", "must be a finite number above 0"),
+    (["search", "IDX", "a query", "--nprobe", "0"], "--nprobe", "must be at least 1, got 0"),
+    (["pooling", "RUN", "--text-len", "0"], "--text-len", "must be at least 1, got 0"),
+    (["experiment", "gpo-synthetic", "--lr", "-1"], "--lr", "must be a finite number above 0"),
+])  # fmt: skip
+def test_lab_and_search_numeric_options_are_refused_while_parsing(argv, option, needle, capsys):
+    err = one_line_error(capsys, argv, argv[0])
+    assert f"{option} {needle}" in err
 
 
 def test_valid_numeric_options_still_parse(tmp_path, capsys):

@@ -16,9 +16,9 @@ import torch
 
 from vsekit.cli import main
 from vsekit.config import load_recipe
-from vsekit.datasets.synthetic import make_synthetic_precomp
 from vsekit.metrics.retrieval import ranks_both, ranks_i2t, ranks_t2i
 from vsekit.training.trainer import Trainer
+from vsekit_lab.datasets.synthetic import make_synthetic_precomp
 
 TINY = ["model.embed_dim=16", "model.text.word_dim=8", "train.batch_size=16", "train.log_every=0", "train.epochs=1"]
 
@@ -229,7 +229,7 @@ def test_nan_is_found_in_any_block():
 
 
 def test_bench_eval_sims_times_both_processes_and_checks_the_numbers(capsys):
-    from vsekit.bench.eval import bench_eval_sims_process
+    from vsekit_lab.bench.eval import bench_eval_sims_process
 
     row = bench_eval_sims_process(n_images=30, repeats=1)
     assert row["eval_sims_s"] > 0 and row["minimal_s"] > 0

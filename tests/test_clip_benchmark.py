@@ -144,9 +144,9 @@ def test_pixel_run_takes_pictures_with_its_backbone_transform(tmp_path):
     from vsekit.api import preprocess
     from vsekit.config import load_recipe
     from vsekit.data.text import SPECIALS
-    from vsekit.datasets.shapes import draw_shape
     from vsekit.interop.clip_benchmark import ClipBenchmarkModel
     from vsekit.models.vse import DataSpec, VSEModel
+    from vsekit_lab.datasets.shapes import draw_shape
 
     torch.manual_seed(0)
     recipe = load_recipe("vse_infty_grid_e2e", ["model.embed_dim=32", "model.text.word_dim=16", "model.image.image_size=64"])

@@ -201,7 +201,7 @@ def test_silent_on_demo_like_runs(synthetic_dir, tmp_path, recipe, monkeypatch):
 @pytest.mark.slow
 def test_silent_on_the_shapes_demo_run(shapes_model, tmp_path, monkeypatch):
     """The shapes recipe the search tests train (conftest.train_shapes_model), with the alarm at 10 steps."""
-    from vsekit.datasets.shapes import SHAPES_RECIPE_OVERRIDES
+    from vsekit_lab.datasets.shapes import SHAPES_RECIPE_OVERRIDES
 
     data, _ = shapes_model
     runs = []

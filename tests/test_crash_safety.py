@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 
 import vsekit.runs as ckpt_mod
 from vsekit.config import load_recipe
-from vsekit.datasets.synthetic import make_synthetic_precomp
 from vsekit.runs import CheckpointError, load_run, read_checkpoint_set
 from vsekit.training.trainer import Trainer
+from vsekit_lab.datasets.synthetic import make_synthetic_precomp
 
 TINY = ["model.embed_dim=32", "model.text.word_dim=16", "train.batch_size=16", "train.log_every=1",
         "train.checkpoint_every=4", "optim.lr_decay_epochs=[1]"]  # fmt: skip

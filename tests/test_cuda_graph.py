@@ -16,6 +16,18 @@ exact arithmetic — the linear layer's before the region encoder's BatchNorm (`
 subtracts it again) and ADPOOL's balance bias (added to both logits of a softmax) — so their gradient is
 rounding noise that AdamW normalises into lr-sized steps, and the BatchNorm running mean that carries the
 first; the loss depends on none of them.
+
+Why the CUDA tests may demand equality (the graph step against the eager step, a run resumed mid-way against
+the uninterrupted one) without a tolerance for CUDA atomics: an atomic add sums in whatever order the threads
+arrive, so it is only order-free when each address receives at most two nonzero terms (a + b = b + a; adding
+an exact zero changes nothing). The step's atomic adds are the backwards of `gather` and `index_select`. GPO's
+table of weights is gathered by indexing (its backward sorts the rows and sums each one's repeats in a fixed
+order), not by `index_select`, whose backward added up to a batch of repeats atomically. The gathers left
+(the unpacked BiGRU's and GPO's reversal, the region encoder's packing, AVSE's views) send each address one
+nonzero gradient (a permutation, or padding whose gradient is an exact zero) or two (AVSE's two views of a
+region). So the tolerances above need no atomics term. `torch.use_deterministic_algorithms` is not used:
+it would swap these backwards for `index_put_` kernels (other kernels than a run uses), and in older PyTorch
+releases those read the indices' range back to the host, a sync that a capture refuses.
 """
 
 from __future__ import annotations
@@ -209,6 +221,24 @@ def test_what_cannot_be_captured_is_named():
         _step("vse_infty", sets=("train.cuda_graph=true",))
 
 
+def test_dataloader_workers_are_refused_with_graphs(tiny_data, tmp_path, capsys):
+    """DataLoader workers pin their batches in a thread of the training process that calls CUDA while a step
+    is being captured: refused whenever the DataLoader may make the batches (data_on_device auto or false),
+    not with data_on_device=true (the set lives on the GPU, no DataLoader is built)."""
+    auto = _blockers("vse_infty", "data.num_workers=2")
+    assert "data.num_workers=2 with train.data_on_device=auto" in auto and "pin-memory thread" in auto
+    loader = _blockers("vse_infty", "data.num_workers=1", "train.data_on_device=false")
+    assert "data.num_workers=1 with train.data_on_device=false" in loader
+    assert _blockers("vse_infty", "data.num_workers=2", "train.data_on_device=true") == ""
+    assert _blockers("vse_infty", "data.num_workers=0", "train.data_on_device=false") == ""
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(tiny_data), "--out", str(out), "--device", "cpu",
+                 "--set", "train.cuda_graph=true", "--set", "data.num_workers=2"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "data.num_workers=2 with train.data_on_device=auto" in err and "the run is on cpu" in err
+    assert not out.exists()
+
+
 def test_vse_train_refuses_a_graph_on_the_cpu_before_writing_anything(tiny_data, tmp_path, capsys):
     out = tmp_path / "run"
     with pytest.raises(ConfigError, match="the run is on cpu"):
@@ -252,8 +282,12 @@ def test_cuda_graph_step_equals_the_eager_step(recipe):
 
 @CUDA
 def test_vse_train_with_cuda_graphs_trains_and_resumes(tiny_data, tmp_path):
-    sets = ["model.embed_dim=32", "model.text.word_dim=16", "train.batch_size=16", "train.epochs=2",
-            "train.device=cuda", "train.cuda_graph=true", "train.length_bucketing=true", "train.log_every=2"]  # fmt: skip
+    """Two epochs with graphs (several caption widths, the warm-up flag), then the same run stopped after 4
+    steps and resumed (its graphs captured anew): the same weights, within the optimizer tolerance of the
+    module docstring (the step is deterministic on CUDA, see there). The regex tokenizer: no nltk needed."""
+    sets = ["model.embed_dim=32", "model.text.word_dim=16", "model.text.tokenizer=regex", "train.batch_size=16",
+            "train.epochs=2", "train.device=cuda", "train.cuda_graph=true", "train.length_bucketing=true",
+            "train.log_every=2"]  # fmt: skip
     ref = Trainer(load_recipe("vse_infty", sets), tiny_data, tmp_path / "ref", progress=False, log=lambda *_: None)
     assert math.isfinite(ref.fit()["best_rsum"])
     stopped = Trainer(load_recipe("vse_infty", sets), tiny_data, tmp_path / "run", progress=False, log=lambda *_: None)

@@ -22,11 +22,11 @@ from vsekit.config import ConfigError, load_recipe
 from vsekit.data.datasets import AugmentConfig, Collate, FeatureSource, augment_token_batch, set_keep_mask
 from vsekit.data.precomp import load_precomp_split
 from vsekit.data.text import END, MASK, START
-from vsekit.datasets.synthetic import make_synthetic_precomp
 from vsekit.distributed import DistContext
 from vsekit.errors import SetupError
 from vsekit.training.data_path import DeviceBatches, device_path_blocker
 from vsekit.training.trainer import Trainer
+from vsekit_lab.datasets.synthetic import make_synthetic_precomp
 
 QUIET = {"progress": False, "log": lambda *_: None}
 SMALL = ["model.embed_dim=32", "model.text.word_dim=16", "model.image.mlp_hidden=16", "train.log_every=0"]
@@ -306,7 +306,7 @@ def test_persistent_workers_draw_each_epochs_augmentation(tiny_data, tmp_path):
 
 
 def test_float16_sets_stay_float16_until_the_device(tmp_path):
-    from vsekit.bench.data_path import write_coco_like
+    from vsekit_lab.bench.data_path import write_coco_like
 
     root = write_coco_like(tmp_path / "d", 6, regions=3, img_dim=4, min_words=2, max_words=3)
     split = load_precomp_split(root, "train")

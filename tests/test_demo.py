@@ -3,9 +3,9 @@ import json
 import pytest
 
 from vsekit.config import load_recipe
-from vsekit.datasets.openclipart import CAPTION_RULES, RENDER_VERSION
-from vsekit.datasets.synthetic import make_synthetic_precomp
-from vsekit.demo import VARIANTS, dataset_outdated, demo_overrides, results_table, run_demo
+from vsekit_lab.datasets.openclipart import CAPTION_RULES, RENDER_VERSION
+from vsekit_lab.datasets.synthetic import make_synthetic_precomp
+from vsekit_lab.demo import VARIANTS, dataset_outdated, demo_overrides, results_table, run_demo
 
 
 def _manifest(tmp_path, **changes):

@@ -278,8 +278,8 @@ def test_eval_run_eccv_end_to_end(tmp_path, capsys, package):
     import torch
 
     from vsekit.config import load_recipe
-    from vsekit.datasets.synthetic import make_synthetic_precomp
     from vsekit.training.trainer import Trainer
+    from vsekit_lab.datasets.synthetic import make_synthetic_precomp
 
     torch.set_num_threads(1)
     data = make_synthetic_precomp(tmp_path / "d", n_train=40, n_dev=10, n_test=N_IMG, regions=2, dim=8)

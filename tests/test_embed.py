@@ -263,7 +263,7 @@ def test_bench_search_ivfpq_from_an_embeddings_folder(tmp_path, monkeypatch):
     """`vse bench search --save-embeddings DIR --ivfpq`: the synthetic set goes through a clip-retrieval folder,
     the queries are its held-out last rows, and every row's recall matches a numpy brute force of the files."""
     from conftest import brute_force_topk, recall_vs, spy_search_ids
-    from vsekit.bench.search import ClusteredVectors, bench_search
+    from vsekit_lab.bench.search import ClusteredVectors, bench_search
 
     seen = spy_search_ids(monkeypatch)
     res = bench_search(n=3000, dim=32, queries=40, exact_queries=10, clusters=60, nlist=32, nprobes=(1, 32),

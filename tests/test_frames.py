@@ -17,8 +17,8 @@ from vsekit.cli import main
 from vsekit.data.frames import RaggedFrames, load_frames, write_frames
 from vsekit.data.precomp import DataFormatError, load_precomp_split
 from vsekit.data.validate import check_dataset, check_split_features
-from vsekit.datasets.video_convert import VideoConvertError, convert_video
 from vsekit.errors import MissingPackageError
+from vsekit_lab.datasets.video_convert import VideoConvertError, convert_video
 
 # three clips of 3, 1 and 2 frames, 4 wide: frame rows 0-2, 3, 4-5
 CLIP0 = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -86,13 +86,13 @@ def test_precomp_split_reads_clips(tmp_path):
 
 
 @pytest.mark.parametrize("offsets,file,message", [
-    (np.array([0, 3, 2, 6]), "test_frame_offsets.npy", "clip 1 has a negative frame count"),
+    (np.array([0, 3, 2, 6]), "test_frame_offsets.npy", "offsets decrease at clip 1 (3 then 2"),
     (np.array([1, 3, 4, 6]), "test_frame_offsets.npy", "the first offset must be 0, got 1"),
     (np.array([0, 3, 4, 5]), "test_frame_offsets.npy", "the last offset is 5 but test_frames.npy has 6 frame rows"),
     (np.array([0, 3, 3, 6]), "test_frame_offsets.npy", "clip 1 has no frames"),
     (np.array([0.0, 3.0, 4.0, 6.0]), "test_frame_offsets.npy", "expected a 1-D integer array"),
     (np.array([[0, 3], [4, 6]]), "test_frame_offsets.npy", "expected a 1-D integer array"),
-    (np.array([6]), "test_frame_offsets.npy", "needs at least 2 entries"),
+    (np.array([6]), "test_frame_offsets.npy", "needs at least 2 offsets"),
 ])  # fmt: skip
 def test_bad_offsets_name_the_file(tmp_path, offsets, file, message):
     _write_split(tmp_path, offsets=offsets)
@@ -131,8 +131,8 @@ def test_split_with_images_and_frames_is_refused(tmp_path, extra):
 
 @pytest.mark.parametrize("cap2img,message", [
     ([0, 0, 1, 2], "test_cap2img.txt: 4 lines but test_caps.txt has 5 captions"),
-    ([0, 0, 1, 2, 3], "test_cap2img.txt: image indices must lie in 0..2"),
-    ([0, 0, 2, 2, 2], "test_cap2img.txt: image row 1 has no caption (1 such rows)"),
+    ([0, 0, 1, 2, 3], "test_cap2img.txt:5: clip 3 outside 0..2"),
+    ([0, 0, 2, 2, 2], "test_cap2img.txt: clip 1 has no caption (1 such clips)"),
 ])  # fmt: skip
 def test_mismatched_caption_map(tmp_path, cap2img, message):
     _write_split(tmp_path, cap2img=cap2img)

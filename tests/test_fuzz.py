@@ -17,8 +17,8 @@ from vsekit.cli import main
 from vsekit.config import ConfigError, load_recipe, parse_override, recipe_from_dict, to_dict
 from vsekit.data.precomp import DataFormatError, load_precomp_split
 from vsekit.data.validate import check_dataset
-from vsekit.datasets.synthetic import make_synthetic_precomp
 from vsekit.metrics import evaluate_sims
+from vsekit_lab.datasets.synthetic import make_synthetic_precomp
 
 FUZZ = settings(max_examples=40, deadline=None, database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])

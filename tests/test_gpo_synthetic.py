@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from vsekit.cli import main
-from vsekit.experiments.gpo_synthetic import (
+from vsekit.pooling.gpo import GPO
+from vsekit_lab.experiments.gpo_synthetic import (
     DESIGNS,
     GROUPS,
     PAPER,
@@ -26,7 +27,6 @@ from vsekit.experiments.gpo_synthetic import (
     train_generator,
     true_weights,
 )
-from vsekit.pooling.gpo import GPO
 
 EPS32 = torch.finfo(torch.float32).eps
 

@@ -14,11 +14,14 @@ import pytest
 import torch
 from torch import nn
 
-from vsekit.bench.train_step import build_train_step
 from vsekit.config import ConfigError, load_recipe
+from vsekit.distributed import DistContext
 from vsekit.training import grad_cache as gc
-from vsekit.training.grad_cache import GradCache, GradCacheError, check_grad_cache_setup
+from vsekit.training.grad_cache import GradCache, GradCacheError
+from vsekit.training.parts import StepParts
+from vsekit.training.step_setup import check_step_setup
 from vsekit.training.trainer import TrainStep
+from vsekit_lab.bench.train_step import build_train_step
 
 TOL = 1e-5
 SMALL = ["model.embed_dim=32", "model.text.word_dim=16", "model.image.mlp_hidden=24"]
@@ -134,7 +137,7 @@ def test_randomness_is_replayed_between_the_passes():
     after_ref = torch.get_rng_state()
     # the cached step, from the same random states
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    step = GradCache(model, full.loss_fn, opt, torch.device("cpu"), 5, grad_clip=0.0)
+    step = GradCache(StepParts(model, full.loss_fn, opt, torch.device("cpu"), grad_clip=0.0), 5)
     torch.manual_seed(123)
     loss, _, _, _ = step(data, torch.Generator().manual_seed(7))
     assert abs(float(loss) - ref_loss.item()) <= TOL * ref_loss.item()
@@ -156,9 +159,15 @@ def test_refused_settings_are_named():
         load_recipe("vsepp", ["train.grad_cache_chunk=8", "train.compile=true"])
     with pytest.raises(ConfigError, match="train.grad_cache_chunk=-1"):
         load_recipe("vsepp", ["train.grad_cache_chunk=-1"])
+    two_ranks, cpu = DistContext(rank=0, world_size=2), torch.device("cpu")
     with pytest.raises(GradCacheError, match="torchrun"):
-        check_grad_cache_setup(8, compiled=False, distributed=True)
-    check_grad_cache_setup(0, compiled=True, distributed=True)  # off: nothing to refuse
+        check_step_setup(load_recipe("vsepp", ["train.grad_cache_chunk=8"]), cpu, two_ranks)
+    check_step_setup(load_recipe("vsepp", ["train.compile=true"]), cpu, two_ranks)  # off: nothing to refuse
+    # a recipe changed after it was read is checked again where the step is set up
+    r = load_recipe("vsepp", ["train.grad_cache_chunk=8"])
+    r.train.compile = True
+    with pytest.raises(ConfigError, match="grad_cache_chunk.*compile"):
+        check_step_setup(r, cpu)
 
     class PlainBN(nn.Module):
         def __init__(self):

@@ -152,15 +152,19 @@ def test_wrong_typed_text_config_names_the_file_and_the_field(tmp_path, capsys, 
     assert err.startswith(f"vse import: error: {path}: BERT config field ") and message in err
 
 
-@pytest.mark.parametrize("block_dim", ["0", "-8"])
-def test_block_dim_must_be_positive(tmp_path, capsys, block_dim):
+@pytest.mark.parametrize("block_dim, message", [
+    ("0", "--block-dim must be at least 1, got 0"),  # refused while the command line is parsed
+    ("-8", "--block-dim must be at least 1, got -8"),
+    ("7", "embed size 32 is not a multiple of --block-dim 7"),  # the importer's own rule
+])  # fmt: skip
+def test_block_dim_must_be_positive(tmp_path, capsys, block_dim, message):
     folder = reference_fixture_dir("avse")
     meta = json.loads((folder / "meta.json").read_text())
     args = ["import", "avse", str(folder / "model_best.pth"), "--block-dim", block_dim]
     for key, flag in (("bert_config", "--text-config"), ("vit_config", "--vision-config")):
         (tmp_path / f"{key}.json").write_text(json.dumps(meta[key]))
         args += [flag, str(tmp_path / f"{key}.json")]
-    assert f"--block-dim {block_dim}: the AEOM block size must be a positive divisor" in one_line_refusal(capsys, args, tmp_path / "run")
+    assert message in one_line_refusal(capsys, args, tmp_path / "run")
 
 
 # ------------------------------------------------------------------------------ --out

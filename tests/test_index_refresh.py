@@ -238,6 +238,7 @@ def test_refresh_keeps_the_other_roots_pictures_and_captions(shapes_model, tmp_p
 def test_failed_or_interrupted_refresh_leaves_the_index_as_it_was(shapes_model, tmp_path, monkeypatch):
     import vsekit.search.encode as enc
     import vsekit.search.refresh as refresh_mod
+    import vsekit.search.store as store_mod
 
     data, run = shapes_model
     folder = make_folder(data, tmp_path / "pics")
@@ -254,7 +255,7 @@ def test_failed_or_interrupted_refresh_leaves_the_index_as_it_was(shapes_model, 
         raise OSError(28, "No space left on device")
 
     with monkeypatch.context() as m:
-        m.setattr(refresh_mod, "write_faiss", disk_full)
+        m.setattr(store_mod, "write_faiss", disk_full)
         with pytest.raises(OSError, match="No space left"):
             refresh_mod.refresh_index(run, str(folder), out, batch_size=1, progress=False, log=quiet)
     assert snapshot(out) == files and SearchIndex(out).n_pictures == len(PICTURES)

@@ -67,7 +67,7 @@ def test_atomic_write_json_keeps_non_ascii_when_asked(tmp_path):
 
 def test_no_module_keeps_its_own_copy_of_these_helpers():
     """A file digest and a temp-file-then-rename write each live once, in utils/io.py."""
-    for path in SRC.rglob("*.py"):
+    for path in [*SRC.rglob("*.py"), *(SRC.parent / "vsekit_lab").rglob("*.py")]:  # the library and its lab
         if path.name == "io.py" and path.parent.name == "utils":
             continue
         text = path.read_text(encoding="utf-8")

@@ -20,11 +20,11 @@ from threadpoolctl import threadpool_limits
 from conftest import StepClock
 from vsekit.cli import main
 from vsekit.config import load_recipe
-from vsekit.datasets.synthetic import make_synthetic_precomp
 from vsekit.losses import TripletLoss, create_loss
 from vsekit.losses.ladder import LadderLoss, adaptive_levels, kmeans_1d, silhouette_1d
 from vsekit.relevance import cached_relevance, sentence_embeddings, split_caption_embeddings
 from vsekit.training.trainer import Trainer
+from vsekit_lab.datasets.synthetic import make_synthetic_precomp
 
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -380,8 +380,8 @@ def test_relevance_cache_training_and_eval(tmp_path, capsys):
 
 
 def test_step_benchmark_runs_all_three_losses():
-    import vsekit.bench.ladder as module
-    from vsekit.bench.ladder import bench_ladder_step
+    import vsekit_lab.bench.ladder as module
+    from vsekit_lab.bench.ladder import bench_ladder_step
 
     row = bench_ladder_step(batch=16, repeats=1, warmup=0, regions=4, img_dim=32, embed_dim=32, vocab=50)
     for name in ("vsepp", "ladder", "ladder_auto"):

@@ -7,7 +7,7 @@ from PIL import Image
 
 from vsekit.cli import main
 from vsekit.data.precomp import load_precomp_split
-from vsekit.datasets.synthetic import make_synthetic_precomp
+from vsekit_lab.datasets.synthetic import make_synthetic_precomp
 
 
 def _picture(path: Path) -> None:

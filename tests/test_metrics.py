@@ -88,3 +88,41 @@ def test_ties_rank_pessimistically():
 def test_bad_inputs(sims, c2i, needle):
     with pytest.raises(MetricsInputError, match=needle):
         evaluate_sims(sims, c2i)
+
+
+def test_metrics_read_no_dataset_files():
+    """Metrics take arrays: no statement of vsekit/metrics (lazy imports inside functions included) imports
+    vsekit.data, the formats layer that reads dataset files; a similarity matrix or a caption->image map file is
+    read by `vsekit.data.sims` for the command (`vse eval-sims`)."""
+    import ast
+    from pathlib import Path
+
+    metrics = Path(__file__).resolve().parents[1] / "src" / "vsekit" / "metrics"
+    found = []
+    for path in sorted(metrics.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            found += [f"{path.name}:{node.lineno}" for n in names if n == "vsekit.data" or n.startswith("vsekit.data.")]
+    assert found == []
+
+
+def test_similarity_files_are_read_by_the_data_layer(tmp_path):
+    """`vsekit.data.sims`: an ensemble is the mean of its matrices; a caption->image map of another length, an
+    empty or a 3-D matrix is refused naming the file."""
+    from vsekit.data.precomp import DataFormatError
+    from vsekit.data.sims import load_sims, read_cap2img
+
+    a, b = np.arange(6, dtype=np.float32).reshape(2, 3), np.ones((2, 3), np.float32)
+    np.save(tmp_path / "a.npy", a)
+    np.save(tmp_path / "b.npy", b)
+    np.testing.assert_array_equal(load_sims([str(tmp_path / "a.npy")]), a)
+    np.testing.assert_allclose(load_sims([str(tmp_path / "a.npy"), str(tmp_path / "b.npy")]), (a + b) / 2)
+    np.save(tmp_path / "cube.npy", np.zeros((2, 2, 2), np.float32))
+    with pytest.raises(DataFormatError, match=r"cube\.npy: expected a 2-D"):
+        load_sims([str(tmp_path / "cube.npy")])
+    (tmp_path / "c2i.txt").write_text("0\n0\n1\n")
+    np.testing.assert_array_equal(read_cap2img(tmp_path / "c2i.txt", 3), [0, 0, 1])
+    with pytest.raises(DataFormatError, match=r"c2i\.txt: 3 lines but the similarity matrix has 4 caption columns"):
+        read_cap2img(tmp_path / "c2i.txt", 4)

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from vsekit.bench.view_reg import grad_norm_ratio, random_grad_ratios, view_reg_grad_ratio
 from vsekit.cli import main
 from vsekit.config import ImageEncoderConfig, LossConfig, PoolingConfig, load_recipe
 from vsekit.losses import create_loss
 from vsekit.losses.view_reg import ViewRegularisedLoss, cross_correlation, view_regulariser
 from vsekit.models.multiview import MultiViewImageEncoder, kept_count, view_groups
 from vsekit.training.trainer import Trainer
+from vsekit_lab.bench.view_reg import grad_norm_ratio, random_grad_ratios, view_reg_grad_ratio
 
 
 def make_encoder(

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vsekit.datasets import openclipart as oc
 from vsekit.utils.io import sha256_file
+from vsekit_lab.datasets import openclipart as oc
 
 pytest.importorskip("PIL")
 
@@ -116,7 +116,7 @@ def test_parse_metadata_and_errors(svg_root, caplog):
     assert e.value.kind == "no_metadata"
 
     rels, _ = oc.find_svgs(svg_root)
-    with caplog.at_level(logging.WARNING, logger="vsekit.datasets.openclipart"):
+    with caplog.at_level(logging.WARNING, logger="vsekit_lab.datasets.openclipart"):
         ok, errors = oc.parse_all(svg_root, rels, svg_root.parent / "meta_cache.json", progress=False)
     assert set(errors) == {"unsorted/broken.svg", "unsorted/no_meta.svg"}
     assert "unsorted/broken.svg" in caplog.text and "unsorted/no_meta.svg" in caplog.text

@@ -25,7 +25,7 @@ from vsekit.data.precomp import load_precomp_split
 from vsekit.data.validate import check_dataset
 from vsekit.datasets import own_features, own_pairs
 from vsekit.datasets.own_pairs import Item, PictureRef, assign_ids, safe_id
-from vsekit.datasets.own_sources import expand_braces, expand_shards, split_key
+from vsekit.datasets.own_shards import expand_braces, expand_shards, split_key
 
 pytest.importorskip("efficientnet_lite_pytorch")
 
@@ -168,15 +168,16 @@ def test_folder_table_and_shards_give_the_same_dataset(three_builds, pics):
 
 @pytest.mark.slow
 def test_features_match_the_extractor_run_on_the_files(three_builds):
-    """The rows are the features of the right pictures: GridFeatureExtractor.extract_paths (the openclipart
-    path: Image.open on the file) on the test split's files, batched differently."""
-    from vsekit.features.efficientnet import GridFeatureExtractor
+    """The rows are the features of the right pictures: LiteGridExtractor.extract_paths (the openclipart
+    path: the bounded reader on the file) on the test split's files, batched differently."""
+    from vsekit.data.pictures import open_image
+    from vsekit.features.extractor import LiteGridExtractor
 
     out = three_builds["folder"]
     sp = load_precomp_split(out, "test")
     paths = [sp.abs_image_path(i) for i in range(sp.n_images)]
     assert [p.name for p in paths] == [f"{i}.png" for i in sp.image_ids]
-    ref = GridFeatureExtractor(image_size=64).extract_paths(paths, batch_size=5, progress=False)
+    ref = LiteGridExtractor(image_size=64).extract_paths(paths, batch_size=5, progress=False, open_picture=open_image)
     got = np.asarray(sp.features, dtype=np.float32)
     # equal bit for bit on the machines tried; another batch size may let oneDNN pick other kernels (float32
     # sums in another order, ~1e-6 relative), which after rounding to float16 (relative step 2**-11 ~ 4.9e-4)

@@ -160,13 +160,13 @@ def test_cors_off_by_default_hosts_checked_headers_and_logs(index_dir, caplog):
     with TestClient(create_app(index_dir, logger=logger), base_url=BASE) as c:
         with caplog.at_level(logging.INFO, logger="vsekit.test.search"):
             r = c.get("/search", params={"q": "a secret red circle", "k": 1}, headers={"origin": "http://evil.example"})
-        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+        assert r.status_code == 403 and "access-control-allow-origin" not in r.headers  # another site's page
         assert r.headers["x-content-type-options"] == "nosniff" and "frame-ancestors 'none'" in r.headers["content-security-policy"]
         pre = c.options("/search", headers={"origin": "http://evil.example", "access-control-request-method": "GET"})
         assert "access-control-allow-origin" not in pre.headers
         assert c.get("/healthz", headers={"host": "evil.example"}).status_code == 400  # DNS rebinding
     lines = [json.loads(rec.getMessage()) for rec in caplog.records if rec.name == "vsekit.test.search"]
-    assert lines and lines[0]["path"] == "/search" and lines[0]["status"] == 200 and lines[0]["method"] == "GET"
+    assert lines and lines[0]["path"] == "/search" and lines[0]["status"] == 403 and lines[0]["method"] == "GET"
     assert "secret" not in caplog.text  # queries are not logged
     with TestClient(create_app(index_dir, cors_origins=["http://ok.example"]), base_url=BASE) as c:
         r = c.get("/healthz", headers={"origin": "http://ok.example"})
@@ -178,7 +178,7 @@ def test_cors_off_by_default_hosts_checked_headers_and_logs(index_dir, caplog):
 def test_bench_serve_runs_a_bounded_load_test_against_vse_serve(index_dir):
     """`vse serve` in a child process on a free loopback port: every request answered, then it is stopped."""
     pytest.importorskip("uvicorn")
-    from vsekit.bench.search import bench_serve
+    from vsekit_lab.bench.search import bench_serve
 
     res = bench_serve(index_dir, requests=40, concurrency=2, max_seconds=60, queries=["a red circle", "a blue square"])
     assert res["requests"] == 40 and res["errors"] == 0, res["first_errors"]

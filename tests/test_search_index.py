@@ -23,7 +23,6 @@ from conftest import (
 )
 from vsekit.cli import main
 from vsekit.data.precomp import DataFormatError
-from vsekit.datasets.shapes import COLORS, SHAPES
 from vsekit.search.engine import SearchEngine
 from vsekit.search.index import (
     FaissParams,
@@ -33,6 +32,7 @@ from vsekit.search.index import (
     build_faiss,
     build_index,
 )
+from vsekit_lab.datasets.shapes import COLORS, SHAPES
 
 pytest.importorskip("faiss")
 pytest.importorskip("efficientnet_lite_pytorch")
@@ -112,11 +112,11 @@ def test_incremental_add_skips_known_pictures(shapes_model, tmp_path):
 
 @pytest.mark.slow
 def test_interrupted_indexing_resumes_from_finished_chunks(shapes_model, tmp_path, monkeypatch):
-    import vsekit.search.index as index_mod
+    import vsekit.search.build as build_mod
 
     data, run = shapes_model
-    real = index_mod.embed_features
-    calls = interrupt_on_call(monkeypatch, index_mod, "embed_features", 3)
+    real = build_mod.embed_features
+    calls = interrupt_on_call(monkeypatch, build_mod, "embed_features", 3)
     kw = {"chunk_size": 4, "batch_size": 4, "progress": False, "log": quiet}
     with pytest.raises(KeyboardInterrupt):
         build_index(run, f"{data}:test", tmp_path / "idx", **kw)
@@ -126,7 +126,7 @@ def test_interrupted_indexing_resumes_from_finished_chunks(shapes_model, tmp_pat
     build_index(run, f"{data}:test", tmp_path / "idx", **kw)
     assert calls["n"] == 100 + 6 - 2  # 24 pictures / 4 per chunk, 2 chunks reused
     assert not (tmp_path / "idx" / ".work").exists()
-    monkeypatch.setattr(index_mod, "embed_features", real)
+    monkeypatch.setattr(build_mod, "embed_features", real)
     build_index(run, f"{data}:test", tmp_path / "ref", **kw)
     # reused chunks keep their batches (`chunk_batches`): the same ops on the same shapes as a fresh build
     np.testing.assert_allclose(SearchIndex(tmp_path / "idx").all_image_emb(), SearchIndex(tmp_path / "ref").all_image_emb(), atol=1e-6)
@@ -215,7 +215,7 @@ def test_ivf_index_and_nprobe_from_the_cli(shapes_model, split_index, tmp_path, 
     assert [h["path"] for h in all_lists] == list(exact)  # every list visited: the exact ranking
     assert json.loads((ivf / "index.json").read_text())["faiss"]["nprobe"] == 1  # the override is not stored
     assert main(_search_json(ivf, "--nprobe", "0")) == 2
-    assert "nprobe must be >= 1" in capsys.readouterr().err
+    assert "vse search: error: --nprobe must be at least 1, got 0" in capsys.readouterr().err  # while parsing
 
 
 def test_hnsw_index_and_ef_search_from_the_cli(shapes_model, split_index, tmp_path, capsys, monkeypatch):
@@ -326,7 +326,7 @@ def test_non_inner_product_similarity_is_reranked_exactly(tmp_path):
 def test_bench_search_measures_recall_against_exact(monkeypatch):
     """The ANN benchmark on a small set: IVF visiting every list is exact, one list is not; same seed, same data.
     Every row's recall is checked against a brute-force numpy top-k of the same data, not FAISS's flat index."""
-    from vsekit.bench.search import ClusteredVectors, bench_search, format_search_table
+    from vsekit_lab.bench.search import ClusteredVectors, bench_search, format_search_table
 
     a, b = ClusteredVectors(16, 8, 1.0, seed=3), ClusteredVectors(16, 8, 1.0, seed=3)
     np.testing.assert_array_equal(np.concatenate(list(a.chunks(250, 100))), np.concatenate(list(b.chunks(250, 100))))

@@ -134,7 +134,7 @@ def test_serve_port_0_prints_the_port_it_got(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.slow
 def test_failed_first_index_leaves_nothing_and_the_rerun_works(shapes_model, tmp_path, monkeypatch, capsys):
-    import vsekit.search.index as index_mod
+    import vsekit.search.encode as encode_mod
 
     data, run = shapes_model
     pics = pictures(data, tmp_path / "pics", 5)
@@ -149,8 +149,8 @@ def test_failed_first_index_leaves_nothing_and_the_rerun_works(shapes_model, tmp
     assert out.is_dir() and list(out.iterdir()) == []
     # hopeless from the start: refused before a single picture is embedded
     calls = []
-    real = index_mod.ImageEmbedder.embed
-    monkeypatch.setattr(index_mod.ImageEmbedder, "embed", lambda self, px: calls.append(len(px)) or real(self, px))
+    real = encode_mod.ImageEmbedder.embed
+    monkeypatch.setattr(encode_mod.ImageEmbedder, "embed", lambda self, px: calls.append(len(px)) or real(self, px))
     assert main(index_argv(run, pics, out, "--index", "ivf", "--nlist", "1000")) == 2
     err = capsys.readouterr().err
     assert "--nlist 1000: an IVF index with 1000 lists needs at least 1000 vectors to train, got 6" in err
@@ -161,7 +161,7 @@ def test_failed_first_index_leaves_nothing_and_the_rerun_works(shapes_model, tmp
 
 @pytest.mark.slow
 def test_failed_add_leaves_the_index_as_it_was(shapes_model, tmp_path, monkeypatch):
-    import vsekit.search.index as index_mod
+    import vsekit.search.store as store_mod
 
     data, run = shapes_model
     out = tmp_path / "idx"
@@ -172,7 +172,7 @@ def test_failed_add_leaves_the_index_as_it_was(shapes_model, tmp_path, monkeypat
         path.write_bytes(b"half a FAISS file")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(index_mod, "write_faiss", disk_full)
+    monkeypatch.setattr(store_mod, "write_faiss", disk_full)
     with pytest.raises(OSError, match="No space left"):
         build_index(run, f"{data}:dev", out, progress=False, log=quiet)
     assert {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
@@ -203,11 +203,11 @@ def test_leftovers_of_a_killed_first_build_do_not_block_the_rerun(shapes_model, 
 
 @pytest.mark.slow
 def test_interrupted_index_says_how_to_resume(shapes_model, tmp_path, monkeypatch, capsys):
-    import vsekit.search.index as index_mod
+    import vsekit.search.build as build_mod
 
     data, run = shapes_model
     out = tmp_path / "my idx"
-    calls = interrupt_on_call(monkeypatch, index_mod, "embed_features", 3)
+    calls = interrupt_on_call(monkeypatch, build_mod, "embed_features", 3)
     assert main(index_argv(run, f"{data}:test", out, "--chunk-size", "4", "--batch-size", "4")) == 130
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("vse index: interrupted; 2 finished chunk(s) of embeddings are kept in")
@@ -221,10 +221,10 @@ def test_interrupted_index_says_how_to_resume(shapes_model, tmp_path, monkeypatc
 
 @pytest.mark.slow
 def test_index_resumed_with_another_chunk_size_keeps_every_picture(shapes_model, tmp_path, monkeypatch):
-    import vsekit.search.index as index_mod
+    import vsekit.search.build as build_mod
 
     data, run = shapes_model
-    calls = interrupt_on_call(monkeypatch, index_mod, "embed_features", 3)
+    calls = interrupt_on_call(monkeypatch, build_mod, "embed_features", 3)
     with pytest.raises(KeyboardInterrupt):
         build_index(run, f"{data}:test", tmp_path / "idx", chunk_size=4, batch_size=4, progress=False, log=quiet)
     build_index(run, f"{data}:test", tmp_path / "idx", chunk_size=256, batch_size=4, progress=False, log=quiet)
@@ -248,28 +248,28 @@ def _recording(module, attr, monkeypatch):
 
 @pytest.mark.slow
 def test_resumed_index_feeds_the_model_the_same_batches(shapes_model, tmp_path, monkeypatch):
-    import vsekit.search.index as index_mod
+    import vsekit.search.build as build_mod
 
     data, run = shapes_model
     torch.set_num_threads(1)
     kw = {"chunk_size": 5, "batch_size": 3, "progress": False, "log": quiet}
-    batches = _recording(index_mod, "embed_features", monkeypatch)
+    batches = _recording(build_mod, "embed_features", monkeypatch)
     build_index(run, f"{data}:test", tmp_path / "ref", **kw)
     fresh = list(batches)
     assert [len(b) for b in fresh] == [3, 2] * 4 + [3, 1]  # chunks of 5 rows, each batched from its first row
     batches.clear()
-    real = index_mod.embed_features
+    real = build_mod.embed_features
 
     def dies_in_chunk_1(model, items, *args, **kwargs):
         if len(batches) == 3:
             raise KeyboardInterrupt
         return real(model, items, *args, **kwargs)
 
-    monkeypatch.setattr(index_mod, "embed_features", dies_in_chunk_1)
+    monkeypatch.setattr(build_mod, "embed_features", dies_in_chunk_1)
     with pytest.raises(KeyboardInterrupt):
         build_index(run, f"{data}:test", tmp_path / "idx", **kw)
-    monkeypatch.setattr(index_mod, "embed_features", real)
-    batches = _recording(index_mod, "embed_features", monkeypatch)
+    monkeypatch.setattr(build_mod, "embed_features", real)
+    batches = _recording(build_mod, "embed_features", monkeypatch)
     build_index(run, f"{data}:test", tmp_path / "idx", **kw)
     assert batches == fresh[2:]  # chunk 0 (2 batches) reused, the rest in exactly the uninterrupted batches
     assert np.array_equal(SearchIndex(tmp_path / "idx").all_image_emb(), SearchIndex(tmp_path / "ref").all_image_emb())

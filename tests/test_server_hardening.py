@@ -121,7 +121,7 @@ def test_wrong_methods_and_hosts(client):
     assert client.delete("/thumb/0").status_code == 405
     assert client.get("/healthz", headers={"host": "attacker.example"}).status_code == 400
     r = client.get("/search", params={"q": "a cat"}, headers={"origin": "http://attacker.example"})
-    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    assert r.status_code == 403 and "access-control-allow-origin" not in r.headers  # tests/test_server_limits.py
 
 
 # Requests that were answered 500 before search/server.py was hardened (regression tests).

@@ -166,7 +166,7 @@ def test_bigru_recipes_default_to_the_releases_tokens_and_scan_min_count(name):
 
 def test_small_data_keeps_min_count_one():
     from vsekit.config import load_recipe
-    from vsekit.demo import DEMO_OVERRIDES
+    from vsekit_lab.demo import DEMO_OVERRIDES
 
     assert "model.text.vocab_min_count=1" in DEMO_OVERRIDES
     assert load_recipe("bow").model.text.vocab_min_count == 1

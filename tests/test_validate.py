@@ -8,10 +8,10 @@ import torch
 
 from vsekit.cli import main
 from vsekit.config import load_recipe
-from vsekit.data.precomp import DataFormatError
+from vsekit.data.precomp import DataFormatError, load_precomp_split
 from vsekit.data.validate import check_dataset, discover_splits
-from vsekit.datasets.synthetic import make_synthetic_precomp
 from vsekit.training.trainer import Trainer
+from vsekit_lab.datasets.synthetic import make_synthetic_precomp
 
 
 @pytest.fixture(autouse=True)
@@ -97,7 +97,7 @@ def test_unreadable_features_and_picture_paths(data):
     paths = ["images/a.png"] * 38 + ["../../etc/passwd", "images/missing.png"]
     (data / "train_images.txt").write_text("\n".join(paths) + "\n")
     report = check_dataset(data)
-    assert _found(report, "dev_ims.npy", "", "not a readable .npy array")
+    assert _found(report, "dev_ims.npy", "", "not a plain numeric .npy array")  # open_npy's words, as a load's
     assert _found(report, "test_ims.npy", "", "expected shape (images, regions, dim), got (10, 8)")
     assert _found(report, "train_images.txt", ":39", "points outside the dataset directory")
     assert _found(report, "train_images.txt", ":40", "no such picture")
@@ -132,3 +132,24 @@ def test_trainer_refuses_bad_data_before_training(data, tmp_path):
         Trainer(r, data, tmp_path / "run", progress=False, log=lambda *_: None)
     assert "dev_ims.npy row 3" in str(e.value) and "train_caps.txt" in str(e.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_check_applies_the_load_rules_and_lists_every_problem(data):
+    """`vse data check` runs the rules a load runs (one copy, `precomp.read_split_files`), collecting: the
+    problem a load stops at is in the report word for word, and so is every other one of the file."""
+    (data / "train_ims_lengths.txt").write_text("4\n" * 37 + "0\nx\n9\n")  # 40 rows of 4 regions
+    with pytest.raises(DataFormatError) as e:
+        load_precomp_split(data, "train")
+    report = check_dataset(data)
+    listed = [f"{p.path}{p.where}: {p.message}" for p in report.errors]
+    assert str(e.value) in listed and str(e.value).endswith("train_ims_lengths.txt:39: expected one integer, got 'x'")
+    assert _found(report, "train_ims_lengths.txt", ":38", "set size 0 outside 1..4") is False  # not read: 'x'
+    (data / "train_ims_lengths.txt").write_text("4\n" * 37 + "0\n4\n9\n")
+    report = check_dataset(data)
+    assert _found(report, "train_ims_lengths.txt", ":38", "set size 0 outside 1..4")
+    assert _found(report, "train_ims_lengths.txt", ":40", "set size 9 outside 1..4")
+    (data / "train_ims_lengths.txt").unlink()
+    (data / "dev_images.txt").write_text("a.png\n" * 9)  # 10 images
+    with pytest.raises(DataFormatError, match="dev_images.txt: 9 paths for 10 images"):
+        load_precomp_split(data, "dev")
+    assert _found(check_dataset(data), "dev_images.txt", "", "9 paths for 10 images")

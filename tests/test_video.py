@@ -18,9 +18,9 @@ from vsekit.cli import main
 from vsekit.config import load_recipe
 from vsekit.data.frames import load_frames
 from vsekit.data.precomp import load_precomp_split
-from vsekit.datasets.moving_shapes import SHAPE_WORDS, VERBS, build_moving_shapes
 from vsekit.errors import VseInputError
 from vsekit.metrics import evaluate_sims
+from vsekit_lab.datasets.moving_shapes import SHAPE_WORDS, VERBS, build_moving_shapes
 
 CHEAP = "random-projection"
 

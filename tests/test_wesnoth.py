@@ -11,7 +11,8 @@ from PIL import Image
 
 from vsekit.data.frames import load_frames
 from vsekit.data.validate import check_dataset
-from vsekit.datasets.wesnoth import (
+from vsekit.errors import VseInputError
+from vsekit_lab.datasets.wesnoth import (
     assign_splits,
     build_wesnoth,
     collect_macros,
@@ -25,7 +26,6 @@ from vsekit.datasets.wesnoth import (
     parse_wml,
     render_frame,
 )
-from vsekit.errors import VseInputError
 
 MACROS = """#textdomain wesnoth-units
 # shared animation macros (core/macros)

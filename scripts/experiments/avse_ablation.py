@@ -2,7 +2,7 @@
 Sinkhorn iteration count c, the view regulariser on/off — beside VSE∞ — with several seeds; and the
 paper-vs-released-code switches (AEOM readout, L_reg normalisation, views of the full vs the size-augmented
 set). Each run also records ‖∇ L_reg‖ / ‖∇ L_rank‖ on the image embedding (one training batch, at
-initialisation and for the best checkpoint; `vsekit.bench.view_reg.view_reg_grad_ratio`).
+initialisation and for the best checkpoint; `vsekit_lab.bench.view_reg.view_reg_grad_ratio`).
 
 Each (variant, seed) trains with the same small config, keeps the best-on-dev epoch, and is scored on the
 test split; the Markdown table goes into docs/avse.md between the `ablation` markers.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from vsekit.bench.view_reg import view_reg_grad_ratio
+from vsekit_lab.bench.view_reg import view_reg_grad_ratio
 from vsekit.config import load_recipe, to_dict
 from vsekit.evaluation import evaluate_model
 from vsekit.runs import load_weights

@@ -1,5 +1,5 @@
 """Does the collapse alarm stay silent on the demo's healthy runs? Trains every demo variant (the demo's own
-recipes and overrides, `vsekit.demo.demo_overrides`) with a far more sensitive alarm than the default
+recipes and overrides, `vsekit_lab.demo.demo_overrides`) with a far more sensitive alarm than the default
 (`train.collapse_steps` = --steps, default 3 instead of 200) and reports, per run, the steps trained, the
 final dev rsum and whether the alarm fired (a `collapse` record in metrics.jsonl).
 
@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 
 from vsekit.config import load_recipe
-from vsekit.demo import DEMO_EPOCHS, VARIANTS, demo_overrides
 from vsekit.training.trainer import Trainer
+from vsekit_lab.demo import DEMO_EPOCHS, VARIANTS, demo_overrides
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ why the BiGRU recipes sit at the floor, and the small-data recipe's margin over 
 
 Every run trains with `vse train`'s Trainer, keeps its best-on-dev epoch and is scored on the test split
 with the shared metrics module (the last epoch is scored too, to show what dev selection is worth).
-The demo models use the demo's own settings (`vsekit.demo.demo_overrides`), so the 100 % points are the
+The demo models use the demo's own settings (`vsekit_lab.demo.demo_overrides`), so the 100 % points are the
 demo table's runs: with `--demo-out runs/demo` they are written where `vse demo` finds and reuses them.
 
     nice -n 10 .venv/bin/python scripts/experiments/floor_study.py --data data/openclipart \\
@@ -56,7 +56,7 @@ class Study:
 
 def demo_job(group: str, variant_name: str, seed: int, fraction: float, extra: tuple[str, ...] = (),
              name: str | None = None, label: str = "") -> Job:  # fmt: skip
-    from vsekit.demo import DEMO_EPOCHS, VARIANTS, demo_overrides
+    from vsekit_lab.demo import DEMO_EPOCHS, VARIANTS, demo_overrides
 
     v = next(v for v in VARIANTS if v.name == variant_name)
     overrides = tuple(demo_overrides(v, DEMO_EPOCHS)) + extra + (f"data.train_fraction={fraction}",)
@@ -117,11 +117,11 @@ def run_job(job: Job, data: str, out: str, demo_out: str | None, threads: int) -
     import torch
 
     from vsekit.config import load_recipe
-    from vsekit.demo import run_is_complete
     from vsekit.evaluation import evaluate_model
     from vsekit.runs import load_run
     from vsekit.training.trainer import Trainer
     from vsekit.utils.io import atomic_write_json
+    from vsekit_lab.demo import run_is_complete
 
     torch.set_num_threads(threads)
     run_dir = job.run_dir(Path(out), Path(demo_out) if demo_out else None)

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from vsekit.bench.ladder import bench_ladder_step
+from vsekit_lab.bench.ladder import bench_ladder_step
 from vsekit.losses.ladder import LadderLoss
 
 

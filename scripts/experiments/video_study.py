@@ -106,6 +106,7 @@ def train_and_eval(run: Runner, out: Path, v: Variant, seed: int, shrink: list[s
         run(args, f"train_{v.name}_s{seed}")
         if not run.dry:
             (run_dir / "done.json").write_text("{}\n")
+    (out / "eval").mkdir(parents=True, exist_ok=True)  # `--json-out` creates no folder
     for test, data, _ in TESTS:
         target = out / "eval" / f"{v.name}_s{seed}_{test}.json"
         if not target.is_file():
@@ -114,6 +115,7 @@ def train_and_eval(run: Runner, out: Path, v: Variant, seed: int, shrink: list[s
 
 
 def ensemble(run: Runner, out: Path, seed: int) -> None:
+    (out / "eval").mkdir(parents=True, exist_ok=True)  # `--json-out` creates no folder
     for test, data, _ in TESTS:
         target = out / "eval" / f"ensemble_s{seed}_{test}.json"
         if not target.is_file():
@@ -130,7 +132,7 @@ OPPOSITE = {"left": "right", "right": "left", "up": "down", "down": "up", "grow"
 
 def phrase(e: dict, action: str | None = None) -> str:
     """One canonical wording of an event (first synonym of the shape and of the verb)."""
-    from vsekit.datasets.moving_shapes import SHAPE_WORDS, VERBS
+    from vsekit_lab.datasets.moving_shapes import SHAPE_WORDS, VERBS
 
     art = "an" if e["color"][0] in "aeiou" else "a"
     return f"{art} {e['color']} {SHAPE_WORDS[e['shape']][0]} {VERBS[action or e['action']][0]}"

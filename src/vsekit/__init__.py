@@ -8,8 +8,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from vsekit import registry as _registry
+
 __version__ = "0.1.0"
 __all__ = ["load"]
+
+
+def _load_builtin_parts() -> None:
+    """The parts that ship with vsekit register the first time the registry is asked (see vsekit.registry): the
+    package root is above every layer, so `vsekit.config` validates recipes against them without importing them."""
+    import vsekit.parts  # noqa: F401
+
+
+_registry.add_loader(_load_builtin_parts)
 
 
 def load(run: Any, device: Any = "cpu", checkpoint: str = "best") -> Any:

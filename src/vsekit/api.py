@@ -15,6 +15,7 @@ What each method takes, converts and refuses (a `ModelInputError` naming the arg
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -31,12 +32,30 @@ from vsekit.models.inputs import (  # noqa: F401  (the API's names; the model's 
 )
 from vsekit.models.vse import VSEModel
 
+CHECKPOINTS = ("best", "last")
+
 
 def load(run: str | Path, device: str | torch.device = "cpu", checkpoint: str = "best") -> VSEModel:
-    """A trained or imported run as a model in eval mode on `device` (`checkpoint`: best | last)."""
+    """A trained or imported run as a model in eval mode on `device` (`checkpoint`: best | last).
+
+    `run`: the run folder, a str or path; `device`: a device name (cpu, cuda, cuda:N, mps, auto) or a
+    torch.device. Anything else is a `ModelInputError` naming the argument (a `ModelInputTypeError`, also a
+    TypeError, for a value of the wrong type); a folder that is not a run, a `CheckpointError` naming it."""
+    from vsekit.errors import check_device_name
     from vsekit.runs import load_run
     from vsekit.utils.runtime import resolve_device
 
+    if not isinstance(run, (str, os.PathLike)):
+        raise ModelInputTypeError(f"load: run must be the path of a run folder (str or pathlib.Path), got "
+                                  f"{type(run).__name__}")  # fmt: skip
+    if not str(run).strip():
+        raise ModelInputError("load: run is an empty path; give the run folder (vse train --out)")
+    if not isinstance(device, (str, torch.device)):
+        raise ModelInputTypeError(f"load: device must be a name (cpu, cuda, cuda:N, mps, auto) or a torch.device, got "
+                                  f"{type(device).__name__}")  # fmt: skip
+    if checkpoint not in CHECKPOINTS:
+        raise ModelInputError(f"load: checkpoint {checkpoint!r}; choose one of {', '.join(CHECKPOINTS)}")
+    check_device_name(str(device), "load: device", ModelInputError)
     model, cfg = load_run(run, checkpoint, resolve_device(str(device)))
     model.run_config = cfg
     return model

@@ -58,7 +58,7 @@ class _StderrHandler(logging.StreamHandler):
 
     def filter(self, record: logging.LogRecord) -> bool:
         owner = logging.getLogger(record.name)
-        while owner is not None and owner.name != "vsekit":
+        while owner is not None and self not in owner.handlers:
             if owner.handlers:
                 return False
             owner = owner.parent if owner.propagate else None
@@ -68,16 +68,19 @@ class _StderrHandler(logging.StreamHandler):
 _HANDLER: _StderrHandler | None = None
 
 
-def configure_logging(level: int = logging.INFO) -> None:
-    """The CLI's logging, set up once per process (library modules never configure logging): `vsekit.*`
-    records at `level` and above go to stderr as `LEVEL logger: message`. Calling it again only sets the level."""
+def configure_logging(level: int = logging.INFO, packages: tuple[str, ...] | list[str] = ()) -> None:
+    """The CLI's logging, set up once per process (library modules never configure logging): records of `vsekit.*`
+    and of the `packages` that give `vse` verbs (vsekit_lab) at `level` and above go to stderr as
+    `LEVEL logger: message`. Calling it again only sets the level (and adds packages not seen yet)."""
     global _HANDLER
-    root = logging.getLogger("vsekit")
     if _HANDLER is None:
         _HANDLER = _StderrHandler()
         _HANDLER.setFormatter(logging.Formatter(LOG_FORMAT))
-        root.addHandler(_HANDLER)
-    root.setLevel(level)
+    for name in ("vsekit", *packages):
+        root = logging.getLogger(name)
+        if _HANDLER not in root.handlers:
+            root.addHandler(_HANDLER)
+        root.setLevel(level)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     from vsekit.commands import embed  # `vse embed` (no torch at import, like every command module)
 
     embed.register(sub)
+    from vsekit.commands.plugins import COMMANDS_GROUP, register_verbs
+
+    register_verbs(COMMANDS_GROUP, sub)  # `vse demo`, `vse bench …`, `vse experiment …`: vsekit_lab's entry points
     return parser
 
 
@@ -111,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         print("vse: interrupted (nothing was started)", file=sys.stderr)
         return 130
 
+    from vsekit.commands.plugins import verb_packages
+
+    packages = verb_packages()
+    configure_logging(logging.INFO, packages)  # before the parser: a verb that cannot be loaded says so in one line
     parser = build_parser()
     from vsekit.commands.argtypes import OptionValueError
 
@@ -121,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{e.command}: error: {e}", file=sys.stderr)
         return 2
-    configure_logging(getattr(args, "vse_log_level", None) or logging.INFO)
+    configure_logging(getattr(args, "vse_log_level", None) or logging.INFO, packages)
     try:
         if getattr(args, "device", None) is not None:  # every verb's --device, before anything is loaded
             from vsekit.errors import check_device_name
@@ -179,8 +189,11 @@ def _out_of_memory(args: argparse.Namespace, e: BaseException) -> int:
     if debug_enabled():
         raise e
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    print(f"vse {args.command}: error: out of memory ({first}); try a smaller --batch-size or another --device",
-          file=sys.stderr)  # fmt: skip
+    # advice names only the options this command has (argparse sets every option's attribute)
+    tips = [tip for dest, tip in (("batch_size", "a smaller --batch-size"), ("image_size", "a smaller --image-size"),
+                                  ("device", "another --device")) if hasattr(args, dest)]  # fmt: skip
+    advice = "try " + " or ".join(tips) if tips else "free some memory or use a machine with more"
+    print(f"vse {args.command}: error: out of memory ({first}); {advice}", file=sys.stderr)
     return 2
 
 

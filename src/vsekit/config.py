@@ -3,243 +3,299 @@
 A recipe names every part of a model (encoders, pooling, similarity, loss) and the training schedule.
 Unknown keys are errors, because a typo in a config silently running the default is the most
 expensive bug in a multi-day training run.
+
+The sections of the parts (`model.image`, `model.text`, their `pooling`, `model.similarity`, `loss`) are
+`PartSection`s: the part's name, and flat, the settings of every registered part of that kind, which each part
+declares next to its code (`vsekit.registry`). The other sections are plain dataclasses here. Every key carries
+its help, and optionally its range or choices (`registry.setting`); docs/recipe_keys.md is generated from them.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
-from vsekit.errors import VseInputError
+from vsekit import registry
+from vsekit.errors import VseInputError, check_device_name
+from vsekit.registry import setting
 
 
 class ConfigError(VseInputError):
     """A recipe or override that does not fit the schema."""
 
 
-@dataclass
-class PoolingConfig:
-    """How a set of vectors becomes one: avg | max | kmax | gpo | adpool | cls."""
+@dataclass(init=False, eq=False, repr=False)
+class PartSection:
+    """A recipe section that names a registered part: its own keys (the part's `name`, or `kind` for encoders,
+    and subsections) and, flat as recipes write them, the settings keys of every part of its kind, read and set
+    as attributes (`cfg.d_pe`). Subclasses are dataclasses made with `init=False, eq=False, repr=False`."""
 
-    name: str = "gpo"
-    k: int = 1  # kmax: number of largest values averaged per dimension
-    d_pe: int = 32  # gpo: positional-encoding size
-    d_hidden: int = 32  # gpo: BiGRU size
-    temperature: float = 0.1  # gpo: softmax temperature
-    token_level: bool = True  # adpool: use the token-level branch
-    embedding_level: bool = True  # adpool: use the embedding-level branch
-    # adpool: reference (default; the released code behind the paper's Table 1: a D x D scorer + ReLU, a weight per
-    # rank and dimension) | paper (Eq. 3 as printed: one weight per rank). docs/vse_2ad.md
-    adpool_variant: str = "reference"
-    # adpool: False = the released code's token-level softmax, which also runs over the padded positions of the
-    # batch (their features are 0, their weights are not), so a set's embedding depends on how far it is padded
-    adpool_mask_padding: bool = True
+    part_kind: ClassVar[str]
+    selector: ClassVar[str] = "name"
+    settings: dict[str, Any] = field(default_factory=dict)  # key -> value of every settings key of the kind
+
+    def __init__(self, **values: Any) -> None:
+        given = dict(values.pop("settings", None) or {})  # dataclasses.replace passes the settings store
+        for f in dataclasses.fields(self):
+            if f.name != "settings":
+                object.__setattr__(
+                    self, f.name, values.pop(f.name) if f.name in values else registry.default_of(f)
+                )
+        known = registry.keys(self.part_kind)
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__}() got unknown recipe key(s) {', '.join(unknown)}; "
+                f"valid keys: {', '.join(sorted(known))}"
+            )
+        settings = {k: registry.default_of(key.field) for k, key in known.items()}
+        settings.update((k, v) for k, v in given.items() if k in known)
+        settings.update(values)
+        object.__setattr__(self, "settings", settings)
+
+    def __getattr__(self, key: str) -> Any:  # only for names that are not attributes: the settings keys
+        settings = self.__dict__.get("settings")
+        if settings is None or key.startswith("__"):
+            raise AttributeError(key)
+        if key not in settings:
+            known = registry.keys(self.part_kind).get(key)
+            if known is None:
+                raise AttributeError(f"{type(self).__name__} has no recipe key {key!r}")
+            settings[key] = registry.default_of(known.field)  # a part registered after this section was made
+        return settings[key]
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        if key in self.__dataclass_fields__:  # type: ignore[attr-defined]
+            object.__setattr__(self, key, value)
+        elif key in registry.keys(self.part_kind):
+            self.settings[key] = value
+        else:
+            raise AttributeError(f"{type(self).__name__} has no recipe key {key!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return to_dict(self) == to_dict(other)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like the dataclasses around it
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in to_dict(self).items())})"
+
+    def part_settings(self) -> registry.Settings:
+        """The named part's own settings dataclass, filled from this section."""
+        part = registry.get(self.part_kind, getattr(self, self.selector))
+        return part.settings(**{k: getattr(self, k) for k in part.fields()})
 
 
-@dataclass
-class ImageEncoderConfig:
-    # precomp: precomputed features from {split}_ims.npy; backbone: a CNN on raw pixels;
-    # vit: a ViT patch encoder on raw pixels with AVSE's multi-view token sampling (imported AVSE runs)
-    kind: str = "precomp"
-    # region: linear + 2-layer residual MLP (BUTD regions); grid: one linear layer (VSE∞ supp.)
-    feature_type: str = "region"
-    mlp_hidden: int = 512
-    backbone: str = "efficientnet_lite0"
-    backbone_weights: str = ""  # local weights file; empty = the packaged EfficientNet-Lite0 weights
-    image_size: int = 224
-    # staged unfreezing: backbone frozen for this many epochs, then trainable from the top down
-    backbone_frozen_epochs: int = 1
-    backbone_trainable_blocks: int = -1  # -1 = every stage once unfrozen; N = only the last N stages (head included)
-    backbone_lr_mult: float = 0.1
-    # the first unfrozen epoch (after backbone_frozen_epochs > 0) ramps in linearly over its steps: loss (the
-    # released VSE∞ code: loss x step/N) | lr (the paper's "learning-rate warm-up") | none. See docs/training.md
-    backbone_warmup: str = "loss"
-    # multi-view (AVSE): number of views; 1 = ordinary single embedding
-    views: int = 1
-    view_keep_train: float = 0.75
-    view_keep_test: float = 0.9
-    # multi-view precomp features: False (default, paper §4.2) = each view keeps view_keep_train/_test of the image's
-    # *full* set, and data.size_augment drops no regions/cells of a multi-view image; True = the views are drawn
-    # from the size-augmented set (vsekit before this option: ~0.8 x 0.75 = 60 % of the regions per view)
-    view_size_augment: bool = False
+@dataclass(init=False, eq=False, repr=False)
+class PoolingConfig(PartSection):
+    """How a set of vectors becomes one (`model.image.pooling`, `model.text.pooling`); settings: vsekit.pooling.parts."""
+
+    part_kind: ClassVar[str] = "pooling"
+    name: str = setting("gpo", "the pooling of the set of vectors (`vse recipes` lists the choices)")
+
+
+@dataclass(init=False, eq=False, repr=False)
+class ImageEncoderConfig(PartSection):
+    """The image encoder (`model.image`); settings: vsekit.models.image_parts."""
+
+    part_kind: ClassVar[str] = "image_encoder"
+    selector: ClassVar[str] = "kind"
+    kind: str = setting("precomp", "the image encoder (`vse recipes` lists the choices)")
     pooling: PoolingConfig = field(default_factory=PoolingConfig)
 
 
-@dataclass
-class TextEncoderConfig:
-    # bigru | bow (mean of learned word embeddings: the linear floor every table carries) | transformer
-    kind: str = "bigru"
-    word_dim: int = 300
-    num_layers: int = 1
-    # words seen fewer times in the train captions are <unk>; the BiGRU recipes set 4 (SCAN's vocabularies)
-    vocab_min_count: int = 1
-    # bigru/bow: regex (dependency-free) | nltk (the released code's Treebank tokens; the BiGRU recipes set it,
-    # and a SCAN vocab_path is always read with it)
-    tokenizer: str = "regex"
-    vocab_path: str = ""  # a vocab JSON; empty = built from the train split's captions
-    model_path: str = ""  # transformer: a local HF directory; empty = packaged all-MiniLM-L6-v2
-    lr_mult: float = 0.1  # transformer body learning-rate multiplier
-    # transformer body frozen: a fixed feature extractor in eval mode (no dropout); projection and pooling train
-    freeze: bool = False
-    # frozen body only: keep each distinct caption's token states (they never change) up to this many MB, so
-    # every epoch after the first skips the body for captions it has seen; 0 = run the body every step
-    frozen_cache_mb: int = 1024
-    max_tokens: int = 64
-    # transformer: run the body on length-sorted chunks of this many captions, each padded only to its own
-    # longest (same states up to float rounding; 2-3x faster on short captions); 0 = one padded batch
-    length_sorted_chunk: int = 32
-    # transformer: linear (hidden -> embed) | residual_mlp (linear + the region encoder's residual MLP, AVSE)
-    head: str = "linear"
-    head_mlp_hidden: int = 512  # residual_mlp head: hidden size of the MLP
-    # transformer: LayerNorm on the pooled caption instead of L2 normalisation (AVSE's released text encoder)
-    final_layernorm: bool = False
-    # transformer: add a learned bag of the tokenizer's word pieces (mean of trainable embeddings of the same
-    # token ids) to the caption embedding: the bag-of-words floor's fit to the data beside the pretrained
-    # body's knowledge of words the training captions never use (the small_data recipe)
-    word_bag: bool = False
+@dataclass(init=False, eq=False, repr=False)
+class TextEncoderConfig(PartSection):
+    """The caption encoder (`model.text`); settings: vsekit.models.text_parts."""
+
+    part_kind: ClassVar[str] = "text_encoder"
+    selector: ClassVar[str] = "kind"
+    kind: str = setting("bigru", "the caption encoder (`vse recipes` lists the choices)")
     pooling: PoolingConfig = field(default_factory=PoolingConfig)
 
 
-@dataclass
-class SimilarityConfig:
-    name: str = "cosine"  # cosine | aeom
-    block_dim: int = 512  # aeom: d2
-    sinkhorn_iters: int = 20  # aeom: c
-    use_sinkhorn: bool = True  # aeom: False = the released code's block max-sum (same as readout: maxsum)
-    dustbin_init: float = 1.0
-    # aeom: how S = sum_j max_i A*_ij reads the Sinkhorn plan. log_plan (default) = the log plan, as the released
-    # code's Sinkhorn line (log_optimal_transport(...)[:, :-1, :-1], then max/sum); plan = the plan's
-    # probabilities exp(log plan) (Eq. 2 read literally; scores vary ~8x less); maxsum = no Sinkhorn, the block
-    # max-sum of the cosines (the released code's active line). docs/avse.md
-    readout: str = "log_plan"
-    # aeom: entropic temperature: the Sinkhorn runs on A / temperature (the dustbin score z is in those units).
-    # The paper names none and the released code divides by nothing: 1
-    temperature: float = 1.0
+@dataclass(init=False, eq=False, repr=False)
+class SimilarityConfig(PartSection):
+    """How an image and a caption embedding are scored (`model.similarity`); settings: vsekit.similarity.parts."""
+
+    part_kind: ClassVar[str] = "similarity"
+    name: str = setting(
+        "cosine", "the similarity of an image and a caption (`vse recipes` lists the choices)"
+    )
+
+
+@dataclass(init=False, eq=False, repr=False)
+class LossConfig(PartSection):
+    """The training objective (`loss`); settings: vsekit.losses.parts."""
+
+    part_kind: ClassVar[str] = "loss"
+    name: str = setting(
+        "triplet", "the loss on the in-batch similarity matrix (`vse recipes` lists the choices)"
+    )
 
 
 @dataclass
 class ModelConfig:
-    embed_dim: int = 1024
-    normalize: bool = True
-    # clamp: x / max(|x|, 1e-12) (torch); add_eps: x / (|x| + 1e-8), the released VSE∞/2AD/AVSE code's form
-    l2_form: str = "clamp"
+    embed_dim: int = setting(1024, "size of the joint embedding space", rule=">= 1")
+    normalize: bool = setting(True, "L2-normalise both embeddings")
+    l2_form: str = setting(
+        "clamp",
+        "how the L2 norm divides: clamp = x / max(|x|, 1e-12) (torch); add_eps = "
+        "x / (|x| + 1e-8), the released VSE∞/2AD/AVSE code's form",
+        choices=("clamp", "add_eps"),
+    )
     image: ImageEncoderConfig = field(default_factory=ImageEncoderConfig)
     text: TextEncoderConfig = field(default_factory=TextEncoderConfig)
     similarity: SimilarityConfig = field(default_factory=SimilarityConfig)
 
 
 @dataclass
-class LossConfig:
-    name: str = "triplet"  # triplet | adopt | ladder | ladder_auto | infonce
-    margin: float = 0.2
-    max_violation: bool = True  # hardest negative (VSE++) after the warm-up
-    warmup_epochs: int = 1  # epochs that use the sum over all negatives (VSE0) first
-    mask_same_image: bool = True  # captions of the same image are never negatives
-    temperature: float = 0.05  # adopt / infonce
-    # reference (default: the released K rule, whose K falls during training as in the paper's Fig. C-2) | paper (the
-    # printed Eq. 6, whose K stays near |B|); docs/vse_2ad.md
-    adopt_variant: str = "reference"
-    adopt_scale: float = 1.25
-    # adopt reference only: pick negatives as the released code does (non-negatives set to 0 first, so the
-    # positive itself can be picked when few similarities are above 0); imported VSE+2AD runs set it
-    adopt_zero_fill_negatives: bool = False
-    view_reg_weight: float = 0.0  # avse: lambda for the dimension-wise view regulariser
-    view_reg_offdiag: float = 0.0051  # avse: lambda_1
-    # avse: reference (default: the released code's c = A^T B / B; at weight 1 its gradient is comparable to the ranking
-    # loss's) | paper (Eq. 3 cosine without /B: ~B x larger, it dominates the ranking loss). docs/avse.md
-    view_reg_variant: str = "reference"
-    # θ: 0.40 for Sentence-BERT relevance (TMM paper Sec. IV-A; 0.63 was the AAAI "hybrid" CBoW+BERT value)
-    ladder_thresholds: list[float] = field(default_factory=lambda: [0.40])
-    ladder_margins: list[float] = field(default_factory=lambda: [0.2, 0.01])
-    ladder_weights: list[float] = field(default_factory=lambda: [1.0, 0.25])
-    ladder_cumulative: bool = False
-    ladder_levels_min: int = 2
-    ladder_levels_max: int = 4
-    ladder_variant: str = "paper"  # paper | reference (released code's hard-contrastive sets, see losses/ladder.py)
-    # auto-threshold ladder (released config.atl.py, e.g. 85): each query's one threshold is the given percentile
-    # of its relevance row; replaces ladder_thresholds (2 levels). None: fixed thresholds. Checked in losses/ladder.py
-    ladder_percentile: float | None = None
-    # θ_1 from the data instead of ladder_thresholds: the value that this share of the train split's
-    # different-image caption pairs reach (R >= θ_1), computed by the trainer from the relevance embeddings
-    # (recipe cvsepp: 0.15, the share the released config.atl.py puts in level 1). None: ladder_thresholds.
-    # Unused, like ladder_thresholds, by ladder_auto and with ladder_percentile
-    ladder_threshold_share: float | None = None
-
-
-@dataclass
 class DataConfig:
-    train_split: str = "train"
-    val_split: str = "dev"
-    val_max_images: int = 1000  # dev truncated to its first 1,000 images, as every reference does
-    # train on this share of the training images (with all their captions), e.g. for a learning curve; the
-    # subset is a fixed random draw from train_subset_seed (not train.seed), nested: 25 % is inside 50 %
-    train_fraction: float = 1.0
-    train_subset_seed: int = 0
-    captions_per_image: int = 5  # SCAN layout without a cap2img file
-    size_augment: bool = True
-    region_keep_prob: float = 0.8
-    grid_drop_max: float = 0.2
-    text_augment_prob: float = 0.2
-    num_workers: int = 0
+    train_split: str = setting(
+        "train", "the split trained on ({split}_ims.npy or {split}_images.txt, {split}_caps.txt)"
+    )
+    val_split: str = setting("dev", "the split that picks the best epoch (validation after every epoch)")
+    val_max_images: int = setting(
+        1000,
+        "validation on the first N images of val_split, as every reference does "
+        "(the 1,000-image dev set); 0 = all",
+        rule=">= 0",
+    )
+    train_fraction: float = setting(
+        1.0,
+        "train on this share of the training images (with all their captions), "
+        "e.g. for a learning curve; a fixed draw from train_subset_seed, nested: "
+        "25 % is inside 50 %",
+        rule="in (0, 1]",
+    )
+    train_subset_seed: int = setting(
+        0, "seed of the train_fraction draw (not train.seed, so every seed trains on the same subset)"
+    )
+    captions_per_image: int = setting(
+        5, "captions per image of a split without {split}_cap2img.txt (SCAN layout)", rule=">= 1"
+    )
+    size_augment: bool = setting(
+        True,
+        "VSE∞'s size augmentation of training images (regions or grid cells dropped "
+        "at random) and captions (words masked, replaced or dropped)",
+    )
+    region_keep_prob: float = setting(
+        0.8,
+        "size augmentation: each region of a region-feature image is kept with this probability",
+        rule="in (0, 1]",
+    )
+    grid_drop_max: float = setting(
+        0.2,
+        "size augmentation: a grid-feature image drops a random share of its cells, up to this one",
+        rule="in [0, 1]",
+    )
+    text_augment_prob: float = setting(
+        0.2,
+        "caption augmentation: each word is masked, replaced or dropped with this probability (0 = off)",
+        rule="in [0, 1]",
+    )
+    num_workers: int = setting(0, "DataLoader worker processes (the CPU data path)", rule=">= 0")
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 5e-4
-    weight_decay: float = 1e-4
-    lr_decay_epochs: list[int] = field(default_factory=lambda: [15])
-    lr_decay: float = 0.1
-    grad_clip: float = 2.0
+    lr: float = setting(5e-4, "AdamW learning rate", rule="a positive finite number")
+    weight_decay: float = setting(1e-4, "AdamW weight decay", rule=">= 0 and finite")
+    lr_decay_epochs: list[int] = setting(
+        [15],
+        "epochs (counted finished) after which the learning rate is multiplied by lr_decay, once each",
+        rule=">= 0",
+    )
+    lr_decay: float = setting(0.1, "the factor of each learning-rate decay", rule="a positive finite number")
+    grad_clip: float = setting(
+        2.0, "clip the gradient norm to this value (0 = no clipping)", rule=">= 0 and finite"
+    )
 
 
 @dataclass
 class TrainConfig:
-    epochs: int = 25
-    batch_size: int = 128
-    eval_batch_size: int = 256
-    seed: int = 0
-    device: str = "auto"
-    log_every: int = 50
-    checkpoint_every: int = 0  # also checkpoint every N steps (0 = once per epoch)
-    amp: str = "none"  # none | bf16 (autocast on the run's device, CPU or CUDA; loss in fp32)
-    length_bucketing: bool = False
-    tf32: bool = False  # CUDA: TF32 matmuls during the train step (fp32 storage, ~10-bit mantissa products)
-    compile: bool = False  # torch.compile the two encoders for the train step
-    # gradient caching (vsekit.training.grad_cache): encode the batch in chunks of this many pairs, score the full
-    # batch, then re-encode each chunk to back-propagate: the full batch's gradients (all its in-batch negatives)
-    # at about one chunk's activation memory, for ~2x the encoder work; 0 = off (one pass over the whole batch)
-    grad_cache_chunk: int = 0
-    # collapse alarm (vsekit.training.collapse): warn once when the loss stays within 1 % of its all-similarities-
-    # equal value, or the embeddings' spread near 0, for this many consecutive steps; 0 = off
-    collapse_steps: int = 200
-    stop_on_collapse: bool = False  # and then stop the run (state saved, `vse train` exits non-zero)
-    # where the training batches are made (vsekit.training.data_path): true = precomp features and tokenised
-    # captions live on the device and each batch is gathered and augmented there; false = the DataLoader;
-    # auto = on the device when the recipe allows it and the set fits in half the free device memory
-    data_on_device: bool | str = "auto"
-    # caption widths a batch is padded to (vsekit.training.data_path): N >= 1 fixed widths at the quantiles of the
-    # training captions' token lengths, the last the longest caption (1: that one width); each batch takes the
-    # smallest that holds its longest caption (with length_bucketing most batches fall in small ones), and the
-    # DataLoader also pads feature sets to the set's largest: a small fixed set of shapes. 0: each batch its own
-    # width (dynamic shapes). Transformer text (DataLoader only) pads each batch to its own longest caption
-    caption_buckets: int = 4
-    # CUDA: the whole step (forward, loss, backward, clipping, fused AdamW) captured as one CUDA graph per batch
-    # shape and replayed (vsekit.training.cuda_graph); refused on other devices and for parts that cannot be captured
-    cuda_graph: bool = False
+    epochs: int = setting(25, "epochs to train (at least 1; --epochs)")
+    batch_size: int = setting(
+        128, "image-caption pairs per batch, whose other pairs are the negatives (at least 2; --batch-size)"
+    )
+    eval_batch_size: int = setting(256, "batch size of encoding for validation", rule=">= 1")
+    seed: int = setting(
+        0,
+        "seed of the initial weights, the batch order and the augmentation (--seed)",
+        rule="in -2**63 .. 2**64-1 (torch's seed range)",
+    )
+    device: str = setting("auto", "cpu, cuda, cuda:N, mps, or auto (CUDA when present; --device)")
+    log_every: int = setting(
+        50, "write a training record to metrics.jsonl every N steps (0 = only per epoch)", rule=">= 0"
+    )
+    checkpoint_every: int = setting(0, "also checkpoint every N steps (0 = once per epoch)", rule=">= 0")
+    amp: str = setting(
+        "none",
+        "mixed precision: none | bf16 (autocast on the run's device, CPU or CUDA; loss in fp32)",
+        choices=("none", "bf16"),
+    )
+    length_bucketing: bool = setting(
+        False, "batches of captions of similar length (less padding, the same pairs per epoch)"
+    )
+    tf32: bool = setting(
+        False, "CUDA: TF32 matmuls during the train step (fp32 storage, ~10-bit mantissa products)"
+    )
+    compile: bool = setting(False, "torch.compile the two encoders for the train step")
+    grad_cache_chunk: int = setting(
+        0,
+        "gradient caching (vsekit.training.grad_cache): encode the batch in chunks of "
+        "this many pairs, score the full batch, then re-encode each chunk to "
+        "back-propagate: the full batch's gradients at about one chunk's activation "
+        "memory, for ~2x the encoder work; 0 = off",
+        rule=">= 0",
+    )
+    collapse_steps: int = setting(
+        200,
+        "collapse alarm (vsekit.training.collapse): warn once when the loss stays "
+        "within 1 % of its all-similarities-equal value, or the embeddings' spread "
+        "near 0, for this many consecutive steps; 0 = off",
+        rule=">= 0",
+    )
+    stop_on_collapse: bool = setting(False, "and then stop the run (state saved, `vse train` exits non-zero)")
+    data_on_device: bool | str = setting(
+        "auto",
+        "where training batches are made (vsekit.training.data_path): true = "
+        "precomp features and tokenised captions live on the device and each "
+        "batch is gathered and augmented there; false = the DataLoader; auto "
+        "= on the device when the recipe allows it and the set fits in half "
+        "the free device memory",
+    )
+    caption_buckets: int = setting(
+        4,
+        "caption widths a batch is padded to (vsekit.training.data_path): N >= 1 fixed "
+        "widths at quantiles of the training captions' token lengths, the last the "
+        "longest caption; each batch takes the smallest that holds its longest "
+        "caption. 0: each batch its own width (dynamic shapes). Transformer text "
+        "(DataLoader only) pads each batch to its own longest caption",
+        rule=">= 0",
+    )
+    cuda_graph: bool = setting(
+        False,
+        "CUDA: the whole step (forward, loss, backward, clipping, fused AdamW) captured "
+        "as one CUDA graph per batch shape and replayed (vsekit.training.cuda_graph); "
+        "refused on other devices and for parts that cannot be captured",
+    )
 
 
 @dataclass
 class Recipe:
-    name: str = "custom"
+    name: str = setting("custom", "the recipe's name (a file's stem when not given)")
     model: ModelConfig = field(default_factory=ModelConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -304,25 +360,53 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     raise ConfigError(f"{where}: unsupported type {_type_name(tp)}")
 
 
+def _key_types(cls: type) -> dict[str, Any]:
+    """The keys a section of `cls` takes and their types (a part section: its own and its kind's settings)."""
+    hints = typing.get_type_hints(cls)
+    out = {
+        f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name != "settings" or not _is_part(cls)
+    }
+    if _is_part(cls):
+        out.update({k: key.type for k, key in registry.keys(cls.part_kind).items()})
+    return out
+
+
+def _is_part(cls: type) -> bool:
+    return isinstance(cls, type) and issubclass(cls, PartSection)
+
+
 def from_dict(cls: type, data: dict, where: str = "") -> Any:
     """Build dataclass `cls` from `data`, refusing unknown keys and wrong types."""
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
+    types_ = _key_types(cls)
+    unknown = sorted(set(data) - set(types_))
     if unknown:
         prefix = f"{where}." if where else ""
         raise ConfigError(
             f"unknown key(s) {', '.join(prefix + k for k in unknown)}; "
-            f"valid keys here: {', '.join(sorted(names))}"
+            f"valid keys here: {', '.join(sorted(types_))}"
         )
     kwargs = {}
     for k, v in data.items():
-        kwargs[k] = _coerce(v, hints[k], f"{where}.{k}" if where else k)
+        kwargs[k] = _coerce(v, types_[k], f"{where}.{k}" if where else k)
     return cls(**kwargs)
 
 
 def to_dict(obj: Any) -> dict:
-    return dataclasses.asdict(obj)
+    """A recipe (or one of its sections) as plain data, as config.json and `vse recipes NAME` write it: a part
+    section's settings flat, after its name and before its subsections."""
+    out: dict[str, Any] = {}
+    subsections = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(obj, PartSection) and f.name == "settings":
+            continue
+        if dataclasses.is_dataclass(value):
+            subsections[f.name] = to_dict(value)
+        else:
+            out[f.name] = copy.deepcopy(value)
+    if isinstance(obj, PartSection):
+        out.update((k, copy.deepcopy(getattr(obj, k))) for k in registry.keys(obj.part_kind))
+    return {**out, **subsections}
 
 
 def _merge(base: dict, update: dict) -> dict:
@@ -336,7 +420,9 @@ def _merge(base: dict, update: dict) -> dict:
 
 
 def builtin_recipes() -> list[str]:
-    return sorted(p.name[:-5] for p in resources.files("vsekit.recipes").iterdir() if p.name.endswith(".yaml"))
+    return sorted(
+        p.name[:-5] for p in resources.files("vsekit.recipes").iterdir() if p.name.endswith(".yaml")
+    )
 
 
 def _read_yaml(path: Path | Any, label: str) -> dict:
@@ -361,7 +447,9 @@ def _recipe_dict(name_or_path: str, seen: tuple[str, ...] = ()) -> dict:
     else:
         res = resources.files("vsekit.recipes") / f"{name_or_path}.yaml"
         if not res.is_file():
-            raise ConfigError(f"unknown recipe {name_or_path!r}; built-in recipes: {', '.join(builtin_recipes())}")
+            raise ConfigError(
+                f"unknown recipe {name_or_path!r}; built-in recipes: {', '.join(builtin_recipes())}"
+            )
         data, label = _read_yaml(res, f"recipe {name_or_path}"), name_or_path
     if label in seen:
         raise ConfigError(f"recipe {label}: circular base: {' -> '.join(seen + (label,))}")
@@ -432,168 +520,68 @@ def recipe_from_dict(data: dict) -> Recipe:
     return recipe
 
 
-_CHOICES = {
-    "model.image.kind": ("precomp", "backbone", "vit"),
-    "model.image.backbone_warmup": ("loss", "lr", "none"),
-    "model.l2_form": ("clamp", "add_eps"),
-    "model.text.head": ("linear", "residual_mlp"),
-    "model.text.tokenizer": ("regex", "nltk"),
-    "model.image.feature_type": ("region", "grid"),
-    "model.text.kind": ("bigru", "bow", "transformer"),
-    "model.similarity.name": ("cosine", "aeom"),
-    "loss.name": ("triplet", "adopt", "infonce", "ladder", "ladder_auto"),
-    "loss.adopt_variant": ("paper", "reference"),
-    "loss.view_reg_variant": ("paper", "reference"),
-    "model.similarity.readout": ("log_plan", "plan", "maxsum"),
-    "train.amp": ("none", "bf16"),
-}
-_POOLINGS = ("avg", "max", "kmax", "gpo", "adpool", "cls")
+def _sections(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted path, section) of the recipe and every section inside it, outermost first."""
+    yield path, obj
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _sections(value, f"{path}.{f.name}" if path else f.name)
+
+
+def _keys(section: Any) -> dict[str, dataclasses.Field]:
+    """The recipe keys of a section with their fields (help, range, choices)."""
+    out = {f.name: f for f in dataclasses.fields(section) if "help" in f.metadata}
+    if isinstance(section, PartSection):
+        out.update((k, key.field) for k, key in registry.keys(section.part_kind).items())
+    return out
+
+
+def _check_value(key: str, value: Any, f: dataclasses.Field) -> None:
+    """A key's declared choices and range (for a list, each element's)."""
+    choices, rule = f.metadata.get("choices"), f.metadata.get("rule")
+    if choices and value not in choices:
+        raise ConfigError(f"{key}={value!r}; choose one of {', '.join(choices)}")
+    if rule is None or value is None:
+        return
+    items = [(f"{key}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, list) else [(key, value)]
+    for name, v in items:
+        if not registry.RULES[rule](v):
+            raise ConfigError(f"{name}={v}: must be {rule}")
 
 
 def validate_recipe(r: Recipe) -> None:
-    flat = {
-        "model.image.kind": r.model.image.kind,
-        "model.image.backbone_warmup": r.model.image.backbone_warmup,
-        "model.l2_form": r.model.l2_form,
-        "model.text.head": r.model.text.head,
-        "model.text.tokenizer": r.model.text.tokenizer,
-        "model.image.feature_type": r.model.image.feature_type,
-        "model.text.kind": r.model.text.kind,
-        "model.similarity.name": r.model.similarity.name,
-        "loss.name": r.loss.name,
-        "loss.adopt_variant": r.loss.adopt_variant,
-        "loss.view_reg_variant": r.loss.view_reg_variant,
-        "model.similarity.readout": r.model.similarity.readout,
-        "train.amp": r.train.amp,
-    }
-    for key, value in flat.items():
-        if value not in _CHOICES[key]:
-            raise ConfigError(f"{key}={value!r}; choose one of {', '.join(_CHOICES[key])}")
-    for key, pool in (("model.image.pooling", r.model.image.pooling), ("model.text.pooling", r.model.text.pooling)):
-        if pool.name not in _POOLINGS:
-            raise ConfigError(f"{key}.name={pool.name!r}; choose one of {', '.join(_POOLINGS)}")
-        if pool.k < 1:
-            raise ConfigError(f"{key}.k must be >= 1")
-    if r.model.embed_dim < 1:
-        raise ConfigError("model.embed_dim must be positive")
+    """The parts named exist; every key is in its range and choices; the named parts' own rules and the rules
+    across sections hold. The first problem is a ConfigError naming the key."""
+    sections = list(_sections(r))
+    for path, section in sections:
+        if isinstance(section, PartSection):
+            name, choices = getattr(section, section.selector), registry.names(section.part_kind)
+            if name not in choices:
+                raise ConfigError(f"{path}.{section.selector}={name!r}; choose one of {', '.join(choices)}")
     if r.train.batch_size < 2:
         raise ConfigError("train.batch_size must be at least 2 (in-batch negatives)")
     if r.train.epochs < 1:
         raise ConfigError(f"train.epochs (--epochs) must be at least 1, got {r.train.epochs}")
-    if r.model.image.views < 1:
-        raise ConfigError("model.image.views must be >= 1")
-    if not 0.0 < r.data.train_fraction <= 1.0:
-        raise ConfigError(f"data.train_fraction={r.data.train_fraction}; must lie in (0, 1]")
-    if r.model.similarity.name == "aeom" and r.model.embed_dim % r.model.similarity.block_dim:
-        raise ConfigError("model.embed_dim must be a multiple of model.similarity.block_dim")
-    if not r.model.similarity.temperature > 0:
-        raise ConfigError(f"model.similarity.temperature={r.model.similarity.temperature}; must be positive")
+    for path, section in sections:
+        for key, f in _keys(section).items():
+            _check_value(f"{path}.{key}" if path else key, getattr(section, key), f)
+    seed_rule = "in 0 .. 2**64-1 (numpy's seed range)"  # the subset's draw: numpy refuses a negative seed
+    if r.data.train_fraction < 1.0 and not registry.RULES[seed_rule](r.data.train_subset_seed):
+        raise ConfigError(f"data.train_subset_seed={r.data.train_subset_seed}: must be {seed_rule}")
     if not (isinstance(r.train.data_on_device, bool) or r.train.data_on_device == "auto"):
         raise ConfigError(f"train.data_on_device={r.train.data_on_device!r}; choose one of auto, true, false")
-    _validate_numbers(r)
-
-
-def _validate_numbers(r: Recipe) -> None:
-    """Values the model, loss and optimiser would otherwise refuse late, with torch's words or not at all."""
-    if not 0 < r.optim.lr < math.inf:  # `not <` also refuses NaN; torch says only "Invalid learning rate"
-        raise ConfigError(f"optim.lr={r.optim.lr}: the learning rate must be a positive finite number")
-    if r.loss.name in ("adopt", "infonce") and not 0 < r.loss.temperature < math.inf:
-        raise ConfigError(f"loss.temperature={r.loss.temperature}: must be positive")
-    _validate_ranges(r)
-    if r.loss.adopt_zero_fill_negatives and r.loss.adopt_variant != "reference":
-        raise ConfigError("loss.adopt_zero_fill_negatives=true reproduces the released code: it needs "
-                          "loss.adopt_variant=reference")  # fmt: skip
-    if r.model.similarity.block_dim < 1 or r.model.similarity.sinkhorn_iters < 1:
-        raise ConfigError("model.similarity.block_dim and model.similarity.sinkhorn_iters must be >= 1")
-    for name in ("view_keep_train", "view_keep_test"):
-        keep = getattr(r.model.image, name)
-        if not 0.0 < keep <= 1.0:
-            raise ConfigError(f"model.image.{name}={keep}; must lie in (0, 1]")
-    if r.model.image.views > 1 and r.model.similarity.name != "aeom":
-        raise ConfigError(f"model.image.views={r.model.image.views} (multi-view) needs model.similarity.name=aeom")
-    for key, pool in (("model.image.pooling", r.model.image.pooling), ("model.text.pooling", r.model.text.pooling)):
-        if pool.name == "gpo" and (pool.d_pe < 2 or pool.d_pe % 2 or pool.d_hidden < 1 or not pool.temperature > 0):
-            raise ConfigError(f"{key}: gpo needs an even d_pe >= 2 (got {pool.d_pe}), d_hidden >= 1 (got "
-                              f"{pool.d_hidden}) and a positive temperature (got {pool.temperature})")  # fmt: skip
-        if pool.name == "adpool" and pool.adpool_variant not in ("paper", "reference"):
-            raise ConfigError(f"{key}.adpool_variant={pool.adpool_variant!r}; choose one of paper, reference")
-        if pool.name == "adpool" and not (pool.token_level or pool.embedding_level):
-            raise ConfigError(f"{key}: adpool needs token_level or embedding_level (both are false)")
-    if r.loss.view_reg_weight > 0 and r.model.image.views < 2:
-        raise ConfigError("loss.view_reg_weight > 0 (the view regulariser) needs model.image.views >= 2")
+    for (
+        path,
+        section,
+    ) in sections:  # the named part's rules across keys, and the rules every part of a kind shares
+        if isinstance(section, PartSection):
+            section.part_settings().check(path, r)
+            for common in registry.shared(section.part_kind):
+                common.settings(**{k: getattr(section, k) for k in common.fields()}).check(path, r)
     if r.train.grad_cache_chunk > 0 and (r.train.compile or r.train.cuda_graph):
-        raise ConfigError("train.grad_cache_chunk (gradient caching) cannot be combined with train.compile or "
-                          "train.cuda_graph: it re-enters the encoders chunk by chunk; set one of them off")  # fmt: skip
-    from vsekit.errors import check_device_name
-
+        raise ConfigError(
+            "train.grad_cache_chunk (gradient caching) cannot be combined with train.compile or "
+            "train.cuda_graph: it re-enters the encoders chunk by chunk; set one of them off"
+        )
     check_device_name(r.train.device, "train.device (--device)", ConfigError)
-
-
-# (rule, test) of `_validate_ranges`; every test is False for NaN
-_RANGES = {
-    ">= 0 and finite": lambda v: 0 <= v < math.inf,
-    "a positive finite number": lambda v: 0 < v < math.inf,
-    "a finite number": lambda v: -math.inf < v < math.inf,
-    "in [0, 1]": lambda v: 0 <= v <= 1,
-    "in (0, 1]": lambda v: 0 < v <= 1,
-    ">= 0": lambda v: v >= 0,
-    ">= 1": lambda v: v >= 1,
-    ">= -1 (-1: every stage)": lambda v: v >= -1,
-    "in -2**63 .. 2**64-1 (torch's seed range)": lambda v: -(2**63) <= v < 2**64,
-    "in 0 .. 2**64-1 (numpy's seed range)": lambda v: 0 <= v < 2**64,
-}
-
-
-def _validate_ranges(r: Recipe) -> None:
-    """Numbers with an obvious range (margins, rates, probabilities, counts, sizes), checked when the recipe
-    is built: `--set loss.margin=inf` is refused naming the key, not after an epoch of NaN losses."""
-    m, img, txt, loss, d, o, t = r.model, r.model.image, r.model.text, r.loss, r.data, r.optim, r.train
-    checks: list[tuple[str, Any, str]] = [
-        ("loss.margin", loss.margin, ">= 0 and finite"),
-        ("loss.warmup_epochs", loss.warmup_epochs, ">= 0"),
-        ("loss.adopt_scale", loss.adopt_scale, "a positive finite number"),
-        ("loss.view_reg_weight", loss.view_reg_weight, ">= 0 and finite"),
-        ("loss.view_reg_offdiag", loss.view_reg_offdiag, ">= 0 and finite"),
-        *((f"loss.ladder_margins[{i}]", v, ">= 0 and finite") for i, v in enumerate(loss.ladder_margins)),
-        *((f"loss.ladder_weights[{i}]", v, ">= 0 and finite") for i, v in enumerate(loss.ladder_weights)),
-        *((f"loss.ladder_thresholds[{i}]", v, "a finite number") for i, v in enumerate(loss.ladder_thresholds)),
-        ("optim.weight_decay", o.weight_decay, ">= 0 and finite"),
-        ("optim.lr_decay", o.lr_decay, "a positive finite number"),
-        *((f"optim.lr_decay_epochs[{i}]", v, ">= 0") for i, v in enumerate(o.lr_decay_epochs)),
-        ("optim.grad_clip", o.grad_clip, ">= 0 and finite"),
-        ("train.eval_batch_size", t.eval_batch_size, ">= 1"),
-        ("train.log_every", t.log_every, ">= 0"),
-        ("train.checkpoint_every", t.checkpoint_every, ">= 0"),
-        ("train.grad_cache_chunk", t.grad_cache_chunk, ">= 0"),
-        ("train.collapse_steps", t.collapse_steps, ">= 0"),
-        ("train.caption_buckets", t.caption_buckets, ">= 0"),
-        ("train.seed", t.seed, "in -2**63 .. 2**64-1 (torch's seed range)"),
-        ("data.val_max_images", d.val_max_images, ">= 0"),
-        ("data.captions_per_image", d.captions_per_image, ">= 1"),
-        ("data.region_keep_prob", d.region_keep_prob, "in (0, 1]"),
-        ("data.grid_drop_max", d.grid_drop_max, "in [0, 1]"),
-        ("data.text_augment_prob", d.text_augment_prob, "in [0, 1]"),
-        ("data.num_workers", d.num_workers, ">= 0"),
-        ("model.image.mlp_hidden", img.mlp_hidden, ">= 1"),
-        ("model.image.image_size", img.image_size, ">= 1"),
-        ("model.image.backbone_frozen_epochs", img.backbone_frozen_epochs, ">= 0"),
-        ("model.image.backbone_trainable_blocks", img.backbone_trainable_blocks, ">= -1 (-1: every stage)"),
-        ("model.image.backbone_lr_mult", img.backbone_lr_mult, ">= 0 and finite"),
-        ("model.text.word_dim", txt.word_dim, ">= 1"),
-        ("model.text.num_layers", txt.num_layers, ">= 1"),
-        ("model.text.vocab_min_count", txt.vocab_min_count, ">= 0"),
-        ("model.text.lr_mult", txt.lr_mult, ">= 0 and finite"),
-        ("model.text.frozen_cache_mb", txt.frozen_cache_mb, ">= 0"),
-        ("model.text.max_tokens", txt.max_tokens, ">= 1"),
-        ("model.text.length_sorted_chunk", txt.length_sorted_chunk, ">= 0"),
-        ("model.text.head_mlp_hidden", txt.head_mlp_hidden, ">= 1"),
-        ("model.similarity.temperature", m.similarity.temperature, "a positive finite number"),
-        ("model.similarity.dustbin_init", m.similarity.dustbin_init, "a finite number"),
-    ]
-    if d.train_fraction < 1.0:  # the subset's draw: numpy refuses a negative seed
-        checks.append(("data.train_subset_seed", d.train_subset_seed, "in 0 .. 2**64-1 (numpy's seed range)"))
-    for key, pool in (("model.image.pooling", img.pooling), ("model.text.pooling", txt.pooling)):
-        checks.append((f"{key}.temperature", pool.temperature, "a positive finite number"))
-    for key, value, rule in checks:
-        if not _RANGES[rule](value):
-            raise ConfigError(f"{key}={value}: must be {rule}")

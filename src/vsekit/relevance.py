@@ -341,7 +341,7 @@ def prepare_ladder_relevance(loss_fn, data_dir: str | Path, train_split, log: Ca
     import torch
 
     loss_fn.set_caption_embeddings(torch.from_numpy(np.asarray(emb)))
-    share = getattr(loss_fn, "threshold_share", None)
+    share = loss_fn.threshold_share  # a hook of every loss (vsekit.losses.base): None when there is none
     if share is None:
         return
     values = pair_relevance_from_embeddings(np.asarray(emb, dtype=np.float32), train_split.cap2img)

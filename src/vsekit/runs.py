@@ -171,13 +171,27 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
     model.load_state_dict(state, strict=True)
 
 
+def checkpoint_tag(run_dir: str | Path, which: str) -> str:
+    """The checkpoint set `which` (best | last) names in a run: best falls back to last while the run has no best
+    one (no best.safetensors and no best.manifest.json: no dev evaluation finished yet)."""
+    run_dir = Path(run_dir)
+    if which == "best" and not (run_dir / "best.safetensors").is_file() and not _manifest_path(run_dir, "best").is_file():
+        return "last"
+    return which
+
+
+def weights_path(run_dir: str | Path, which: str = "best") -> Path:
+    """The weights file of a run's `which` checkpoint: `{tag}.safetensors` of `checkpoint_tag` (what `load_run`
+    loads, after checking it against the set's manifest, and what an index's model fingerprint hashes)."""
+    return Path(run_dir) / f"{checkpoint_tag(run_dir, which)}.safetensors"
+
+
 def load_run(run_dir: str | Path, which: str = "best", device: str | torch.device = "cpu") -> tuple[VSEModel, dict]:
     """Rebuild a trained model from its run directory (`which` = best | last)."""
     run_dir = Path(run_dir)
     recipe, spec, cfg = read_run_config(run_dir)
-    if which == "best" and not (run_dir / "best.safetensors").is_file() and not _manifest_path(run_dir, "best").is_file():
-        which = "last"
-    weights = run_dir / f"{which}.safetensors"
+    which = checkpoint_tag(run_dir, which)
+    weights = weights_path(run_dir, which)
     verified = read_checkpoint_set(run_dir, which, (".safetensors",))  # sha256-checked against the manifest
     if verified:
         weights = verified[".safetensors"]

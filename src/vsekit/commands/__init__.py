@@ -1,5 +1,6 @@
-"""Subcommands of `vse`; each module has `register(subparsers)`."""
+"""Subcommands of `vse`; each module has `register(subparsers)`. Verbs of other packages (vsekit_lab's demo,
+benchmarks and experiments) come through entry points: `vsekit.commands.plugins`."""
 
-from vsekit.commands import bench, data, demo, evaluate, experiment, importer, inspect, search, train
+from vsekit.commands import data, evaluate, importer, inspect, search, train
 
-COMMAND_MODULES = [train, evaluate, inspect, data, demo, search, bench, experiment, importer]
+COMMAND_MODULES = [train, evaluate, inspect, data, search, importer]

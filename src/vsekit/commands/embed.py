@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vsekit.commands.search_options import POSITIVE, in_range
+from vsekit.commands.argtypes import POSITIVE, in_range
 
 
 def run_embed(args: argparse.Namespace) -> int:

@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 
 from vsekit.commands.argtypes import at_least
-from vsekit.commands.jsonout import add_json_args, emit_json
+from vsekit.commands.jsonout import add_json_args, check_json_out, command_inputs, emit_json
+from vsekit.data.sims import load_sims, read_cap2img
 from vsekit.errors import VseInputError
 from vsekit.metrics import CS_PROTOCOLS, MetricsInputError, cap2img_for_k, evaluate_sims, format_table
-from vsekit.metrics.inputs import load_sims, read_cap2img
 from vsekit.metrics.retrieval import NonFiniteScoresError
-from vsekit.utils.io import open_npy
+from vsekit.utils.io import atomic_save_npy, check_output_file, open_npy
 
 
 def write_report(metrics: dict, args: argparse.Namespace) -> None:
@@ -120,6 +120,7 @@ def eval_preflight(args: argparse.Namespace) -> str:
     caption->image map) and fits each run's input (feature width); `--eccv` checks the split. Returns the
     dataset directory."""
     from vsekit.data.precomp import load_precomp_split
+    from vsekit.models.image_parts import reads_pixels
     from vsekit.runs import read_run_config
 
     runs = []
@@ -137,7 +138,7 @@ def eval_preflight(args: argparse.Namespace) -> str:
     layout = None
     for run, data, recipe, spec in runs:
         split = load_precomp_split(data, args.split, recipe.data.captions_per_image)
-        if recipe.model.image.kind == "precomp":
+        if not reads_pixels(recipe.model.image.kind):
             split.require_width(spec.img_dim, f"the run in {run}")
         elif split.image_paths is None:
             raise VseInputError(f"{Path(data) / f'{args.split}_images.txt'}: missing; {run} encodes pictures "
@@ -167,6 +168,16 @@ def coco_split_note(data: str | Path, split: str, n_images: int) -> str | None:
             f"(--split testall --fold5) and COCO 5K on all of them (--split testall)")
 
 
+def check_result_files(args: argparse.Namespace, data: str) -> None:
+    """`--json-out` and `--save-sims` can be written (their folders exist) and overwrite none of the inputs: the
+    runs, the dataset they are scored on; two different files. One-line errors before any encoding."""
+    check_json_out(args, data)
+    if args.save_sims:
+        check_output_file(args.save_sims, "--save-sims", command_inputs(args, data))
+        if args.json_out and Path(args.json_out).resolve() == Path(args.save_sims).resolve():
+            raise VseInputError(f"--save-sims {args.save_sims} and --json-out {args.json_out}: the same file; name two")
+
+
 def run_eval(args: argparse.Namespace) -> int:
     from vsekit.evaluation import evaluate_model
     from vsekit.runs import load_run
@@ -174,6 +185,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     data = eval_preflight(args)
+    check_result_files(args, data)  # before the encoding, which takes minutes: nothing to lose at the end
     sims_sum, cap2img, per_run = None, None, []
     for run in args.runs:
         model, _ = load_run(run, args.checkpoint, device)
@@ -183,17 +195,16 @@ def run_eval(args: argparse.Namespace) -> int:
         if len(args.runs) > 1:
             print(f"{run}: {format_table(metrics)}")
         sims_sum = sims if sims_sum is None else sims_sum + sims
-        if args.save_sims and len(args.runs) == 1:
-            np.save(args.save_sims, sims)
     if len(args.runs) > 1:
         sims_sum /= len(args.runs)
         metrics = evaluate_sims(sims_sum, cap2img, fold5=args.fold5)
         metrics["ensemble_of"] = list(args.runs)
-        if args.save_sims:
-            np.save(args.save_sims, sims_sum)
         print("ensemble (mean similarity):")
     else:
         metrics = per_run[0]
+    if args.save_sims:
+        atomic_save_npy(args.save_sims, sims_sum)  # exactly the named file, in .npy format whatever its suffix
+        print(f"wrote {args.save_sims} ({sims_sum.shape[0]:,} images x {sims_sum.shape[1]:,} captions, .npy format)")
     from vsekit.relevance import cached_relevance
 
     relevance = cached_relevance(data, args.split)  # prepared by `vse data relevance DIR --split SPLIT`
@@ -226,7 +237,9 @@ def register(sub) -> None:
     p.add_argument("--fold5", action="store_true", help="COCO 1K: mean over five 1K-image folds")
     p.add_argument("--checkpoint", default="best", choices=("best", "last"))
     add_json_args(p, "the metrics", path_form=True)
-    p.add_argument("--save-sims", help="save the (ensemble) similarity matrix as .npy")
+    p.add_argument("--save-sims", metavar="FILE",
+                   help="save the (ensemble) similarity matrix to FILE, exactly that name, in .npy format "
+                        "(its folder must exist; not inside a run or the dataset)")  # fmt: skip
     p.add_argument("--device", default="auto")
     p.add_argument("--batch-size", type=int, action=at_least(1), default=256)
     p.add_argument("--cs-k", type=int, action=at_least(1), nargs="+", default=[100, 1000],

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from vsekit.commands.argtypes import POSITIVE, in_range
+
 
 def _label(run: str) -> str:
     p = Path(run).resolve()
@@ -15,11 +17,6 @@ def run_pooling(args: argparse.Namespace) -> int:
     from vsekit.pooling.inspect import gpo_profiles
     from vsekit.runs import load_run
 
-    if args.text_len < 1 or args.image_len < 0:
-        from vsekit.errors import VseInputError
-
-        raise VseInputError(f"--text-len must be >= 1 and --image-len >= 0 (0 = the default), got {args.text_len} "
-                            f"and {args.image_len}")  # fmt: skip
     rows = []
     for run in args.runs:
         if not (Path(run) / "config.json").is_file():
@@ -79,9 +76,9 @@ def plot_profiles(rows: list[dict], out_png: Path) -> None:
 def register(sub) -> None:
     p = sub.add_parser("pooling", help="the pooling weights trained GPO runs learned (table, --png plot)")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="training run folders (vse train --out); one row per GPO")
-    p.add_argument("--image-len", type=int, default=0,
+    p.add_argument("--image-len", type=int, default=0, action=in_range(0, note="0 = the default"),
                    help="image set size (default: 49 for grid features, 36 for regions)")  # fmt: skip
-    p.add_argument("--text-len", type=int, default=12, help="caption length in tokens (default 12)")
+    p.add_argument("--text-len", type=int, default=12, action=POSITIVE, help="caption length in tokens (default 12)")
     p.add_argument("--which", choices=["best", "last"], default="best", help="checkpoint to read (default: best on dev)")
     p.add_argument("--png", help="plot weight against sorted position")
     from vsekit.commands.jsonout import add_json_args

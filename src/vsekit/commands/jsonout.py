@@ -6,18 +6,27 @@
 - verbs whose `--json` used to take a FILE (eval, eval-sims, data relevance-share, pooling, experiment,
   bench search / serve) still accept `--json FILE`: it means `--json-out FILE` and prints a deprecation note.
 
-`cli.main` calls `prepare` before the verb runs (so a bad combination fails before any work) and sends
-stdout to stderr while a `--json` verb runs; the verb calls `emit_json` with its result.
+`cli.main` calls `prepare` before the verb runs (so a bad combination or a bad `--json-out FILE` fails before
+any work) and sends stdout to stderr while a `--json` verb runs; the verb calls `emit_json` with its result.
+`--json-out FILE` follows the rule of every result file (`vsekit.utils.io.check_output_file`): its folder
+exists, and it is neither inside a folder the command reads (a run, an index, a dataset) nor one of its input
+files. `prepare` checks it against the inputs named on the command line (`INPUT_ARGS`); a verb that learns
+more inputs as it goes (the dataset a run records, the run an index records) calls `check_json_out` again.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
 from vsekit.errors import VseInputError
+from vsekit.utils.io import check_output_file
+
+# the argument names under which verbs take the files and folders they read (positionals and options)
+INPUT_ARGS = ("runs", "run", "index", "data", "sims", "image", "relevance", "cap2img", "source", "input", "resume")
 
 DEPRECATED_NOTE = "note: `--json FILE` is deprecated; use `--json-out FILE` (`--json` alone prints the JSON on stdout)"
 
@@ -48,6 +57,23 @@ def prepare(args: argparse.Namespace) -> None:
         print(DEPRECATED_NOTE, file=sys.stderr)
         args.json, args.json_out = False, path
     args.json = bool(args.json)
+    check_json_out(args)
+
+
+def command_inputs(args: argparse.Namespace, *more: str | os.PathLike | None) -> list[str]:
+    """The files and folders the command reads: the values of its `INPUT_ARGS`, plus `more`."""
+    found: list[str] = []
+    for value in [*(getattr(args, name, None) for name in INPUT_ARGS), *more]:
+        values = value if isinstance(value, (list, tuple)) else [value]
+        found += [str(v) for v in values if isinstance(v, (str, os.PathLike)) and str(v)]
+    return found
+
+
+def check_json_out(args: argparse.Namespace, *more_inputs: str | os.PathLike | None) -> None:
+    """`--json-out FILE` may be written: its folder exists and it overwrites none of the command's inputs
+    (`command_inputs(args, *more_inputs)`); else a one-line error before any work."""
+    if getattr(args, "json_out", None):
+        check_output_file(args.json_out, "--json-out", command_inputs(args, *more_inputs))
 
 
 def wants_stdout(args: argparse.Namespace) -> bool:

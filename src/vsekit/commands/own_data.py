@@ -1,12 +1,15 @@
 """`vse data folder | table | webdataset`: users' own pictures and captions as a training set (registered by
-`vsekit.commands.data`; the builder is `vsekit.datasets.own_pairs`, the readers `vsekit.datasets.own_sources`)."""
+`vsekit.commands.data`; the builder is `vsekit.datasets.own_pairs`, the readers `vsekit.datasets.own_sources`
+and `vsekit.datasets.own_shards`)."""
 
 from __future__ import annotations
 
 import argparse
 
-from vsekit.commands.argtypes import at_least, finite
+from vsekit.commands.argtypes import at_least, between, finite
 from vsekit.errors import VseInputError
+
+MAX_IMAGE_SIZE = 1024  # pixels a side: a grid of 32 x 32 regions a picture for EfficientNet-Lite0 (7 x 7 at 224)
 
 
 def _own_options(args: argparse.Namespace):
@@ -60,7 +63,7 @@ def run_own_table(args: argparse.Namespace) -> int:
 
 
 def run_own_webdataset(args: argparse.Namespace) -> int:
-    from vsekit.datasets.own_sources import read_webdataset
+    from vsekit.datasets.own_shards import read_webdataset
 
     _own_options(args)
     return _build_own(args, read_webdataset(args.shards))
@@ -77,7 +80,8 @@ def _add_own_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backbone", default="efficientnet_lite0", help="feature extractor: efficientnet_lite0 (default), "
                    "torchvision:<arch>, timm:<name> or python:<module>:<function> (with --backbone-weights)")  # fmt: skip
     p.add_argument("--backbone-weights", help="local weights file of --backbone (nothing is downloaded)")
-    p.add_argument("--image-size", type=int, action=at_least(32), default=224, help="input size of the extractor")
+    p.add_argument("--image-size", type=int, action=between(32, MAX_IMAGE_SIZE), default=224,
+                   help=f"input size of the extractor (32 to {MAX_IMAGE_SIZE} pixels)")  # fmt: skip
     p.add_argument("--batch-size", type=int, action=at_least(1), default=8, help="pictures per extractor batch")
     p.add_argument("--device", default="auto", help="where the extractor runs (auto: cuda when present)")
     p.add_argument("--workers", type=int, action=at_least(1), default=2, help="threads reading and decoding pictures")

@@ -5,9 +5,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vsekit.commands.jsonout import add_json_args, emit_json
-from vsekit.commands.search_options import PORT, POSITIVE, in_range
+from vsekit.commands.argtypes import PORT, POSITIVE, in_range
+from vsekit.commands.jsonout import add_json_args, check_json_out, emit_json
 from vsekit.errors import VseInputError
+
+
+def refuse_set_runs(run: str) -> None:
+    """A late-interaction run (CHAN: sets of region vectors per picture) cannot be indexed yet: one line."""
+    from vsekit.runs import read_run_config
+    from vsekit.similarity.parts import scores_sets
+
+    recipe, _, _ = read_run_config(run)
+    if scores_sets(recipe.model.similarity.name):
+        raise VseInputError(f"{run}: scores by {recipe.model.similarity.name}, a late interaction of sets of region "
+                            "and word vectors; search indexes one vector per picture and does not offer such "
+                            "runs yet: evaluate it with `vse eval`")  # fmt: skip
 
 
 def run_index(args: argparse.Namespace) -> int:
@@ -17,6 +29,8 @@ def run_index(args: argparse.Namespace) -> int:
     params = FaissParams(kind=args.index, nlist=args.nlist, nprobe=args.nprobe, hnsw_m=args.hnsw_m,
                          ef_construction=args.ef_construction, ef_search=args.ef_search, pq_m=args.pq_m,
                          refine=args.pq_refine)  # fmt: skip
+    if args.run is not None:
+        refuse_set_runs(args.run)
     if args.from_embeddings:
         if args.refresh:
             raise VseInputError("--refresh re-reads a folder of pictures; it takes no --from-embeddings DIR")
@@ -103,6 +117,7 @@ def run_search(args: argparse.Namespace) -> int:
     if args.images and args.image is None:
         raise VseInputError("--images finds the indexed pictures most like a picture: give the picture with --image PATH")
     engine = SearchEngine.open(args.index, resolve_device(args.device), run_dir=args.run)
+    check_json_out(args, engine.index.meta["model"].get("run_dir"))  # the index's own run is an input too
     engine.index.set_search_params(nprobe=args.nprobe, ef_search=args.ef_search)
     if args.image is not None and (why := engine.picture_query_problem()):
         raise VseInputError(f"--image: {args.index} cannot answer picture queries: {why}")
@@ -135,6 +150,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
+    from vsekit.search.connections import uvicorn_config
     from vsekit.search.server import ServerLimits, create_app, json_log_handler
     from vsekit.utils.runtime import resolve_device
 
@@ -161,8 +177,8 @@ def run_serve(args: argparse.Namespace) -> int:
         port = sock.getsockname()[1]  # the port bound: --port 0 gets a free one from the system
         where = f"[{args.host}]" if ":" in args.host else args.host
         print(f"serving {args.index} on http://{where}:{port}  (Ctrl-C stops)", file=sys.stderr, flush=True)
-        config = uvicorn.Config(app, host=args.host, port=port, access_log=False, log_level=args.log_level,
-                                limit_concurrency=args.max_connections, timeout_keep_alive=5)  # fmt: skip
+        config = uvicorn_config(app, args.host, port, max_connections=args.max_connections, log_level=args.log_level,
+                                head_timeout_s=limits.head_timeout_s, logger=logger)  # fmt: skip
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         sock.close()
@@ -228,8 +244,8 @@ def register(sub) -> None:
                    help="with --image: find the indexed pictures most like it instead (cosine of the picture vectors)")
     s.add_argument("-k", type=int, action=POSITIVE, default=10, help="number of results")
     add_json_args(s, 'the results (a list of {"path", "score", "caption"}, best first)')
-    s.add_argument("--nprobe", type=int, help="ivf: override the lists visited per query")
-    s.add_argument("--ef-search", type=int, help="hnsw: override the query beam")
+    s.add_argument("--nprobe", type=int, action=POSITIVE, help="ivf: override the lists visited per query")
+    s.add_argument("--ef-search", type=int, action=POSITIVE, help="hnsw: override the query beam")
     s.add_argument("--run", metavar="RUN_DIR", help="the run, if it moved since indexing (weights are checked)")
     s.add_argument("--device", default="auto")
     s.set_defaults(func=run_search)
@@ -241,7 +257,9 @@ def register(sub) -> None:
     v.add_argument("--max-k", type=int, action=POSITIVE, default=100, help="largest k a request may ask for")
     v.add_argument("--max-query-chars", type=int, action=POSITIVE, default=256)
     v.add_argument("--max-body-mb", type=int, action=in_range(1, 1 << 20), default=8, help="largest request body (picture uploads)")
-    v.add_argument("--max-connections", type=int, action=POSITIVE, default=64, help="concurrent connections before 503")
+    v.add_argument("--max-connections", type=int, action=POSITIVE, default=64,
+                   help="open connections; when all are taken, a new one closes the one idle longest "
+                        "(503 only when all are busy)")
     v.add_argument("--rate-limit", type=float, action=in_range(0, None, "0 = no limit", finite=True), default=100.0,
                    help="requests per second per client address, then 429 (0 = no limit)")
     v.add_argument("--rate-burst", type=int, action=POSITIVE, default=200, help="requests a client may send at once")

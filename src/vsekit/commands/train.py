@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 from pathlib import Path
 
@@ -17,7 +16,7 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, action=at_least(1), help="override train.epochs; with --resume: train the run on to N epochs in all")
     p.add_argument("--batch-size", type=int, action=at_least(2), help="override train.batch_size (at least 2: in-batch negatives)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 … (default: cuda when available)")
-    p.add_argument("--seed", type=int, help="override train.seed")
+    p.add_argument("--seed", type=int, action=at_least(0), help="override train.seed")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any recipe key, e.g. model.embed_dim=512")
 
 
@@ -62,11 +61,10 @@ def _train_command(args: argparse.Namespace) -> str:
 
 
 def _config_stamp(run_dir: str | Path) -> tuple[int, int] | None:
-    try:
-        st = os.stat(Path(run_dir) / "config.json")
-    except OSError:
-        return None
-    return st.st_ino, st.st_mtime_ns
+    """config.json's file stamp: another after the run means this command set the run up."""
+    from vsekit.utils.io import file_stamp
+
+    return file_stamp(Path(run_dir) / "config.json")
 
 
 def _interrupt_hint(args: argparse.Namespace, before: tuple[int, int] | None) -> str:
@@ -133,10 +131,19 @@ def run_train(args: argparse.Namespace) -> int:
 def run_recipes(args: argparse.Namespace) -> int:
     import yaml
 
-    if args.name:
+    from vsekit.parts import part_choices, recipe_keys_markdown
+
+    if args.keys:
+        if args.name:
+            raise VseInputError("--keys lists every key of every recipe: give no recipe name with it")
+        print(recipe_keys_markdown(), end="")
+    elif args.name:
         print(yaml.safe_dump(to_dict(load_recipe(args.name)), sort_keys=False))
     else:
         print("\n".join(builtin_recipes()))
+        print("\nparts a recipe names (their keys: vse recipes --keys):")
+        for keys, names in part_choices():
+            print(f"{', '.join(keys)}: {', '.join(names)}")
     return 0
 
 
@@ -152,6 +159,9 @@ def register(sub) -> None:
                         "offline when no W&B credentials are found, `wandb-offline` always (docs/training.md)")  # fmt: skip
     add_recipe_args(p)
     p.set_defaults(func=run_train)
-    r = sub.add_parser("recipes", help="list built-in recipes, or print one fully resolved")
+    r = sub.add_parser("recipes", help="list built-in recipes and the parts a recipe names, or print one fully resolved")
     r.add_argument("name", nargs="?")
+    r.add_argument(
+        "--keys", action="store_true", help="print every recipe key with its type, default and help (Markdown)"
+    )
     r.set_defaults(func=run_recipes)

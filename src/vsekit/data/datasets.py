@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from vsekit.data.batch import Batch, CaptionBatch, ImageBatch
 from vsekit.data.text import MASKED_BELOW, RANDOM_BELOW
 from vsekit.utils.runtime import derived_seed
 
@@ -234,23 +235,21 @@ class Collate:
         self.pad_id = pad_id
         self.float32 = float32
 
-    def pairs(self, batch):
+    def pairs(self, batch) -> Batch:
         images, tokens, img_idx, cap_idx = zip(*batch)
         image_t, image_len = stack_images(list(images))
         if self.float32 and image_t.is_floating_point():
             image_t = image_t.float()
         tok_t, tok_len = pad_tokens(list(tokens), self.pad_id)
-        return {
-            "images": image_t, "image_lengths": image_len, "tokens": tok_t, "token_lengths": tok_len,
-            "image_index": torch.tensor(img_idx), "caption_index": torch.tensor(cap_idx),
-        }  # fmt: skip
+        return Batch(images=image_t, image_lengths=image_len, tokens=tok_t, token_lengths=tok_len,
+                     image_index=torch.tensor(img_idx), caption_index=torch.tensor(cap_idx))
 
-    def images(self, batch):
+    def images(self, batch) -> ImageBatch:
         images, idx = zip(*batch)
         image_t, image_len = stack_images(list(images))
-        return {"images": image_t, "image_lengths": image_len, "image_index": torch.tensor(idx)}
+        return ImageBatch(images=image_t, image_lengths=image_len, image_index=torch.tensor(idx))
 
-    def captions(self, batch):
+    def captions(self, batch) -> CaptionBatch:
         tokens, idx = zip(*batch)
         tok_t, tok_len = pad_tokens(list(tokens), self.pad_id)
-        return {"tokens": tok_t, "token_lengths": tok_len, "caption_index": torch.tensor(idx)}
+        return CaptionBatch(tokens=tok_t, token_lengths=tok_len, caption_index=torch.tensor(idx))

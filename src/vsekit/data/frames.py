@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vsekit.data.findings import Findings
 from vsekit.errors import VseInputError
 from vsekit.utils.io import open_npy
 
@@ -68,36 +69,83 @@ def has_frames(root: Path, split: str) -> bool:
     return frames_files(root, split)[0].is_file()
 
 
-def load_frames(root: Path, split: str, error: type[Exception] = VseInputError) -> RaggedFrames:
-    """Open and check a split's frames + offsets; every problem raises `error` naming the file."""
-    frames_path, offsets_path = frames_files(root, split)
-    if not offsets_path.is_file():
-        raise error(f"{offsets_path}: missing; {frames_path.name} needs it (N + 1 clip offsets into its rows)")
-    frames = open_npy(frames_path, error)
+def frame_array(path: Path, found: Findings) -> np.ndarray | None:
+    """`{split}_frames.npy` opened memory-mapped: a non-empty (frames, dim) float16/float32 array, else None
+    with the problem reported to `found`."""
+    try:
+        frames = open_npy(path, found.error_type)
+    except found.error_type as e:
+        if not found.collecting:
+            raise
+        found.error(path, "", str(e).removeprefix(f"{path}: "))
+        return None
     if frames.ndim != 2:
-        raise error(f"{frames_path}: expected shape (frames, dim), got {frames.shape}")
-    if frames.dtype not in (np.float16, np.float32):
-        raise error(f"{frames_path}: expected float16 or float32 features, got {frames.dtype}")
-    if frames.shape[0] == 0 or frames.shape[1] == 0:
-        raise error(f"{frames_path}: empty frame array {frames.shape}")
-    offsets = open_npy(offsets_path, error)
-    if offsets.ndim != 1 or not np.issubdtype(offsets.dtype, np.integer):
-        raise error(f"{offsets_path}: expected a 1-D integer array, got {offsets.dtype} {offsets.shape}")
-    if len(offsets) < 2:
-        raise error(f"{offsets_path}: needs at least 2 entries (N + 1 for N clips), got {len(offsets)}")
-    offsets = np.asarray(offsets, dtype=np.int64)
-    if offsets[0] != 0:
-        raise error(f"{offsets_path}: the first offset must be 0, got {offsets[0]}")
-    if offsets[-1] != frames.shape[0]:
-        raise error(f"{offsets_path}: the last offset is {offsets[-1]} but {frames_path.name} has "
-                    f"{frames.shape[0]} frame rows")  # fmt: skip
-    steps = np.diff(offsets)
-    bad = np.nonzero(steps < 1)[0]
-    if len(bad):
-        i = int(bad[0])
-        what = "no frames" if steps[i] == 0 else "a negative frame count (offsets must increase)"
-        raise error(f"{offsets_path}: clip {i} has {what} (offsets[{i}] = {offsets[i]}, "
-                    f"offsets[{i + 1}] = {offsets[i + 1]}); {len(bad)} such clips")  # fmt: skip
+        found.error(path, "", f"expected shape (frames, dim), got {frames.shape}")
+    elif frames.dtype not in (np.float16, np.float32):
+        found.error(path, "", f"expected float16 or float32 features, got {frames.dtype}")
+    elif 0 in frames.shape:
+        found.error(path, "", f"empty feature array {frames.shape}")
+    else:
+        return frames
+    return None
+
+
+def frame_offsets(path: Path, frames_path: Path, n_frames: int | None,
+                  found: Findings) -> tuple[np.ndarray | None, int | None]:  # fmt: skip
+    """(the offsets when they map `n_frames` frame rows to clips, else None; the clip count when known): every
+    problem of `{split}_frame_offsets.npy` is reported to `found`, ` row I` naming the index into the offsets."""
+    if not path.is_file():
+        found.error(path, "", f"missing; {frames_path.name} needs it (N + 1 clip offsets into its frame rows)")
+        return None, None
+    try:
+        arr = open_npy(path, found.error_type)
+    except found.error_type as e:
+        if not found.collecting:
+            raise
+        found.error(path, "", str(e).removeprefix(f"{path}: "))
+        return None, None
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        found.error(path, "", f"expected a 1-D integer array (N + 1 clip offsets), got {arr.dtype} {arr.shape}")
+        return None, None
+    if len(arr) < 2:
+        found.error(path, "", f"needs at least 2 offsets (N + 1 for N clips), got {len(arr)}")
+        return None, None
+    off, n_clips, ok = np.asarray(arr, dtype=np.int64), len(arr) - 1, True
+    if off[0] != 0:
+        found.error(path, " row 0", f"the first offset must be 0, got {off[0]}")
+        ok = False
+    if n_frames is not None and off[-1] != n_frames:
+        found.error(path, f" row {n_clips}", f"the last offset is {off[-1]} but {frames_path.name} has {n_frames} "
+                    "frame rows")  # fmt: skip
+        ok = False
+    outside = np.nonzero((off < 0) | (off > (n_frames if n_frames is not None else np.iinfo(np.int64).max)))[0]
+    if len(outside):
+        i = int(outside[0])
+        found.error(path, f" row {i}", f"offset {off[i]} outside 0..{n_frames} (frame rows of {frames_path.name}; "
+                    f"{len(outside)} such offset(s))")  # fmt: skip
+        ok = False
+    steps = np.diff(off)
+    for bad, what in ((steps < 0, "decrease"), (steps == 0, "empty")):
+        idx = np.nonzero(bad)[0]
+        if len(idx):
+            i = int(idx[0])
+            msg = (f"offsets decrease at clip {i} ({off[i]} then {off[i + 1]}; they must increase); {len(idx)} such clip(s)"
+                   if what == "decrease" else
+                   f"clip {i} has no frames (offsets[{i}] = offsets[{i + 1}] = {off[i]}); {len(idx)} empty clip(s)")  # fmt: skip
+            found.error(path, f" row {i}", msg)
+            ok = False
+    return (off if ok else None), n_clips
+
+
+def load_frames(root: Path, split: str, error: type[Exception] = VseInputError) -> RaggedFrames:
+    """Open and check a split's frames + offsets; the first problem raises `error` naming the file (the rules
+    `vse data check` applies too, listing every problem: `frame_array`, `frame_offsets`)."""
+    frames_path, offsets_path = frames_files(root, split)
+    found = Findings(error)
+    if not offsets_path.is_file():  # said first: the frames are useless without it
+        frame_offsets(offsets_path, frames_path, None, found)
+    frames = frame_array(frames_path, found)
+    offsets, _ = frame_offsets(offsets_path, frames_path, int(frames.shape[0]), found)
     return RaggedFrames(frames, offsets, frames_path)
 
 

@@ -5,16 +5,22 @@ on them cannot show its hits. The ids are COCO image ids (pictures `COCO_val2014
 `train2014/` too, or the 2017 naming `<12 digits>.jpg`) or Flickr30K ids (`<id>.jpg`). This finds each id's
 picture anywhere under DIR and writes `{split}_images.txt` (paths relative to DIR) with `manifest.json`'s
 `images_root` = DIR. Every id must be found, else nothing is written and the first missing ones are named.
+A file under DIR that links out of it, or is not a regular file (a FIFO, a device), is never linked: it is
+reported and skipped (the rule of `vsekit.data.untrusted`), as `vse data check` and training would refuse it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
 from vsekit.data.precomp import MANIFEST, DataFormatError, load_precomp_split
+from vsekit.data.untrusted import UntrustedFileError, check_regular, resolve_inside
 from vsekit.utils.io import atomic_write_json, atomic_write_text
+
+log = logging.getLogger(__name__)
 
 
 def picture_names(image_id: str) -> list[str]:
@@ -39,11 +45,28 @@ def link_images(data_dir: str | Path, images_dir: str | Path, splits: list[str] 
         splits = sorted(p.name[: -len("_ids.txt")] for p in root.glob("*_ids.txt"))
     if not splits:
         raise DataFormatError(f"{root}: no {{split}}_ids.txt files: the image ids are what the pictures are found by")
-    by_name: dict[str, Path] = {}
-    for dirpath, dirnames, filenames in os.walk(pics):
+    by_name: dict[str, list[Path]] = {}
+    for dirpath, dirnames, filenames in os.walk(pics):  # links to folders are listed, never walked into
         dirnames.sort()
         for f in sorted(filenames):
-            by_name.setdefault(f, Path(dirpath, f))  # the first in sorted order wins
+            by_name.setdefault(f, []).append(Path(dirpath, f))
+    refused: dict[Path, str] = {}
+
+    def usable(path: Path) -> bool:
+        """A regular file inside --images (`untrusted`'s rule); a link out of it, a FIFO or a device is
+        refused, reported and skipped."""
+        rel = path.relative_to(pics).as_posix()
+        try:
+            check_regular(resolve_inside(pics, rel, label="--images"), name=rel, expected="a picture file")
+        except OSError as e:  # UntrustedFileError included
+            if path not in refused:
+                refused[path] = str(e) if isinstance(e, UntrustedFileError) else f"{rel}: {e.strerror or e}"
+                log.warning("%s: %s; skipped", pics, refused[path])
+            return False
+        return True
+
+    def find(image_id: str) -> Path | None:  # the first usable file in sorted order wins
+        return next((p for n in picture_names(image_id) for p in by_name.get(n, ()) if usable(p)), None)
     linked: dict[str, list[str]] = {}
     for split in splits:
         ids_file = root / f"{split}_ids.txt"
@@ -52,15 +75,16 @@ def link_images(data_dir: str | Path, images_dir: str | Path, splits: list[str] 
         data = load_precomp_split(root, split, captions_per_image)
         rows, missing = [], []
         for image_id in data.image_ids:
-            found = next((by_name[n] for n in picture_names(str(image_id).strip()) if n in by_name), None)
+            found = find(str(image_id).strip())
             if found is None:
                 missing.append(str(image_id))
             else:
                 rows.append(found.relative_to(pics).as_posix())
         if missing:
+            also = f"; {len(refused)} file(s) refused, e.g. {next(iter(refused.values()))}" if refused else ""
             raise DataFormatError(f"{pics}: no picture for {len(missing)} of the {len(rows) + len(missing)} ids of "
                                   f"{ids_file} (first: {', '.join(missing[:3])}; looked for e.g. "
-                                  f"{picture_names(missing[0])[0]}); nothing was written")  # fmt: skip
+                                  f"{picture_names(missing[0])[0]}{also}); nothing was written")  # fmt: skip
         linked[split] = rows
     base = pics.resolve()
     try:

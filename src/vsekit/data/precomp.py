@@ -27,7 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from vsekit.data.frames import has_frames, load_frames
+from vsekit.data.findings import Findings
+from vsekit.data.frames import RaggedFrames, frame_array, frame_offsets, frames_files
+from vsekit.data.untrusted import UntrustedFileError, resolve_inside
 from vsekit.errors import VseInputError
 from vsekit.utils.io import open_npy
 
@@ -36,25 +38,63 @@ class DataFormatError(VseInputError):
     """A dataset file that does not fit the layout; the message names the file and the problem."""
 
 
-def read_lines(path: Path) -> list[str]:
+FIRST_ERROR = Findings(DataFormatError)  # loading: the first problem raises, naming its file and line
+
+
+def text_lines(path: Path, found: Findings = FIRST_ERROR, nul: bool = False) -> list[str] | None:
+    """The lines of a UTF-8 text file, as Python's text mode reads them (\\n, \\r\\n or \\r ends a line; a
+    final line end adds no empty line). A line that is not UTF-8 is reported with its number (and, collecting,
+    decoded with replacement characters so later rules still run); with `nul`, so is a line holding a NUL byte.
+    None (collecting) when the file cannot be read at all; loading lets the OSError through."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DataFormatError(f"{path}: not UTF-8 text ({e})") from e
-    lines = text.split("\n")
+        raw = path.read_bytes()
+    except OSError as e:
+        if not found.collecting:
+            raise
+        found.error(path, "", f"cannot be read ({e})")
+        return None
+    try:
+        lines = raw.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    except UnicodeDecodeError:
+        lines = []
+        for lineno, b in enumerate(raw.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n"), 1):
+            try:
+                lines.append(b.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                found.error(path, f":{lineno}", f"not UTF-8 (byte {e.start}: {b[e.start : e.start + 1]!r})", "not UTF-8")
+                lines.append(b.decode("utf-8", errors="replace"))
     if lines and lines[-1] == "":
         lines.pop()
-    return [line.rstrip("\r") for line in lines]
+    if nul:
+        for lineno, line in enumerate(lines, 1):
+            if "\x00" in line:
+                found.error(path, f":{lineno}", "contains a NUL byte (binary file?)", "NUL byte")
+    return lines
 
 
-def read_int_lines(path: Path) -> np.ndarray:
-    values = []
-    for lineno, line in enumerate(read_lines(path), 1):
+def read_lines(path: Path) -> list[str]:
+    """The lines of a UTF-8 text file; DataFormatError naming the first line that is not UTF-8."""
+    return text_lines(path)
+
+
+def int_lines(path: Path, found: Findings = FIRST_ERROR) -> np.ndarray | None:
+    """One integer per line (int64), every line that is not one reported; None when any is not."""
+    lines = text_lines(path, found)
+    if lines is None:
+        return None
+    values, bad = [], False
+    for lineno, line in enumerate(lines, 1):
         try:
             values.append(int(line.strip()))
         except ValueError:
-            raise DataFormatError(f"{path}:{lineno}: expected one integer per line, got {line[:60]!r}") from None
-    return np.asarray(values, dtype=np.int64)
+            found.error(path, f":{lineno}", f"expected one integer, got {line[:40]!r}", "expected one integer")
+            bad = True
+    return None if bad else np.asarray(values, dtype=np.int64)
+
+
+def read_int_lines(path: Path) -> np.ndarray:
+    """One integer per line; DataFormatError naming the first line that is not one."""
+    return int_lines(path)
 
 
 @dataclass
@@ -182,134 +222,207 @@ def dataset_image_root(root: str | Path) -> Path:
 
 
 def resolve_image_path(images_root: Path, rel: str, where: str) -> Path:
-    """`images_root / rel`, refused (DataFormatError naming `where`) when it resolves outside `images_root`."""
+    """`images_root / rel` resolved, refused (DataFormatError naming `where`) when it resolves outside
+    `images_root` (an absolute path, `~`, `..`, a symbolic link out): the rule of `untrusted.resolve_inside`."""
     rel = rel.strip()
     if not rel:
         raise DataFormatError(f"{where}: empty picture path")
     try:
-        base = images_root.resolve()
-        full = (images_root / rel).resolve()
-    except (OSError, RuntimeError, ValueError) as e:  # NUL bytes, symlink loops
-        raise DataFormatError(f"{where}: {rel!r} is not a usable path ({e})") from e
-    if Path(rel).is_absolute() or not full.is_relative_to(base):
-        raise DataFormatError(f"{where}: {rel!r} points outside the images root {base}")
-    return full
+        return resolve_inside(images_root, rel, label="the images root")
+    except UntrustedFileError as e:
+        raise DataFormatError(f"{where}: {e.detail}") from None
 
 
-def _load_features(path: Path) -> np.ndarray:
-    if not path.is_file():
-        raise DataFormatError(f"{path}: missing (expected the (N, R, D) feature array of this split)")
-    feats = open_npy(path, DataFormatError)
+def feature_array(path: Path, found: Findings = FIRST_ERROR) -> np.ndarray | None:
+    """`{split}_ims.npy` opened memory-mapped: a non-empty (images, regions, dim) float16/float32 array, else
+    None with the problem reported to `found`."""
+    try:
+        feats = open_npy(path, DataFormatError)
+    except DataFormatError as e:
+        if not found.collecting:
+            raise
+        found.error(path, "", str(e).removeprefix(f"{path}: "))
+        return None
     if feats.ndim != 3:
-        raise DataFormatError(f"{path}: expected shape (images, regions, dim), got {feats.shape}")
-    if feats.dtype not in (np.float16, np.float32):
-        raise DataFormatError(f"{path}: expected float16 or float32 features, got {feats.dtype}")
-    if feats.shape[0] == 0 or feats.shape[1] == 0 or feats.shape[2] == 0:
-        raise DataFormatError(f"{path}: empty feature array {feats.shape}")
-    return feats
+        found.error(path, "", f"expected shape (images, regions, dim), got {feats.shape}")
+    elif feats.dtype not in (np.float16, np.float32):
+        found.error(path, "", f"expected float16 or float32 features, got {feats.dtype}")
+    elif 0 in feats.shape:
+        found.error(path, "", f"empty feature array {feats.shape}")
+    else:
+        return feats
+    return None
 
 
-def caption_layout(
-    n_rows: int, n_caps: int, cap2img_file: Path, captions_per_image: int, caps_file: Path
-) -> tuple[np.ndarray, np.ndarray]:
-    """(cap2img, image_rows) for a split, from the explicit map or the SCAN conventions."""
+UNITS = {"image row": ("image rows", "image", "rows"), "clip": ("clips", "clip", "clips")}
+
+
+def caption_map(n_rows: int, n_caps: int, cap2img_file: Path, captions_per_image: int, caps_file: Path,
+                found: Findings = FIRST_ERROR,
+                unit: str = "image row") -> tuple[np.ndarray, np.ndarray] | None:  # fmt: skip
+    """(cap2img: caption -> image, image_rows: image -> feature row) of a split, from `{split}_cap2img.txt` or
+    the SCAN conventions (k captions per row, or one feature row per caption: image i is row k*i, as the
+    reference loaders' `im_div`); None when the counts fit no layout. `unit`: what a row is (image row, clip)."""
+    plural, per, such = UNITS[unit]
+    k = captions_per_image
     if cap2img_file.is_file():
-        cap2img = read_int_lines(cap2img_file)
+        cap2img = int_lines(cap2img_file, found)
+        if cap2img is None:
+            return None
         if len(cap2img) != n_caps:
-            raise DataFormatError(f"{cap2img_file}: {len(cap2img)} lines but {caps_file.name} has {n_caps} captions")
-        if n_caps and (cap2img.min() < 0 or cap2img.max() >= n_rows):
-            raise DataFormatError(f"{cap2img_file}: image indices must lie in 0..{n_rows - 1}")
+            found.error(cap2img_file, "", f"{len(cap2img)} lines but {caps_file.name} has {n_caps} captions (one {unit} "
+                        "per caption)")  # fmt: skip
+            return None
+        bad = np.nonzero((cap2img < 0) | (cap2img >= n_rows))[0]
+        for i in bad:
+            found.error(cap2img_file, f":{i + 1}", f"{unit} {cap2img[i]} outside 0..{n_rows - 1}", f"{unit} outside")
+        if len(bad):
+            return None
         missing = np.setdiff1d(np.arange(n_rows), cap2img)
         if len(missing):
-            raise DataFormatError(f"{cap2img_file}: image row {missing[0]} has no caption ({len(missing)} such rows)")
+            found.error(cap2img_file, "", f"{unit} {missing[0]} has no caption ({len(missing)} such {such})")
+            return None
         return cap2img, np.arange(n_rows, dtype=np.int64)
-    k = captions_per_image
     if n_caps == n_rows * k:
         return np.arange(n_caps, dtype=np.int64) // k, np.arange(n_rows, dtype=np.int64)
     if n_caps == n_rows and n_rows % k == 0 and k > 1:
-        # one feature row per caption (e.g. Kaggle F30K dev): image i is row k*i
         return np.arange(n_caps, dtype=np.int64) // k, np.arange(0, n_rows, k, dtype=np.int64)
-    raise DataFormatError(
-        f"{caps_file}: {n_caps} captions do not fit {n_rows} image rows with {k} captions per image; "
-        f"add {cap2img_file.name} (one image row per caption) for a variable number of captions"
-    )
+    found.error(caps_file, "", f"{n_caps} captions do not fit {n_rows} {plural} with {k} captions per {per}; "
+                f"add {cap2img_file.name} (one {unit} per caption) for a variable number of captions")  # fmt: skip
+    return None
+
+
+def image_ids_of(ids: list[str], cap2img: np.ndarray, image_rows: np.ndarray, n_rows: int, ids_file: Path,
+                 found: Findings = FIRST_ERROR) -> list[str] | None:  # fmt: skip
+    """Each image's id from `{split}_ids.txt`: one line per image, one per caption (the captions of one image
+    must agree), or one per feature row; None when the count fits none of them or captions disagree."""
+    n_images = len(image_rows)
+    if len(ids) == n_images:
+        return ids
+    if len(ids) == len(cap2img):
+        first: dict[int, str] = {}
+        agree = True
+        for c, img in enumerate(cap2img.tolist()):
+            if first.setdefault(img, ids[c]) != ids[c]:
+                found.error(ids_file, f":{c + 1}", f"id {ids[c]!r} differs from {first[img]!r} given to another caption "
+                            f"of the same image (row {img})", "id differs")  # fmt: skip
+                agree = False
+        return [first[i] for i in range(n_images)] if agree else None
+    if len(ids) == n_rows:
+        return [ids[r] for r in image_rows]
+    found.error(ids_file, "", f"{len(ids)} lines; expected one per image ({n_images}) or per caption ({len(cap2img)})")
+    return None
+
+
+def read_set_sizes(path: Path, shape: tuple[int, ...], found: Findings = FIRST_ERROR) -> np.ndarray | None:
+    """`{split}_ims_lengths.txt`: one size in 1..R per row of `{split}_ims.npy`, or None when absent (or wrong)."""
+    if not path.is_file():
+        return None
+    sizes = int_lines(path, found)
+    if sizes is None:
+        return None
+    if len(sizes) != shape[0]:
+        found.error(path, "", f"{len(sizes)} lines for {shape[0]} feature rows in the .npy")
+        return None
+    bad = np.nonzero((sizes < 1) | (sizes > shape[1]))[0]
+    for i in bad:
+        found.error(path, f":{i + 1}", f"set size {sizes[i]} outside 1..{shape[1]}", "set size outside")
+    return None if len(bad) else sizes
+
+
+@dataclass
+class SplitFiles:
+    """What one split's files hold, as far as they could be read (None: absent, or refused by a rule)."""
+
+    unit: str = "image row"  # a feature row is an image, or a clip of frames
+    features: np.ndarray | RaggedFrames | None = None  # pictures only: a zero-width placeholder, one row each
+    frames: np.ndarray | None = None  # a video split: (F, D) frame rows and their clip offsets
+    offsets: np.ndarray | None = None
+    n_rows: int | None = None
+    captions: list[str] | None = None
+    cap2img: np.ndarray | None = None
+    image_rows: np.ndarray | None = None
+    ids: list[str] | None = None  # `{split}_ids.txt` as written
+    image_ids: list[str] | None = None  # one per image
+    image_paths: list[str] | None = None
+    set_sizes: np.ndarray | None = None
+
+
+def read_split_files(root: Path, split: str, captions_per_image: int = 5,
+                     found: Findings = FIRST_ERROR) -> SplitFiles:  # fmt: skip
+    """Every layout rule of one split, in the order a load applies them: loading stops at the first problem,
+    `vse data check` (`vsekit.data.validate`) collects them all and adds its own content checks."""
+    root = Path(root)
+    out = SplitFiles()
+    caps_file, ims_file, paths_file = root / f"{split}_caps.txt", root / f"{split}_ims.npy", root / f"{split}_images.txt"
+    lengths_file = root / f"{split}_ims_lengths.txt"
+    frames_path, offsets_path = frames_files(root, split)
+    if not caps_file.is_file():
+        found.error(caps_file, "", "missing (expected one caption per line)")
+    if frames_path.is_file():  # video: variable-length clips (vsekit.data.frames), one "image" row per clip
+        out.unit = "clip"
+        for other in (ims_file, lengths_file):
+            if other.is_file():
+                found.error(other, "", f"a split holds either {other.name} or {frames_path.name} (clips of frames), "
+                            "not both; remove one")  # fmt: skip
+        if not offsets_path.is_file():  # said first: the frames are useless without it
+            frame_offsets(offsets_path, frames_path, None, found)
+        out.frames = frame_array(frames_path, found)
+        if offsets_path.is_file():
+            n_frames = None if out.frames is None else int(out.frames.shape[0])
+            out.offsets, out.n_rows = frame_offsets(offsets_path, frames_path, n_frames, found)
+        if out.frames is not None and out.offsets is not None:
+            out.features = RaggedFrames(out.frames, out.offsets, frames_path)
+    elif ims_file.is_file():
+        out.features = feature_array(ims_file, found)
+        if out.features is not None:
+            out.n_rows = int(out.features.shape[0])
+            out.set_sizes = read_set_sizes(lengths_file, out.features.shape, found)
+    elif not paths_file.is_file():
+        found.error(ims_file, "", f"missing (and no {frames_path.name} or {paths_file.name} either): split {split!r} "
+                    "has no images or clips")  # fmt: skip
+    if caps_file.is_file():
+        out.captions = text_lines(caps_file, found)
+        if out.captions is not None and not out.captions:
+            found.error(caps_file, "", "no captions")
+    if paths_file.is_file():
+        lines = text_lines(paths_file, found, nul=found.collecting)
+        out.image_paths = None if lines is None else [p.strip() for p in lines]
+        if out.image_paths is not None and out.n_rows is None and out.unit == "image row" and not ims_file.is_file():
+            # pictures only (e.g. converted from a Karpathy JSON): a zero-width placeholder, one row per picture;
+            # backbone recipes read the pictures, precomp recipes get a clear error from `require_features`
+            out.n_rows = len(out.image_paths)
+            out.features = np.zeros((out.n_rows, 0, 0), dtype=np.float32)
+    if out.n_rows is None or not out.captions:
+        return out
+    layout = caption_map(out.n_rows, len(out.captions), root / f"{split}_cap2img.txt", captions_per_image, caps_file,
+                         found, out.unit)  # fmt: skip
+    if layout is None:
+        return out
+    out.cap2img, out.image_rows = layout
+    n_images = len(out.image_rows)
+    ids_file = root / f"{split}_ids.txt"
+    if ids_file.is_file():
+        lines = text_lines(ids_file, found, nul=found.collecting)
+        if lines is not None:
+            out.ids = [s.strip() for s in lines]
+            out.image_ids = image_ids_of(out.ids, out.cap2img, out.image_rows, out.n_rows, ids_file, found)
+    else:
+        out.image_ids = [str(i) for i in range(n_images)]
+    if out.image_paths is not None and len(out.image_paths) != n_images:
+        found.error(paths_file, "", f"{len(out.image_paths)} paths for {n_images} images")
+    return out
 
 
 def load_precomp_split(root: str | Path, split: str, captions_per_image: int = 5) -> PrecompSplit:
-    """Open `{split}_*` files in `root`, checking that they agree with each other."""
+    """Open `{split}_*` files in `root`, checking that they agree with each other (`read_split_files`)."""
     root = Path(root)
     if not root.is_dir():
         raise DataFormatError(f"{root}: dataset directory does not exist")
-    caps_file = root / f"{split}_caps.txt"
-    if not caps_file.is_file():
-        raise DataFormatError(f"{caps_file}: missing (expected one caption per line)")
-    paths_file = root / f"{split}_images.txt"
-    ims_file = root / f"{split}_ims.npy"
-    lengths_file = root / f"{split}_ims_lengths.txt"
-    if has_frames(root, split):
-        # video: variable-length clips (vsekit.data.frames), one "image" row per clip
-        for other in (ims_file, lengths_file):
-            if other.is_file():
-                raise DataFormatError(f"{other}: a split holds either {other.name} or {split}_frames.npy "
-                                      f"(clips of frames), not both; remove one")  # fmt: skip
-        feats = load_frames(root, split, DataFormatError)
-    elif not ims_file.is_file() and paths_file.is_file():
-        # pixels only (e.g. converted from a Karpathy JSON): a zero-width placeholder, one row per picture;
-        # backbone recipes read the pictures, precomp recipes get a clear error from `require_features`
-        feats = np.zeros((len(read_lines(paths_file)), 0, 0), dtype=np.float32)
-    else:
-        feats = _load_features(ims_file)
-    captions = read_lines(caps_file)
-    if not captions:
-        raise DataFormatError(f"{caps_file}: no captions")
-    cap2img, image_rows = caption_layout(
-        feats.shape[0], len(captions), root / f"{split}_cap2img.txt", captions_per_image, caps_file
-    )
-    n_images = len(image_rows)
-    ids_file = root / f"{split}_ids.txt"
-    if ids_file.is_file():
-        ids = [s.strip() for s in read_lines(ids_file)]
-        if len(ids) == n_images:
-            image_ids = ids
-        elif len(ids) == len(captions):
-            image_ids = [""] * n_images
-            for c, img in enumerate(cap2img):
-                if image_ids[img] == "":
-                    image_ids[img] = ids[c]
-                elif image_ids[img] != ids[c]:
-                    raise DataFormatError(
-                        f"{ids_file}:{c + 1}: caption of image row {img} has id {ids[c]!r}, "
-                        f"another caption of the same image has {image_ids[img]!r}"
-                    )
-        elif len(ids) == feats.shape[0]:
-            image_ids = [ids[r] for r in image_rows]
-        else:
-            raise DataFormatError(
-                f"{ids_file}: {len(ids)} lines; expected one per image ({n_images}) or per caption ({len(captions)})"
-            )
-    else:
-        image_ids = [str(i) for i in range(n_images)]
-    image_paths = None
-    if paths_file.is_file():
-        image_paths = [s.strip() for s in read_lines(paths_file)]
-        if len(image_paths) != n_images:
-            raise DataFormatError(f"{paths_file}: {len(image_paths)} paths for {n_images} images")
-    image_root = dataset_image_root(root) if image_paths is not None else None
-    return PrecompSplit(root, split, feats, captions, cap2img, image_rows, image_ids, image_paths,
-                        read_set_sizes(lengths_file, feats.shape), image_root)  # fmt: skip
-
-
-def read_set_sizes(path: Path, shape: tuple[int, ...]) -> np.ndarray | None:
-    """`{split}_ims_lengths.txt`: one size in 1..R per row of `{split}_ims.npy`, or None when absent."""
-    if not path.is_file():
-        return None
-    sizes = read_int_lines(path)
-    if len(sizes) != shape[0]:
-        raise DataFormatError(f"{path}: {len(sizes)} lines for {shape[0]} feature rows in the .npy")
-    bad = np.nonzero((sizes < 1) | (sizes > shape[1]))[0]
-    if len(bad):
-        raise DataFormatError(f"{path}:{bad[0] + 1}: set size {sizes[bad[0]]} outside 1..{shape[1]}")
-    return sizes
+    f = read_split_files(root, split, captions_per_image)
+    image_root = dataset_image_root(root) if f.image_paths is not None else None
+    return PrecompSplit(root, split, f.features, f.captions, f.cap2img, f.image_rows, f.image_ids, f.image_paths,
+                        f.set_sizes, image_root)  # fmt: skip
 
 
 def write_precomp_split(

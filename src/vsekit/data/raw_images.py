@@ -21,15 +21,12 @@ import numpy as np
 import torch
 from PIL import Image
 
+from vsekit.data.pictures import on_white, open_image, to_pixels
 from vsekit.data.precomp import DataFormatError
 from vsekit.features.backbones import IMAGENET_TRANSFORM, PixelTransform
 
 IMAGENET_MEAN = np.array(IMAGENET_TRANSFORM.mean, dtype=np.float32)
 IMAGENET_STD = np.array(IMAGENET_TRANSFORM.std, dtype=np.float32)
-_RESAMPLE = {"nearest": Image.Resampling.NEAREST, "nearest-exact": Image.Resampling.NEAREST,
-             "bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC,
-             "box": Image.Resampling.BOX, "hamming": Image.Resampling.HAMMING,
-             "lanczos": Image.Resampling.LANCZOS}  # fmt: skip
 _SPLIT_ALIASES = {"train": ("train", "restval"), "dev": ("val",), "val": ("val",), "test": ("test",)}
 
 
@@ -93,27 +90,13 @@ def load_karpathy_split(json_path: str | Path, split: str, image_root: str | Pat
     return RawSplit(root, split, captions, np.asarray(cap2img, dtype=np.int64), paths, ids)
 
 
-def to_pixels(im: Image.Image, size: int, transform: PixelTransform = IMAGENET_TRANSFORM) -> torch.Tensor:
-    """An RGB picture -> [3, size, size] float tensor: resized with the transform's filter, then normalised."""
-    im = im.resize((size, size), _RESAMPLE[transform.interpolation])
-    mean, std = np.asarray(transform.mean, np.float32), np.asarray(transform.std, np.float32)
-    arr = (np.asarray(im, dtype=np.float32) / 255.0 - mean) / std
-    return torch.from_numpy(arr.transpose(2, 0, 1).copy())
-
-
 def load_pixels(path: Path, size: int, rng: np.random.Generator | None,
                 transform: PixelTransform = IMAGENET_TRANSFORM) -> torch.Tensor:  # fmt: skip
-    """[3, size, size] float tensor; training-time crop/flip when `rng` is given."""
-    try:
-        with Image.open(path) as im:
-            im.load()
-            if im.mode in ("RGBA", "LA", "P"):
-                im = im.convert("RGBA")
-                bg = Image.new("RGBA", im.size, (255, 255, 255, 255))
-                im = Image.alpha_composite(bg, im)
-            im = im.convert("RGB")
-    except (OSError, ValueError) as e:
-        raise DataFormatError(f"{path}: cannot read image ({e})") from e
+    """[3, size, size] float tensor; training-time crop/flip when `rng` is given. The picture a dataset names
+    is input from elsewhere: read and decoded by `vsekit.data.pictures.open_image` (a regular file under the
+    byte cap, its pixel count checked from its header before decoding), every refusal a DataFormatError
+    naming the file."""
+    im = on_white(open_image(path))
     if rng is not None:
         w, h = im.size
         ratio = rng.uniform(0.6, 1.0)

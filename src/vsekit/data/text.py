@@ -1,4 +1,9 @@
-"""Caption tokenisation for the two text encoders, with VSE∞'s text size augmentation.
+"""Caption tokenisation for the two text encoders, with VSE∞'s text size augmentation, and the rules a
+caption line must follow (`caption_problem`), which the dataset builders and `vse data check` share.
+
+A caption is read up to MAX_CAPTION_CHARS characters and gives at most MAX_CAPTION_TOKENS words to the
+BiGRU / bag-of-words vocabulary (the transformer's own `max_tokens` is smaller): one runaway caption (a 10 MB
+line) costs what a long one does, never a padded batch of millions of tokens.
 
 Augmentation (training only, VSE∞ `process_caption`): each word is picked with probability 0.2; a picked
 word is masked (50%), replaced by a random token (10%) or deleted (40%).
@@ -12,6 +17,7 @@ import warnings
 from array import array
 from collections import Counter
 from functools import lru_cache
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +30,29 @@ _WORD_RE = re.compile(r"[a-z0-9]+(?:'[a-z]+)?|[^\sa-z0-9]")
 
 
 TOKENIZERS = ("regex", "nltk")
+
+MAX_CAPTION_CHARS = 10_000  # characters of a caption read; the builders skip and `vse data check` reports longer
+MAX_CAPTION_TOKENS = 256  # words and punctuation of a caption given to a vocabulary (without <start> / <end>)
+
+# kinds of `caption_problem`
+CONTROL_CHARACTER = "control character"
+OVER_LONG = "over-long caption"
+# C0 and C1 control characters and DEL, but not TAB: binary data or terminal escapes (`vse search` prints
+# captions); a newline cannot occur inside a caption line
+_CONTROL_RE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+
+
+def caption_problem(caption: str) -> tuple[str, str] | None:
+    """(kind, what is wrong) of a caption line that cannot be used as it is, else None; the one rule of the
+    builders (`vse data folder | table | webdataset` skip such a caption) and `vse data check` (a control
+    character is an error, an over-long caption a warning: it is read up to MAX_CAPTION_CHARS characters)."""
+    bad = _CONTROL_RE.search(caption)
+    if bad is not None:
+        return CONTROL_CHARACTER, (f"U+{ord(bad.group()):04X} at character {bad.start() + 1} (binary data or a "
+                                   "terminal escape)")  # fmt: skip
+    if len(caption) > MAX_CAPTION_CHARS:
+        return OVER_LONG, f"{len(caption):,} characters (the limit is {MAX_CAPTION_CHARS:,})"
+    return None
 
 # Abbreviations after which a period does not end a sentence (checked on the lower-cased caption). nltk's
 # English punkt model, which the released `word_tokenize` call loads, learned a longer list from news text;
@@ -57,12 +86,16 @@ def tokenize_words(caption: str, tokenizer: str = "regex") -> list[str]:
     it needs no punkt data (see `_nltk_tokenizers`), and differs from the released call only where nltk's
     English model knows an abbreviation that `_ABBREVIATIONS` lacks. `regex`: dependency-free, keeps "man's"
     and "doesn't" whole and splits "black" "-" "and" "-" "white".
+
+    Bounded: the first MAX_CAPTION_CHARS characters are read and the first MAX_CAPTION_TOKENS tokens kept.
     """
+    text = caption[:MAX_CAPTION_CHARS].lower()
     if tokenizer == "regex":
-        return _WORD_RE.findall(caption.lower())
+        return [m.group() for m in islice(_WORD_RE.finditer(text), MAX_CAPTION_TOKENS)]
     if tokenizer == "nltk":
         sentences, words = _nltk_tokenizers()
-        return [w for sent in sentences.tokenize(caption.lower()) for w in words.tokenize(sent)]
+        tokens = (w for sent in sentences.tokenize(text) for w in words.tokenize(sent))
+        return list(islice(tokens, MAX_CAPTION_TOKENS))
     raise VseInputError(f"unknown tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}")
 
 
@@ -197,7 +230,7 @@ class HFTextProcessor:
     def encode(
         self, caption: str, rng: np.random.Generator | None = None, augment_prob: float = 0.0
     ) -> list[int]:
-        words = caption.split()
+        words = caption[:MAX_CAPTION_CHARS].split()  # a runaway caption: its first characters only
         pieces = [self.tok.encode(w, add_special_tokens=False) for w in words]
         pieces = [p for p in pieces if p]
         if rng is not None and augment_prob > 0:

@@ -16,8 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from vsekit.data.frames import FRAMES_SUFFIX, OFFSETS_SUFFIX, RaggedFrames
-from vsekit.data.precomp import MANIFEST, DataFormatError, dataset_image_root
+from vsekit.data.findings import Findings
+from vsekit.data.frames import FRAMES_SUFFIX, RaggedFrames
+from vsekit.data.precomp import MANIFEST, DataFormatError, dataset_image_root, read_split_files
+from vsekit.data.text import CONTROL_CHARACTER, caption_problem
+from vsekit.data.untrusted import OUTSIDE, UntrustedFileError, resolve_inside
 
 FILE_KINDS = ("_caps.txt", "_ims.npy", FRAMES_SUFFIX, "_images.txt", "_cap2img.txt", "_ids.txt")
 MAX_PER_KIND = 5  # problems of one kind in one file listed one by one; the rest are counted
@@ -116,10 +119,21 @@ class DatasetReport:
             raise DataFormatError(f"{self.root}: {len(self.errors)} problem(s); run `vse data check {self.root}`:\n  {listed}")
 
 
-class _Collector:
+class _Collector(Findings):
+    """The layout rules of `vsekit.data.precomp` in collecting mode: every problem is recorded, none raises."""
+
+    collecting = True
+
     def __init__(self, report: DatasetReport) -> None:
+        super().__init__(DataFormatError)
         self.report = report
         self.counts: Counter = Counter()
+
+    def error(self, path: Path | str, where: str, message: str, kind: str | None = None) -> None:
+        self.add("error", Path(path), where, message, kind)
+
+    def warning(self, path: Path | str, where: str, message: str, kind: str | None = None) -> None:
+        self.add("warning", Path(path), where, message, kind)
 
     def add(self, severity: str, path: Path, where: str, message: str, kind: str | None = None) -> None:
         """Record a problem; only the first MAX_PER_KIND of each (file, kind) are listed one by one."""
@@ -145,64 +159,6 @@ def discover_splits(root: Path) -> list[str]:
     return sorted(names, key=lambda s: (s != "train", s))
 
 
-def _text_lines(path: Path, out: _Collector) -> list[str] | None:
-    """Lines of a UTF-8 file; every undecodable line is reported (and replaced, so later checks still run)."""
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        out.add("error", path, "", f"cannot be read ({e})")
-        return None
-    parts = raw.split(b"\n")
-    if parts and parts[-1] == b"":
-        parts.pop()
-    lines = []
-    for lineno, b in enumerate(parts, 1):
-        try:
-            s = b.decode("utf-8")
-        except UnicodeDecodeError as e:
-            out.add("error", path, f":{lineno}", f"not UTF-8 (byte {e.start}: {b[e.start : e.start + 1]!r})", "not UTF-8")
-            s = b.decode("utf-8", errors="replace")
-        if "\x00" in s:
-            out.add("error", path, f":{lineno}", "contains a NUL byte (binary file?)", "NUL byte")
-        lines.append(s.rstrip("\r"))
-    return lines
-
-
-def _int_lines(path: Path, out: _Collector) -> np.ndarray | None:
-    lines = _text_lines(path, out)
-    if lines is None:
-        return None
-    values, bad = [], False
-    for lineno, line in enumerate(lines, 1):
-        try:
-            values.append(int(line.strip()))
-        except ValueError:
-            out.add("error", path, f":{lineno}", f"expected one integer, got {line[:40]!r}", "expected one integer")
-            bad = True
-    return None if bad else np.asarray(values, dtype=np.int64)
-
-
-def _open_features(path: Path, out: _Collector, layout: str = "(images, regions, dim)") -> np.ndarray | None:
-    try:
-        feats = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
-        out.add("error", path, "", f"not a readable .npy array, truncated or not plain numbers ({e})")
-        return None
-    if not isinstance(feats, np.ndarray):
-        out.add("error", path, "", "not a single .npy array")
-        return None
-    if feats.ndim != layout.count(",") + 1:
-        out.add("error", path, "", f"expected shape {layout}, got {feats.shape}")
-        return None
-    if feats.dtype not in (np.float16, np.float32):
-        out.add("error", path, "", f"expected float16 or float32 features, got {feats.dtype}")
-        return None
-    if 0 in feats.shape:
-        out.add("error", path, "", f"empty feature array {feats.shape}")
-        return None
-    return feats
-
-
 def _scan_features(path: Path, feats: np.ndarray, out: _Collector, chunk_rows: int) -> None:
     """NaN/inf rows, found chunk by chunk; the first bad row and the count are reported."""
     first_bad, n_bad, n_zero = -1, 0, 0
@@ -218,56 +174,6 @@ def _scan_features(path: Path, feats: np.ndarray, out: _Collector, chunk_rows: i
         out.add("error", path, f" row {first_bad}", f"NaN or inf features ({n_bad} bad row(s) in all; first shown)")
     if n_zero:
         out.add("warning", path, "", f"{n_zero} row(s) are all zeros (failed feature extraction?)")
-
-
-def _open_offsets(path: Path, frames_path: Path, n_frames: int | None, out: _Collector) -> tuple[np.ndarray | None, int | None]:
-    """(offsets when they can map frame rows to clips, else None; the clip count when known) — every problem
-    of `{split}_frame_offsets.npy` is reported; `where` is the 0-based index into the offsets array."""
-    if not path.is_file():
-        out.add("error", path, "", f"missing; {frames_path.name} needs it (N + 1 clip offsets into its frame rows)")
-        return None, None
-    try:
-        arr = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
-        out.add("error", path, "", f"not a readable .npy array, truncated or not plain numbers ({e})")
-        return None, None
-    if not isinstance(arr, np.ndarray) or arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-        what = f"{arr.dtype} {arr.shape}" if isinstance(arr, np.ndarray) else "not a single array"
-        out.add("error", path, "", f"expected a 1-D integer array (N + 1 clip offsets), got {what}")
-        return None, None
-    return _check_offsets(path, frames_path, np.asarray(arr), n_frames, out)
-
-
-def _check_offsets(path: Path, frames_path: Path, arr: np.ndarray, n_frames: int | None,
-                   out: _Collector) -> tuple[np.ndarray | None, int | None]:  # fmt: skip
-    if len(arr) < 2:
-        out.add("error", path, "", f"needs at least 2 offsets (N + 1 for N clips), got {len(arr)}")
-        return None, None
-    off, n_clips, ok = arr.astype(np.int64), len(arr) - 1, True
-    if off[0] != 0:
-        out.add("error", path, " row 0", f"the first offset must be 0, got {off[0]}")
-        ok = False
-    if n_frames is not None and off[-1] != n_frames:
-        out.add("error", path, f" row {n_clips}", f"the last offset is {off[-1]} but {frames_path.name} has {n_frames} "
-                "frame rows")  # fmt: skip
-        ok = False
-    outside = np.nonzero((off < 0) | (off > (n_frames if n_frames is not None else np.iinfo(np.int64).max)))[0]
-    if len(outside):
-        i = int(outside[0])
-        out.add("error", path, f" row {i}", f"offset {off[i]} outside 0..{n_frames} (frame rows of {frames_path.name}; "
-                f"{len(outside)} such offset(s))")  # fmt: skip
-        ok = False
-    steps = np.diff(off)
-    for bad, what in ((steps < 0, "decrease"), (steps == 0, "empty")):
-        idx = np.nonzero(bad)[0]
-        if len(idx):
-            i = int(idx[0])
-            msg = (f"offsets decrease at clip {i} ({off[i]} then {off[i + 1]}; they must increase); {len(idx)} such clip(s)"
-                   if what == "decrease" else
-                   f"clip {i} has no frames (offsets[{i}] = offsets[{i + 1}] = {off[i]}); {len(idx)} empty clip(s)")  # fmt: skip
-            out.add("error", path, f" row {i}", msg)
-            ok = False
-    return (off if ok else None), n_clips
 
 
 def _scan_frames(path: Path, frames: np.ndarray, offsets: np.ndarray | None, out: _Collector, chunk_rows: int) -> None:
@@ -295,141 +201,56 @@ def _scan_frames(path: Path, frames: np.ndarray, offsets: np.ndarray | None, out
         out.add("warning", path, "", f"{len(zero)} frame row(s){where} are all zeros (failed feature extraction?)")
 
 
-def _check_frames(root: Path, split: str, chunk_rows: int, out: _Collector) -> tuple[dict, int | None]:
-    """(report info, clip count) of a video split: frames (F, D) + offsets (N + 1,), every problem reported."""
-    frames_path, offsets_path = root / f"{split}{FRAMES_SUFFIX}", root / f"{split}{OFFSETS_SUFFIX}"
-    info: dict = {}
-    frames = _open_features(frames_path, out, layout="(frames, dim)")
-    if frames is not None:
-        info["feature_shape"] = tuple(int(v) for v in frames.shape)
-    offsets, n_clips = _open_offsets(offsets_path, frames_path, None if frames is None else int(frames.shape[0]), out)
-    info["clips"] = n_clips  # None when the offsets cannot be read
-    if offsets is not None:
-        lengths = np.diff(offsets)
-        info["frames_per_clip"] = (int(lengths.min()), float(np.median(lengths)), int(lengths.max()))
-    if frames is not None:
-        _scan_frames(frames_path, frames, offsets, out, chunk_rows)
-    return info, n_clips
-
-
-UNITS = {"image row": ("image rows", "image", "rows"), "clip": ("clips", "clip", "clips")}
-
-
-def _check_layout(split: str, root: Path, n_rows: int, n_caps: int, k: int, out: _Collector,
-                  unit: str = "image row") -> np.ndarray | None:  # fmt: skip
-    """cap2img of the split (caption -> image or clip index), or None when the counts do not fit any layout."""
-    plural, per, such = UNITS[unit]
-    caps_file, c2i_file = root / f"{split}_caps.txt", root / f"{split}_cap2img.txt"
-    if c2i_file.is_file():
-        c2i = _int_lines(c2i_file, out)
-        if c2i is None:
-            return None
-        if len(c2i) != n_caps:
-            out.add("error", c2i_file, "", f"{len(c2i)} lines but {caps_file.name} has {n_caps} captions (one {unit} per caption)")
-            return None
-        bad = np.nonzero((c2i < 0) | (c2i >= n_rows))[0]
-        for i in bad[:MAX_PER_KIND]:
-            out.add("error", c2i_file, f":{i + 1}", f"{unit} {c2i[i]} outside 0..{n_rows - 1}", f"{unit} outside")
-        if len(bad):
-            return None
-        missing = np.setdiff1d(np.arange(n_rows), c2i)
-        if len(missing):
-            out.add("error", c2i_file, "", f"{unit} {missing[0]} has no caption ({len(missing)} such {such})")
-            return None
-        return c2i
-    if n_caps == n_rows * k:
-        return np.arange(n_caps) // k
-    if n_caps == n_rows and k > 1 and n_rows % k == 0:
-        return np.arange(n_caps) // k
-    out.add("error", caps_file, "", f"{n_caps} captions do not fit {n_rows} {plural} with {k} captions per {per}; "
-            f"add {c2i_file.name} (one {unit} per caption) for a variable number of captions")  # fmt: skip
-    return None
-
-
 def _check_split(root: Path, split: str, k: int, max_words: int, chunk_rows: int, out: _Collector,
                  report: DatasetReport) -> dict:  # fmt: skip
+    """The layout rules of a load (`precomp.read_split_files`, collecting), then the content: NaN/inf and
+    all-zero rows, each caption, empty and shared ids, the pictures named by `{split}_images.txt`."""
+    files = read_split_files(root, split, k, out)
     info: dict = {}
-    caps_file, ims_file, paths_file = root / f"{split}_caps.txt", root / f"{split}_ims.npy", root / f"{split}_images.txt"
-    frames_file, unit = root / f"{split}{FRAMES_SUFFIX}", "image row"
-    feats, n_clips = None, None
-    if frames_file.is_file():
-        for other in (ims_file, root / f"{split}_ims_lengths.txt"):
-            if other.is_file():
-                out.add("error", other, "", f"a split holds either {other.name} or {frames_file.name} (clips of "
-                        "frames), not both; remove one")  # fmt: skip
-    if ims_file.is_file():
-        feats = _open_features(ims_file, out)
-        if feats is not None:
-            info["feature_shape"] = tuple(int(v) for v in feats.shape[1:])
-            _scan_features(ims_file, feats, out, chunk_rows)
-    elif frames_file.is_file():
-        frame_info, n_clips = _check_frames(root, split, chunk_rows, out)
-        info.update(frame_info)
+    if files.unit == "clip":
         report.splits.setdefault(split, {})["_frames"] = True
-        unit = "clip"
-    elif not paths_file.is_file():
-        out.add("error", ims_file, "", f"missing (and no {frames_file.name} or {paths_file.name} either): split "
-                f"{split!r} has no images or clips")  # fmt: skip
-    paths = _text_lines(paths_file, out) if paths_file.is_file() else None
-    if unit == "clip":
-        n_rows = n_clips
-    else:
-        n_rows = int(feats.shape[0]) if feats is not None else (len(paths) if paths is not None and not ims_file.is_file() else None)
-    captions = None
-    if not caps_file.is_file():
-        out.add("error", caps_file, "", "missing (expected one caption per line)")
-    else:
-        captions = _text_lines(caps_file, out)
-        if captions is not None:
-            info["captions"] = len(captions)
-            if not captions:
-                out.add("error", caps_file, "", "no captions")
-            for lineno, cap in enumerate(captions, 1):
-                if not cap.strip():
-                    out.add("error", caps_file, f":{lineno}", "empty caption", "empty caption")
-                elif len(cap.split()) > max_words:
-                    out.add("warning", caps_file, f":{lineno}", f"{len(cap.split())} words (over {max_words}; truncated "
-                            "by transformer text encoders)", "over-long caption")  # fmt: skip
-    c2i = None
-    if n_rows is not None and captions:
-        c2i = _check_layout(split, root, n_rows, len(captions), k, out, unit)
-    n_images = int(c2i.max()) + 1 if c2i is not None and len(c2i) else None
-    if c2i is not None and unit == "image row":
+        if files.frames is not None:
+            info["feature_shape"] = tuple(int(v) for v in files.frames.shape)
+        info["clips"] = files.n_rows  # None when the offsets cannot be read
+        if files.offsets is not None:
+            lengths = np.diff(files.offsets)
+            info["frames_per_clip"] = (int(lengths.min()), float(np.median(lengths)), int(lengths.max()))
+        if files.frames is not None:
+            _scan_frames(root / f"{split}{FRAMES_SUFFIX}", files.frames, files.offsets, out, chunk_rows)
+    elif files.features is not None and files.features.shape[1] > 0:
+        info["feature_shape"] = tuple(int(v) for v in files.features.shape[1:])
+        _scan_features(root / f"{split}_ims.npy", files.features, out, chunk_rows)
+    caps_file = root / f"{split}_caps.txt"
+    if files.captions is not None:
+        info["captions"] = len(files.captions)
+        for lineno, cap in enumerate(files.captions, 1):
+            problem = caption_problem(cap)
+            if not cap.strip():
+                out.add("error", caps_file, f":{lineno}", "empty caption", "empty caption")
+            elif problem is not None:
+                kind, detail = problem
+                error = kind == CONTROL_CHARACTER  # an over-long one trains: text encoders read its start
+                out.add("error" if error else "warning", caps_file, f":{lineno}",
+                        f"{kind}: {detail}" + ("" if error else "; text encoders read its start only"), kind)  # fmt: skip
+            elif len(cap.split()) > max_words:
+                out.add("warning", caps_file, f":{lineno}", f"{len(cap.split())} words (over {max_words}; text "
+                        "encoders read the first ones only)", "over-long caption")  # fmt: skip
+    if files.image_rows is not None and files.unit == "image row":
         # the one-feature-row-per-caption layout has n_rows == n_caps but n_caps / k images
-        info["images"] = n_images
+        info["images"] = len(files.image_rows)
     ids_file = root / f"{split}_ids.txt"
-    image_ids: list[str] | None = None
-    if ids_file.is_file() and c2i is not None:
-        ids = [s.strip() for s in (_text_lines(ids_file, out) or [])]
-        for lineno, s in enumerate(ids, 1):
-            if not s:
-                out.add("error", ids_file, f":{lineno}", "empty id", "empty id")
-        if len(ids) == n_images:
-            image_ids = ids
-        elif len(ids) == len(c2i):
-            first: dict[int, str] = {}
-            for c, img in enumerate(c2i.tolist()):
-                if first.setdefault(img, ids[c]) != ids[c]:
-                    out.add("error", ids_file, f":{c + 1}", f"id {ids[c]!r} differs from {first[img]!r} given to another "
-                            f"caption of the same image (row {img})", "id differs")  # fmt: skip
-            image_ids = [first[i] for i in range(n_images or 0) if i in first]
-        elif n_rows is not None and len(ids) == n_rows:
-            image_ids = ids
-        else:
-            out.add("error", ids_file, "", f"{len(ids)} lines; expected one per image ({n_images}) or per caption ({len(c2i)})")
-        if image_ids is not None and len(image_ids) == n_images:
-            dup = [i for i, n in Counter(image_ids).items() if n > 1]
-            if dup:
-                out.add("warning", ids_file, "", f"{len(dup)} id(s) name more than one image, e.g. {dup[0]!r}")
-    if paths is not None and n_rows is not None:
-        expected = n_images if n_images is not None else n_rows
-        if len(paths) not in (expected, n_rows):
-            out.add("error", paths_file, "", f"{len(paths)} paths for {expected} images")
-        _check_picture_paths(root, paths, paths_file, out)
-    if image_ids is not None:
-        report.splits.setdefault(split, {})["_ids"] = image_ids
-    if paths is not None:
-        report.splits.setdefault(split, {})["_paths"] = [p.strip() for p in paths]
+    for lineno, s in enumerate(files.ids or [], 1):
+        if not s:
+            out.add("error", ids_file, f":{lineno}", "empty id", "empty id")
+    if files.ids is not None and files.image_ids is not None:
+        dup = [i for i, n in Counter(files.image_ids).items() if n > 1]
+        if dup:
+            out.add("warning", ids_file, "", f"{len(dup)} id(s) name more than one image, e.g. {dup[0]!r}")
+        report.splits.setdefault(split, {})["_ids"] = files.image_ids
+    if files.image_paths is not None:
+        if files.n_rows is not None:
+            _check_picture_paths(root, files.image_paths, root / f"{split}_images.txt", out)
+        report.splits.setdefault(split, {})["_paths"] = files.image_paths
     return info
 
 
@@ -457,17 +278,18 @@ def _check_picture_paths(root: Path, paths: list[str], paths_file: Path, out: _C
         if not p:
             out.add("error", paths_file, f":{lineno}", "empty path", "empty path")
             continue
-        try:
-            full = (images_root / p).resolve()
-        except (ValueError, OSError, RuntimeError) as e:  # NUL bytes, loops
-            out.add("error", paths_file, f":{lineno}", f"not a usable path ({e})", "not a usable path")
-            continue
-        if Path(p).is_absolute() or not full.is_relative_to(base):
+        try:  # the one rule train, show and index apply (`untrusted.resolve_inside`)
+            full = resolve_inside(images_root, p)
+        except UntrustedFileError as e:
+            if e.kind != OUTSIDE:  # NUL bytes, loops
+                out.add("error", paths_file, f":{lineno}", e.detail, "not a usable path")
+                continue
             hint = "" if declared or not Path(p).is_absolute() else (
                 f"; pictures outside the dataset directory need {MANIFEST} images_root (`vse data karpathy` "
                 "writes it: convert the JSON again)")  # fmt: skip
             out.add("error", paths_file, f":{lineno}", f"{p!r} {outside}{hint}", "outside")
-        elif not full.is_file():
+            continue
+        if not full.is_file():
             out.add("error", paths_file, f":{lineno}", f"{p!r}: no such picture", "no such picture")
 
 

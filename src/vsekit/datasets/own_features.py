@@ -1,7 +1,7 @@
 """Grid features of users' own pictures, cached by picture content so that a long build resumes.
 
 Used by `vsekit.datasets.own_pairs` (`vse data folder | table | webdataset`). Two extractors:
-- `efficientnet_lite0` (default): `vsekit.features.efficientnet.GridFeatureExtractor`, the openclipart
+- `efficientnet_lite0` (default): `vsekit.features.extractor.LiteGridExtractor`, the openclipart
   extractor (49 x 1280 at 224 px, alpha on white, bicubic, ImageNet mean/std). Its spec is what `vse index`
   needs to embed raw pictures for a model trained on these features.
 - any other `vsekit.features.backbones.build_backbone` name (`torchvision:<arch>`, `timm:<name>`,
@@ -36,6 +36,7 @@ from PIL import Image
 
 from vsekit.data.pictures import decode_bounded
 from vsekit.data.precomp import DataFormatError
+from vsekit.features.extractor import LiteGridExtractor, PictureExtractor
 from vsekit.utils.io import atomic_save_npy, atomic_write_text, sha256_file
 from vsekit.utils.progress import progress_bar
 
@@ -65,44 +66,9 @@ def decode_picture(data: bytes, name: str) -> Image.Image:
     return decode_bounded(io.BytesIO(data), name)
 
 
-class GridExtractor:
-    """Pictures -> float16 region features [B, R, D]; `spec` is recorded in the manifest."""
-
-    spec: dict
-    device: torch.device
-
-    def prepare(self, img: Image.Image) -> torch.Tensor:
-        raise NotImplementedError
-
-    def run(self, batch: torch.Tensor) -> np.ndarray:
-        raise NotImplementedError
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return int(self.spec["regions"]), int(self.spec["dim"])
-
-
-class LiteGrid(GridExtractor):
-    """EfficientNet-Lite0 grids exactly as openclipart and `vse index` make them."""
-
-    def __init__(self, weights: str | None, device: torch.device, image_size: int) -> None:
-        from vsekit.features.efficientnet import GridFeatureExtractor
-
-        self.net = GridFeatureExtractor(weights_path=weights, device=device, image_size=image_size)
-        self.device = self.net.device
-        self.spec = self.net.describe()
-
-    def prepare(self, img: Image.Image) -> torch.Tensor:
-        from vsekit.features.efficientnet import preprocess_image
-
-        return preprocess_image(img, self.net.image_size)
-
-    def run(self, batch: torch.Tensor) -> np.ndarray:
-        return self.net(batch).float().cpu().numpy().astype(np.float16)
-
-
-class BackboneGrid(GridExtractor):
-    """The last feature map of a `build_backbone` CNN, flattened to h*w region tokens."""
+class BackboneGrid(PictureExtractor):
+    """The last feature map of a `build_backbone` CNN, flattened to h*w region tokens (the picture -> features
+    contract of `vsekit.features.extractor`)."""
 
     def __init__(self, name: str, weights: str | None, device: torch.device, image_size: int) -> None:
         from vsekit.features.backbones import build_backbone
@@ -144,14 +110,17 @@ class BackboneGrid(GridExtractor):
         with torch.inference_mode():
             return self._grid(batch.to(self.device)).float().cpu().numpy().astype(np.float16)
 
+    def describe(self) -> dict:
+        return self.spec
 
-def make_extractor(opts: FeatureOptions) -> GridExtractor:
+
+def make_extractor(opts: FeatureOptions) -> PictureExtractor:
     """The extractor of `opts` on its device (`auto`: CUDA when present)."""
     from vsekit.utils.runtime import resolve_device
 
     device = resolve_device(opts.device)
     if opts.backbone == DEFAULT_BACKBONE:
-        return LiteGrid(opts.weights, device, opts.image_size)
+        return LiteGridExtractor(opts.weights, device, opts.image_size)
     return BackboneGrid(opts.backbone, opts.weights, device, opts.image_size)
 
 
@@ -160,7 +129,7 @@ def spec_key(spec: dict, batch_size: int) -> str:
     return hashlib.sha1((json.dumps(spec, sort_keys=True) + f"|batch={batch_size}").encode()).hexdigest()[:16]
 
 
-def extract_part(extractor: GridExtractor, pictures: Sequence[tuple[HasBytes, str]], batch_size: int,
+def extract_part(extractor: PictureExtractor, pictures: Sequence[tuple[HasBytes, str]], batch_size: int,
                  workers: int = 1, on_batch: Callable[[int], None] | None = None) -> np.ndarray:  # fmt: skip
     """Features of `pictures` ((bytes source, name) pairs) in batches of `batch_size`, decoded by `workers`
     threads; float16 [N, R, D]."""
@@ -208,7 +177,12 @@ def _load_parts(folder: Path, shape: tuple[int, int]) -> tuple[dict[str, tuple[n
     return where, last + 1
 
 
-def compute_features(pictures: dict[str, tuple[HasBytes, str]], cache_dir: Path, extractor: GridExtractor,
+def finished_parts(cache_dir: Path) -> int:
+    """Feature parts a build finished under `cache_dir` (`OUT/.cache/features`): the work a rerun resumes from."""
+    return sum(1 for _ in cache_dir.glob("*/part-*.keys")) if cache_dir.is_dir() else 0
+
+
+def compute_features(pictures: dict[str, tuple[HasBytes, str]], cache_dir: Path, extractor: PictureExtractor,
                      batch_size: int, workers: int = 1,
                      progress: bool = True) -> tuple[dict[str, tuple[np.ndarray, int]], dict[str, int]]:  # fmt: skip
     """Features of every picture (sha256 -> (bytes source, name)), from the cache or computed and cached.
@@ -244,5 +218,5 @@ def compute_features(pictures: dict[str, tuple[HasBytes, str]], cache_dir: Path,
     return {sha: where[sha] for sha in pictures}, {"computed": len(missing), "reused": reused}
 
 
-__all__ = ["FeatureOptions", "GridExtractor", "compute_features", "decode_picture", "extract_part",
-           "make_extractor", "spec_key", "DEFAULT_BACKBONE", "PART_PICTURES"]  # fmt: skip
+__all__ = ["FeatureOptions", "PictureExtractor", "compute_features", "decode_picture", "extract_part",
+           "finished_parts", "make_extractor", "spec_key", "DEFAULT_BACKBONE", "PART_PICTURES"]  # fmt: skip

@@ -3,6 +3,9 @@ webdataset` (the readers are in `vsekit.datasets.own_sources`).
 
 A reader collects items (a name to report, a key for the id, where the picture's bytes are, its captions,
 maybe a declared split) and the problems it found on the way. `build_own_dataset` then
+0. holds `OUT/.lock` for the whole build (a second build into the same folder fails at once, naming it)
+   and skips every caption `vsekit.data.text.caption_problem` refuses (a control character, more than
+   MAX_CAPTION_CHARS characters), reporting it: `vse data check` applies the same rule;
 1. checks every picture (read, sha256, full decode, on `workers` threads): an empty file or one that does
    not decode is reported by name and skipped;
 2. merges duplicates (same sha256): the copy with the smallest id is kept, the captions of all copies are
@@ -20,7 +23,11 @@ maybe a declared split) and the problems it found on the way. `build_own_dataset
    `manifest.json` is an unfinished build: run the same command again.
 
 The check results are cached too (`OUT/.cache/checked.json`, keyed by file, size and mtime), so the rerun
-of a stopped build does not read every picture again.
+of a stopped build does not read every picture again. A build that fails (an error, not Ctrl-C) removes
+what it created in OUT unless it finished feature parts a rerun resumes from; what OUT held before it
+started (an earlier build's cache) is never removed. Text that is not valid UTF-8 (a folder's path with other
+bytes) is written to JSON with `\\xNN` escapes (`vsekit.utils.io.utf8_text`), and pictures whose folder
+cannot be recorded that way are copied into OUT/images, so nothing fails once files are published.
 """
 
 from __future__ import annotations
@@ -36,20 +43,31 @@ import unicodedata
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from vsekit.data.precomp import DataFormatError
+from vsekit.data.text import caption_problem
+from vsekit.data.untrusted import MAX_PICTURE_BYTES, read_bounded
 from vsekit.datasets.own_features import (
     FeatureOptions,
     compute_features,
     decode_picture,
+    finished_parts,
     make_extractor,
 )
 from vsekit.errors import VseInputError
-from vsekit.utils.io import atomic_path, atomic_write_bytes, atomic_write_json, atomic_write_text, sha256_file
+from vsekit.utils.io import (
+    atomic_path,
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    sha256_file,
+    utf8_text,
+)
+from vsekit.utils.locks import LOCK_NAME, folder_lock
 from vsekit.utils.progress import progress_bar
 
 log = logging.getLogger(__name__)
@@ -80,6 +98,7 @@ NAME_CLASH = "name clash"
 BAD_NAME = "bad file name"
 SPLIT_CONFLICT = "split conflict"
 BROKEN_SHARD = "broken shard"
+# and the kinds of `vsekit.data.text.caption_problem` ("control character", "over-long caption"): a caption skipped
 # kinds that leave a picture out (the others: a duplicate merged, a split resolved, a caption line dropped)
 SKIPPING = (UNREADABLE, EMPTY_FILE, MISSING_FILE, NO_CAPTION, BAD_CAPTIONS, NAME_CLASH, BAD_NAME)
 
@@ -97,8 +116,8 @@ class PictureRef:
         return self.offset is None
 
     def read(self) -> bytes:
-        if self.offset is None:
-            return self.path.read_bytes()
+        if self.offset is None:  # a path the reader resolved inside its root: no link followed, capped
+            return read_bounded(self.path, MAX_PICTURE_BYTES, expected="a picture file")
         with open(self.path, "rb") as f:
             f.seek(self.offset)
             data = f.read(self.size or 0)
@@ -191,6 +210,26 @@ def unique_captions(captions: Sequence[str]) -> list[str]:
     return list(seen)
 
 
+def screen_captions(items: Sequence[Item]) -> tuple[list[Item], list[Problem]]:
+    """The items with every caption `caption_problem` refuses left out (the one rule `vse data check` applies
+    too), each reported; an item left without a caption is reported (NO_CAPTION) and left out."""
+    kept, problems = [], []
+    for it in items:
+        good = []
+        for k, c in enumerate(it.captions, 1):
+            problem = caption_problem(normalise_caption(c))
+            if problem is None:
+                good.append(c)
+            else:
+                problems.append(Problem(it.name, problem[0], f"caption {k}: {problem[1]}; skipped"))
+        if good:
+            kept.append(it if len(good) == len(it.captions) else replace(it, captions=good))
+        else:
+            problems.append(Problem(it.name, NO_CAPTION, "every caption of it was skipped (above); picture skipped"
+                                    if it.captions else "no caption; picture skipped"))  # fmt: skip
+    return kept, problems
+
+
 def resolve_split(declared: Sequence[tuple[str, str]], name: str) -> tuple[str | None, Problem | None]:
     """The one split of a picture declared (by `(source name, split)` pairs) maybe more than once: the
     evaluation side of a conflict (test, then dev), which is reported."""
@@ -260,7 +299,7 @@ def check_out_dir(out: Path, overwrite: bool) -> str:
     (refused unless `overwrite`). Writes nothing."""
     if out.exists() and not out.is_dir():
         raise VseInputError(f"{out}: exists and is not a folder; choose another --out")
-    if not out.is_dir() or not any(out.iterdir()):
+    if not out.is_dir() or not any(p.name != LOCK_NAME for p in out.iterdir()):  # the lock: this build's own
         return "new"
     if _is_ours(out):
         return "ours"
@@ -451,7 +490,8 @@ def _write_split(stage: Path, split: str, ids: Sequence[str], by_id: dict[str, P
         for c in p.captions:
             caps.append(c)
             cap2img.append(row)
-        metas.append({"id": ident, "sha256": p.sha256, "names": p.names, "captions": len(p.captions)})
+        metas.append({"id": ident, "sha256": p.sha256, "names": [utf8_text(n) for n in p.names],
+                      "captions": len(p.captions)})  # fmt: skip
     if where is not None and shape is not None:
         _write_features(stage / f"{split}_ims.npy", ids, {i: by_id[i].sha256 for i in ids}, where, shape)
     atomic_write_text(stage / f"{split}_caps.txt", "".join(c + "\n" for c in caps))
@@ -494,21 +534,67 @@ def build_own_dataset(collected: Collected, out_dir: str | Path, options: BuildO
     """Build the precomp dataset of `collected` in `out_dir` (or finish a stopped build); returns the manifest.
 
     `input_root`: the folder the input's pictures are named from (a `vse data folder` DIR, a table's images
-    root), the least images root when the pictures are referenced in place.
+    root), the least images root when the pictures are referenced in place. One build at a time holds OUT
+    (`OUT/.lock`); a build that fails removes what it created there (see the module's docstring).
     """
     opts = options or BuildOptions()
+    out = Path(out_dir)
+    with folder_lock(out, "`vse data` build", "this folder", VseInputError, log.info):
+        before = {p.name for p in out.iterdir()}
+        try:
+            return _build(collected, out, opts, input_root)
+        except Exception:  # not Ctrl-C: a stopped build keeps its work for the rerun
+            _undo_failed_build(out, before)
+            raise
+
+
+def _undo_failed_build(out: Path, before: set[str]) -> None:
+    """Remove what a failed build created in OUT (its cache, staged files, copied pictures), unless it finished
+    feature parts a rerun resumes from; what OUT held before the build is never touched."""
+    created = sorted(p for p in out.iterdir() if p.name not in before and p.name != LOCK_NAME)
+    if (out / ".cache") in created and finished_parts(out / ".cache" / "features"):
+        log.info("the feature parts done so far are kept in %s; run the same command again to resume",
+                 utf8_text(str(out / ".cache")))  # fmt: skip
+        created = [p for p in created if p.name == ".staging"]
+    for p in created:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+
+def _utf8_json(value):
+    """`value` (JSON data) with every string valid UTF-8 (`utf8_text`): a path with other bytes is recorded
+    escaped instead of failing when manifest.json is written, after the split files were published."""
+    if isinstance(value, str):
+        return utf8_text(value)
+    if isinstance(value, dict):
+        return {utf8_text(str(k)): _utf8_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_utf8_json(v) for v in value]
+    return value
+
+
+def _listable(rel: str) -> bool:
+    """Whether a picture path fits a line of `{split}_images.txt`: stripped, one line, valid UTF-8."""
+    return rel == rel.strip() and "\n" not in rel and "\r" not in rel and utf8_text(rel) == rel
+
+
+def _build(collected: Collected, out: Path, opts: BuildOptions, input_root: str | Path | None) -> dict:
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
-    out = Path(out_dir)
     state = check_out_dir(out, opts.overwrite)
-    items = collected.items
-    problems = list(collected.problems)
+    items, caption_problems = screen_captions(collected.items)
+    problems = list(collected.problems) + caption_problems
     what = collected.source.get("input", "the input")
     if not items and not problems:
         raise VseInputError(f"{what}: no pictures found")
     if collected.declared_splits and any(it.split is None for it in items):
         first = next(it for it in items if it.split is None)
         raise VseInputError(f"{first.name}: no split declared (every picture needs one when splits are declared)")
+    # a machine that cannot extract (no CUDA, a missing package, bad weights) fails before any picture is read
+    extractor = None if opts.pixels else make_extractor(opts.features)
+    timings["setup"] = time.perf_counter() - t0
 
     ids = assign_ids(items)
     check_cache_path = out / ".cache" / "checked.json"
@@ -523,7 +609,7 @@ def build_own_dataset(collected: Collected, out_dir: str | Path, options: BuildO
             atomic_write_json(check_cache_path, {"version": CHECK_VERSION, "entries": cache})
         raise
     cache = {k: v for k, v in cache.items() if k in used}  # files no longer in the input are forgotten
-    timings["check"] = time.perf_counter() - t0
+    timings["check"] = time.perf_counter() - t0 - timings["setup"]
     good = [i for i, (_, p) in enumerate(checked) if p is None]
     problems += [p for _, p in checked if p is not None]
     pictures, dup_problems = merge_duplicates([items[i] for i in good], [ids[i] for i in good],
@@ -554,19 +640,22 @@ def build_own_dataset(collected: Collected, out_dir: str | Path, options: BuildO
     images_root = None
     if not store:
         paths, images_root = _reference_pictures(out, pictures, Path(input_root) if input_root else None)
-        odd = [rel for rel in paths.values() if rel != rel.strip() or "\n" in rel or "\r" in rel]
-        if odd:  # `{split}_images.txt` holds one stripped path per line
-            log.info("%d picture path(s) cannot be listed one per line (e.g. %r): the pictures are copied into %s",
-                     len(odd), odd[0], out / "images")  # fmt: skip
+        odd = [rel for rel in paths.values() if not _listable(rel)]
+        if odd:  # `{split}_images.txt` holds one stripped UTF-8 path per line
+            log.info("%d picture path(s) cannot be listed one per line in UTF-8 (e.g. %r): the pictures are copied "
+                     "into %s", len(odd), utf8_text(odd[0]), utf8_text(str(out / "images")))  # fmt: skip
+        elif utf8_text(images_root) != images_root:
+            log.info("the pictures' folder %s is not a UTF-8 path, which manifest.json cannot record: the pictures "
+                     "are copied into %s", utf8_text(images_root), utf8_text(str(out / "images")))  # fmt: skip
+        if odd or utf8_text(images_root) != images_root:
             store, images_root = True, None
     if store:
         paths = _store_pictures(out, pictures, opts.progress)
     timings["pictures"] = time.perf_counter() - t1
 
     where, spec, shape, device, feat_stats = None, None, None, None, {"computed": 0, "reused": 0}
-    if not opts.pixels:
+    if extractor is not None:
         t2 = time.perf_counter()
-        extractor = make_extractor(opts.features)
         spec, shape, device = extractor.spec, extractor.shape, str(extractor.device)
         refs = {p.sha256: (p.item.picture, p.item.name) for p in pictures}
         where, feat_stats = compute_features(refs, out / ".cache" / "features", extractor,
@@ -579,10 +668,7 @@ def build_own_dataset(collected: Collected, out_dir: str | Path, options: BuildO
     stage.mkdir()
     split_info = {s: _write_split(stage, s, splits[s], by_id, paths, where, shape) for s in SPLITS if splits[s]}
     if problems:
-        atomic_write_text(stage / PROBLEMS_FILE, "".join(f"{p}\n" for p in problems))
-    files = _publish(out, stage, [PROBLEMS_FILE])
-    timings["write"] = time.perf_counter() - t3
-    timings["total"] = time.perf_counter() - t0
+        atomic_write_text(stage / PROBLEMS_FILE, "".join(f"{utf8_text(str(p))}\n" for p in problems))
 
     kinds = Counter(p.kind for p in problems)
     manifest: dict = {
@@ -611,14 +697,19 @@ def build_own_dataset(collected: Collected, out_dir: str | Path, options: BuildO
             "{split}_meta.jsonl": "per row: id, sha256 of the bytes, every input name merged into it, captions",
             PROBLEMS_FILE: "every problem of the input, one per line (absent when there were none)",
         },
-        "files_sha256": files,
+        "files_sha256": {},
         "cache": {"features_computed": feat_stats["computed"], "features_reused": feat_stats["reused"]},
-        "timings_s": {k: round(v, 2) for k, v in timings.items()},
+        "timings_s": {},
     }
     if images_root is not None:
         manifest["images_root"] = images_root
     if spec is not None:
         manifest["features"] = spec
+    manifest = _utf8_json(manifest)  # before anything is published: writing it cannot fail on a path's bytes
+    manifest["files_sha256"] = _publish(out, stage, [PROBLEMS_FILE])
+    timings["write"] = time.perf_counter() - t3
+    timings["total"] = time.perf_counter() - t0
+    manifest["timings_s"] = {k: round(v, 2) for k, v in timings.items()}
     atomic_write_json(out / MANIFEST, manifest, ensure_ascii=False)
     return manifest
 
@@ -632,10 +723,11 @@ def summary_line(manifest: dict, out: str | Path) -> str:
     skipped = ", ".join(f"{k} {n}" for k, n in kinds.items()) or "none"
     feats = ("pictures only (--pixels)" if manifest["build"]["pixels"] else
              f"features {manifest['cache']['features_computed']:,} computed, {manifest['cache']['features_reused']:,} reused")  # fmt: skip
+    out = utf8_text(str(out))  # printable whatever the folder's bytes
     return (f"dataset ready in {out}: pictures {sizes}, {c['captions']:,} captions; problems: {skipped}; {feats} "
             f"({manifest['timings_s']['total']:.1f} s); check it with: vse data check {out}")
 
 
 __all__ = ["BuildOptions", "Collected", "Item", "PictureRef", "Problem", "Picture", "build_own_dataset",
            "assign_ids", "assign_splits", "safe_id", "split_count", "split_name", "merge_duplicates",
-           "normalise_caption", "unique_captions", "resolve_split", "summary_line", "PICTURE_SUFFIXES", "SPLITS"]  # fmt: skip
+           "normalise_caption", "unique_captions", "resolve_split", "screen_captions", "summary_line", "PICTURE_SUFFIXES", "SPLITS"]  # fmt: skip

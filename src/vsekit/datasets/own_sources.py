@@ -6,35 +6,39 @@
 - `read_table(FILE)`: CSV, TSV or parquet with an image-path column and a caption column (named, or found
   among the usual names); several rows of one picture give it several captions; relative paths are
   resolved against `images_root` (default: the table's folder); `split_col` declares splits.
-- `read_webdataset(PATTERNS)`: tar shards in the img2dataset layout (key.jpg / key.png / key.webp + key.txt
-  and / or key.json with a "caption"), `{000..009}` and `{a,b}` brace expansion and globs, read with the
-  standard library's tarfile (no webdataset package); pictures are read from the tar by offset when needed.
+- webdataset shards are read by `vsekit.datasets.own_shards`.
 
 Readers only look: a missing caption, a blank caption line, a name clash, an unreadable caption file or
-shard becomes a `Problem` naming it; the builder checks the pictures themselves.
+shard becomes a `Problem` naming it; the builder checks the pictures themselves. Every file a folder or a
+table names is opened by the rules of `vsekit.data.untrusted`: inside its root (the folder; the table's
+folder or `--images-root`), a regular file, read with a byte cap; anything else is a `Problem` naming it.
 """
 
 from __future__ import annotations
 
 import csv
-import glob
-import json
 import logging
 import os
 import re
-import tarfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from vsekit.data.untrusted import (
+    MAX_CAPTION_FILE_BYTES,
+    UntrustedFileError,
+    check_regular,
+    read_inside,
+    resolve_inside,
+)
 from vsekit.datasets.own_pairs import (
     BAD_CAPTIONS,
     BAD_NAME,
-    BROKEN_SHARD,
     EMPTY_CAPTION,
     MISSING_FILE,
     NAME_CLASH,
     NO_CAPTION,
     PICTURE_SUFFIXES,
+    UNREADABLE,
     Collected,
     Item,
     PictureRef,
@@ -52,6 +56,8 @@ IMAGE_COLUMNS = ("image", "image_path", "imagepath", "img", "img_path", "filepat
 CAPTION_COLUMNS = ("caption", "captions", "text", "title", "sentence", "description", "raw", "alt", "alt_text")
 TABLE_FORMATS = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".parquet": "parquet", ".pq": "parquet"}
 URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+MAX_TABLE_ROWS = 5_000_000  # rows of one CSV / TSV / parquet table
+MAX_TABLE_LINE_BYTES = 1 << 20  # one line of a CSV / TSV table
 
 
 def _display(text: str) -> str:
@@ -108,10 +114,13 @@ def read_folder(root: str | Path, split_by_folder: bool = False, exclude: Sequen
     outside: list[str] = []
     for stem in sorted(stems):
         rels = sorted(stems[stem])
+        if len(rels) > 1:  # x.jpg + x.png: which one x.txt describes is unknown, so neither is used
+            for clash in rels:
+                others = ", ".join(_display(r) for r in rels if r != clash)
+                problems.append(Problem(_display(clash), NAME_CLASH, f"{others} has the same name, so {_display(stem)}"
+                                        f".txt cannot tell them apart; {'both' if len(rels) == 2 else f'all {len(rels)}'} are skipped"))  # fmt: skip
+            continue
         rel = rels[0]
-        for clash in rels[1:]:
-            problems.append(Problem(_display(clash), NAME_CLASH, f"{_display(rel)} has the same name, so {stem}.txt "
-                                    "cannot tell them apart; this one is skipped"))  # fmt: skip
         try:
             rel.encode("utf-8")
         except UnicodeEncodeError:
@@ -125,21 +134,30 @@ def read_folder(root: str | Path, split_by_folder: bool = False, exclude: Sequen
             except VseInputError:
                 outside.append(rel)
                 continue
-        txt = root / f"{stem}.txt"
+        try:  # a link out of the folder is refused here; PictureRef.read opens the resolved path, capped
+            picture = resolve_inside(root, rel, label="the folder")
+        except UntrustedFileError as e:
+            problems.append(Problem(rel, UNREADABLE, f"{e.detail}; not read"))
+            continue
         if stem not in texts:
             problems.append(Problem(rel, NO_CAPTION, f"no {Path(stem).name}.txt beside it"))
             continue
         try:
-            captions, found = caption_lines(txt.read_bytes(), f"{stem}.txt")
+            data = read_inside(root, f"{stem}.txt", MAX_CAPTION_FILE_BYTES, label="the folder",
+                               expected="a caption file")  # fmt: skip
+        except UntrustedFileError as e:
+            problems.append(Problem(f"{stem}.txt", BAD_CAPTIONS, f"{e.detail}; not read, its picture is skipped"))
+            continue
         except OSError as e:
             problems.append(Problem(f"{stem}.txt", BAD_CAPTIONS, f"cannot be read ({e.strerror or e})"))
             continue
+        captions, found = caption_lines(data, f"{stem}.txt")
         problems += found
         if not captions:
             if not any(p.kind == BAD_CAPTIONS for p in found):
                 problems.append(Problem(rel, NO_CAPTION, f"{Path(stem).name}.txt holds no caption"))
             continue
-        items.append(Item(rel, stem, PictureRef(root / rel), Path(rel).suffix.lower(), captions, split))
+        items.append(Item(rel, stem, PictureRef(picture), Path(rel).suffix.lower(), captions, split))
     if outside:
         raise VseInputError(f"{root}: --split-by-folder needs every picture under a top-level train/, dev/ (or val/) "
                             f"or test/ folder; {len(outside)} are not, e.g. {', '.join(outside[:3])}")  # fmt: skip
@@ -183,40 +201,100 @@ def pick_column(header: Sequence[str], wanted: str | None, candidates: Sequence[
                         f"columns ({', '.join(map(str, header))}); name the column with {flag}")  # fmt: skip
 
 
+def _csv_lines(f, path: Path) -> Iterator[str]:
+    """The lines of a CSV / TSV file, each decoded on its own (so a bad byte is reported at its own line, not
+    at the header), at most MAX_TABLE_LINE_BYTES each."""
+    n = 0
+    while True:
+        line = f.readline(MAX_TABLE_LINE_BYTES + 1)
+        if not line:
+            return
+        n += 1
+        if len(line) > MAX_TABLE_LINE_BYTES:
+            limit = MAX_TABLE_LINE_BYTES
+            raise VseInputError(f"{path}:{n}: a line longer than {limit} bytes, more than a table row vsekit reads")
+        try:
+            yield line.decode("utf-8-sig" if n == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+            raise VseInputError(f"{path}:{n}: not UTF-8 text (byte {e.start + 1} of the line)") from None
+
+
 def _csv_rows(path: Path, delimiter: str) -> tuple[list[str], Iterator[tuple[str, list]]]:
-    f = open(path, encoding="utf-8-sig", newline="")  # noqa: SIM115 - closed by the generator
-    reader = csv.reader(f, delimiter=delimiter)
+    """The header and the non-empty rows (with `file:line` of each) of a CSV / TSV table, at most
+    MAX_TABLE_ROWS rows."""
+    f = open(path, "rb")  # noqa: SIM115 - closed by the generator
+    reader = csv.reader(_csv_lines(f, path), delimiter=delimiter)
     try:
         header = next(reader)
     except StopIteration:
         f.close()
         raise VseInputError(f"{path}: empty table (expected a header row naming the columns)") from None
-    except (UnicodeDecodeError, csv.Error) as e:
+    except csv.Error as e:
         f.close()
-        raise VseInputError(f"{path}:1: cannot read the header ({e})") from e
+        raise VseInputError(f"{path}:{reader.line_num}: cannot read the header ({e})") from e
+    except VseInputError:
+        f.close()
+        raise
 
     def rows() -> Iterator[tuple[str, list]]:
+        n = 0
         with f:
             while True:
                 try:
                     row = next(reader)
                 except StopIteration:
                     return
-                except UnicodeDecodeError as e:
-                    raise VseInputError(f"{path}: not UTF-8 text after line {reader.line_num} ({e})") from e
                 except csv.Error as e:
                     raise VseInputError(f"{path}:{reader.line_num}: {e}") from e
                 if row:
+                    n += 1
+                    if n > MAX_TABLE_ROWS:
+                        raise VseInputError(f"{path}: more than {MAX_TABLE_ROWS} rows; split the table")
                     yield f"{path.name}:{reader.line_num}", row
 
     return header, rows()
 
 
+def _text_type(t, lists: bool) -> bool:
+    """Whether a parquet column type holds text (string, large or dictionary-encoded string, or nothing), or
+    with `lists` also lists of text."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    if lists and (pa.types.is_list(t) or pa.types.is_large_list(t)):
+        t = t.value_type
+    string_view = getattr(pa.types, "is_string_view", lambda _: False)
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or string_view(t) or pa.types.is_null(t)
+
+
 def _parquet_rows(path: Path, columns: list[str]) -> Iterator[tuple[str, list]]:
+    """The rows of a parquet table (`columns`: the picture column, the caption column, maybe the split
+    column), at most MAX_TABLE_ROWS. A parquet column has one type for all its rows, so a column that is not
+    text (bytes, numbers, a struct; captions may also be lists of text) is refused before any row is read,
+    naming the table, the column and its type: its cells would otherwise become Python reprs."""
     import pyarrow.parquet as pq
 
+    pf = pq.ParquetFile(path)
+    schema = pf.schema_arrow
+    for i, col in enumerate(columns):
+        t = schema.field(col).type
+        if not _text_type(t, lists=i == 1):
+            wanted = ("text (paths)", "text or lists of text (captions)", "text (splits)")[i]
+            raise VseInputError(f"{path}: column {col!r} holds {t}, not {wanted}; no row of it is read "
+                                "(store it as strings)")  # fmt: skip
     n = 0
-    for batch in pq.ParquetFile(path).iter_batches(columns=columns):
+    batches = pf.iter_batches(columns=columns)
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as e:  # noqa: BLE001 - pyarrow raises its own types for a broken file: one message
+            why = f"{type(e).__name__}: {e}"
+            raise VseInputError(f"{path}: not a readable parquet file after row {n} ({why})") from e
+        if batch is None:
+            return
+        if n + batch.num_rows > MAX_TABLE_ROWS:
+            raise VseInputError(f"{path}: more than {MAX_TABLE_ROWS} rows; split the table")
         data = batch.to_pydict()
         for i in range(batch.num_rows):
             n += 1
@@ -224,23 +302,36 @@ def _parquet_rows(path: Path, columns: list[str]) -> Iterator[tuple[str, list]]:
 
 
 def _parquet_header(path: Path) -> list[str]:
+    """The column names of a parquet table (which must hold at most MAX_TABLE_ROWS rows)."""
     try:
         import pyarrow.parquet as pq
     except ImportError as e:
         raise MissingPackageError(f"{path}: reading parquet needs pyarrow (pip install pyarrow), or save the table "
                                   "as CSV / TSV") from e  # fmt: skip
     try:
-        return list(pq.ParquetFile(path).schema_arrow.names)
+        pf = pq.ParquetFile(path)
+        names, rows = list(pf.schema_arrow.names), pf.metadata.num_rows
     except Exception as e:  # noqa: BLE001 - pyarrow raises its own types for a broken file: one clear message
         raise VseInputError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from e
+    if rows > MAX_TABLE_ROWS:
+        raise VseInputError(f"{path}: {rows} rows, more than the {MAX_TABLE_ROWS} vsekit reads; split it")
+    return names
+
+
+def caption_cell(value) -> list[str] | None:
+    """Captions of a table cell or a JSON "caption": text, or a list of texts (empty items skipped); [] for
+    no value; None for anything else (bytes, a number, a mapping), which the caller reports."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [normalise_caption(value)]
+    if isinstance(value, (list, tuple)) and all(v is None or isinstance(v, str) for v in value):
+        return [normalise_caption(v) for v in value if v is not None]
+    return None
 
 
 def _cell_captions(value) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        return [normalise_caption(v) for v in value if v is not None]
-    return [normalise_caption(value)]
+    return caption_cell(value) or []
 
 
 def read_table(path: str | Path, image_col: str | None = None, caption_col: str | None = None,
@@ -282,7 +373,7 @@ def read_table(path: str | Path, image_col: str | None = None, caption_col: str 
             raise VseInputError(f"{where}: {value[:80]!r} is a URL; vsekit reads local files only: download the "
                                 "pictures first (img2dataset writes webdataset shards, which `vse data webdataset` "
                                 "reads)")  # fmt: skip
-        full = os.path.normpath(os.path.join(base, os.path.expanduser(value)))
+        full = os.path.normpath(os.path.join(base, value))  # grouping only: what is read is `resolve_inside`'s
         g = groups.get(full)
         if g is None:
             g = groups[full] = {"name": value, "where": where, "captions": [], "splits": []}
@@ -298,187 +389,35 @@ def read_table(path: str | Path, image_col: str | None = None, caption_col: str 
     if not n_rows:
         raise VseInputError(f"{path}: no rows under the header")
     items: list[Item] = []
+    label = "the table's folder" if images_root is None else "--images-root"
     for full, g in groups.items():
         name = g["name"]
-        if not os.path.isfile(full):
+        try:  # only inside the images root (no '~', '..' or link out of it), a regular file (not a FIFO, device)
+            picture = resolve_inside(root, name, label=label, absolute_ok=True)
+            check_regular(picture, name=name, expected="a picture file")
+        except FileNotFoundError:
             problems.append(Problem(name, MISSING_FILE, f"no such file: {full} (named at {g['where']})"))
+            continue
+        except UntrustedFileError as e:
+            problems.append(Problem(name, UNREADABLE, f"{e.detail} (named at {g['where']}); not read"))
+            continue
+        except OSError as e:
+            problems.append(Problem(name, UNREADABLE, f"cannot be read ({e.strerror or e}; named at {g['where']})"))
             continue
         if not g["captions"]:
             problems.append(Problem(name, NO_CAPTION, f"every row of it has an empty {ccol!r} cell"))
             continue
         split, conflict = resolve_split(g["splits"], name)
         problems += [conflict] if conflict else []
-        rel = os.path.relpath(full, base)  # outside the root: '../x/a.png', whose id (`safe_id`) is 'x/a'
+        rel = os.path.relpath(full, base)  # the name as written; lexically outside only through a link in the root
         suffix = Path(full).suffix
         key = rel[: -len(suffix)] if suffix else rel
-        items.append(Item(name, key, PictureRef(Path(full)), suffix.lower(), g["captions"], split))
+        items.append(Item(name, key, PictureRef(picture), suffix.lower(), g["captions"], split))
     source = {"kind": "table", "input": str(path), "format": kind, "image_col": icol, "caption_col": ccol,
               "split_col": scol, "images_root": str(root)}  # fmt: skip
     return Collected(items, problems, source, declared_splits=scol is not None,
                      notes={"rows": n_rows, "pictures_found": len(groups)})  # fmt: skip
 
 
-# --------------------------------------------------------------------------------------------- webdataset
-
-
-def expand_braces(pattern: str) -> list[str]:
-    """Shell-style brace expansion as webdataset's: `{000..009}` (zero padding kept), `{a,b}`, several
-    groups (the first varies slowest); braces holding neither stay as they are."""
-    m = re.search(r"\{([^{}]*)\}", pattern)
-    if m is None:
-        return [pattern]
-    head, body, tail = pattern[: m.start()], m.group(1), pattern[m.end() :]
-    rng = re.fullmatch(r"(\d+)\.\.(\d+)", body)
-    if rng:
-        a, b = rng.groups()
-        padded = (len(a) > 1 and a.startswith("0")) or (len(b) > 1 and b.startswith("0"))
-        width = max(len(a), len(b)) if padded else 0
-        lo, hi = int(a), int(b)
-        step = 1 if hi >= lo else -1
-        options = [str(i).zfill(width) for i in range(lo, hi + step, step)]
-    elif "," in body:
-        options = body.split(",")
-    else:
-        return [head + "{" + body + "}" + rest for rest in expand_braces(tail)]
-    rests = expand_braces(tail)
-    return [head + o + rest for o in options for rest in rests]
-
-
-def expand_shards(patterns: Sequence[str]) -> list[Path]:
-    """Every shard named by the patterns (brace expansion, then globs), in order, each once; a name that
-    does not exist is an error naming it."""
-    shards: list[Path] = []
-    for pattern in patterns:
-        for name in expand_braces(pattern):
-            if any(ch in name for ch in "*?["):
-                found = sorted(glob.glob(name))
-                if not found:
-                    raise VseInputError(f"{name}: no shard matches (from {pattern!r})")
-                shards += [Path(f) for f in found]
-            elif not os.path.isfile(name):
-                raise VseInputError(f"{name}: no such shard (from {pattern!r})")
-            else:
-                shards.append(Path(name))
-    seen: dict[str, Path] = {}
-    for s in shards:
-        seen.setdefault(os.path.abspath(s), s)
-    if not seen:
-        raise VseInputError("no shards given")
-    return list(seen.values())
-
-
-_KEY_RE = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
-
-
-def split_key(member: str) -> tuple[str, str] | None:
-    """(key, extension) of a tar member as webdataset splits it: the key runs to the first dot of the file
-    name (`a/000012.jpg` -> `a/000012`, `jpg`); None for a name without one."""
-    m = _KEY_RE.match(member)
-    return (m.group(1), m.group(2).lower()) if m else None
-
-
-def _shard_members(shard: Path, problems: list[Problem]) -> tuple[dict[str, dict[str, tarfile.TarInfo]], tarfile.TarFile | None]:
-    samples: dict[str, dict[str, tarfile.TarInfo]] = {}
-    try:
-        tf = tarfile.open(shard, mode="r:")
-    except (tarfile.TarError, OSError, EOFError) as e:
-        with open(shard, "rb") as f:
-            head = f.read(4)
-        why = ("a compressed tar: unpack it to a plain .tar (img2dataset writes plain .tar shards)"
-               if head[:2] == b"\x1f\x8b" or head[:3] == b"BZh" or head[:4] == b"\xfd7zX" else
-               f"not a readable uncompressed tar ({e})")  # fmt: skip
-        problems.append(Problem(str(shard), BROKEN_SHARD, f"{why}; skipped"))
-        return samples, None
-    n = 0
-    try:
-        for m in tf:
-            n += 1
-            if not m.isfile():
-                continue
-            parts = split_key(m.name)
-            if parts is None:
-                continue
-            key, ext = parts
-            members = samples.setdefault(key, {})
-            if ext in members:
-                problems.append(Problem(f"{shard}:{m.name}", NAME_CLASH, "a second member with the same key and "
-                                        "extension; skipped"))  # fmt: skip
-                continue
-            members[ext] = m
-    except (tarfile.TarError, OSError, EOFError) as e:
-        problems.append(Problem(str(shard), BROKEN_SHARD, f"unreadable after {n} member(s) ({e}); the samples read "
-                                "before it are used"))  # fmt: skip
-    return samples, tf
-
-
-def read_webdataset(patterns: Sequence[str]) -> Collected:
-    """Samples of img2dataset-style shards: a picture member plus captions from key.txt and/or key.json."""
-    shards = expand_shards(patterns)
-    items: list[Item] = []
-    problems: list[Problem] = []
-    n_samples = n_pictures = orphans = 0
-    picture_exts = [s.lstrip(".") for s in PICTURE_SUFFIXES]
-    for shard in shards:
-        samples, tf = _shard_members(shard, problems)
-        if tf is None:
-            continue
-        with tf:
-            for key, members in samples.items():
-                n_samples += 1
-                pics = [e for e in members if e in picture_exts]
-                if not pics:
-                    orphans += 1
-                    continue
-                n_pictures += 1
-                pic = members[pics[0]]
-                name = f"{shard}:{pic.name}"
-                for other in pics[1:]:
-                    problems.append(Problem(f"{shard}:{members[other].name}", NAME_CLASH, f"{pic.name} has the same "
-                                            "key; this one is skipped"))  # fmt: skip
-                captions: list[str] = []
-                bad = False
-                if "txt" in members:
-                    caps, found = caption_lines(_member_bytes(tf, members["txt"]), f"{shard}:{members['txt'].name}")
-                    captions += caps
-                    problems += found
-                    bad |= any(p.kind == BAD_CAPTIONS for p in found)
-                if "json" in members:
-                    caps, problem = _json_captions(_member_bytes(tf, members["json"]), f"{shard}:{members['json'].name}")
-                    captions += caps
-                    problems += [problem] if problem else []
-                    bad |= problem is not None
-                if not captions:
-                    if not bad:
-                        where = " / ".join(f"{key.rsplit('/', 1)[-1]}.{e}" for e in ("txt", "json") if e in members)
-                        problems.append(Problem(name, NO_CAPTION, f"{where} holds no caption" if where else
-                                                "no .txt or .json caption for this key"))  # fmt: skip
-                    continue
-                items.append(Item(name, key, PictureRef(shard, pic.offset_data, pic.size), f".{pics[0]}", captions))
-    if orphans:
-        log.info("%d sample(s) without a picture were ignored", orphans)
-    source = {"kind": "webdataset", "input": " ".join(patterns), "shards": [str(s) for s in shards]}
-    return Collected(items, problems, source,
-                     notes={"shards": len(shards), "samples": n_samples, "pictures_found": n_pictures})  # fmt: skip
-
-
-def _member_bytes(tf: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
-    try:
-        f = tf.extractfile(member)
-        return f.read() if f is not None else b""
-    except (tarfile.TarError, OSError, EOFError):
-        return b""
-
-
-def _json_captions(data: bytes, name: str) -> tuple[list[str], Problem | None]:
-    """The "caption" of an img2dataset .json (a string or a list of strings)."""
-    try:
-        meta = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        return [], Problem(name, BAD_CAPTIONS, f"not valid JSON ({e})")
-    value = meta.get("caption") if isinstance(meta, dict) else None
-    caps = _cell_captions(value) if isinstance(value, (str, list)) else []
-    return [c for c in caps if c], None
-
-
-__all__ = ["read_folder", "read_table", "read_webdataset", "expand_braces", "expand_shards", "split_key",
-           "caption_lines", "pick_column", "IMAGE_COLUMNS", "CAPTION_COLUMNS"]  # fmt: skip
+__all__ = ["read_folder", "read_table", "caption_lines", "caption_cell", "pick_column", "IMAGE_COLUMNS",
+           "CAPTION_COLUMNS", "MAX_TABLE_ROWS", "MAX_TABLE_LINE_BYTES"]  # fmt: skip

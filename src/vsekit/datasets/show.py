@@ -8,8 +8,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from vsekit.data.pictures import open_image
 from vsekit.data.precomp import dataset_image_root, resolve_image_path
 from vsekit.errors import VseInputError
+from vsekit.utils.io import atomic_path, check_output_file
 
 
 def _lines(path: Path) -> list[str]:
@@ -47,13 +49,34 @@ def _wrap(text: str, font, width: int, draw: ImageDraw.ImageDraw) -> list[str]:
     return lines
 
 
+def picture_format(out_png: str | Path) -> str:
+    """The Pillow format that `out_png`'s extension names, when Pillow can write an RGB picture in it (checked by
+    writing a 1x1 one to memory); else a one-line error naming the file: the montage is a picture."""
+    import io
+
+    ext = Path(out_png).suffix.lower()
+    fmt = Image.registered_extensions().get(ext)
+    try:
+        if fmt is None:
+            raise KeyError(ext)
+        Image.new("RGB", (1, 1)).save(io.BytesIO(), format=fmt)
+    except (KeyError, OSError, ValueError):
+        what = f"{ext!r} is not a picture format Pillow writes" if ext else "has no extension to tell the format"
+        raise VseInputError(f"--out {out_png}: {what}; the montage is a picture: name a .png (or .jpg, .webp)") from None
+    return fmt
+
+
 def show_dataset(data_dir: str | Path, out_png: str | Path, split: str = "test", n: int = 16, seed: int = 0,
                  cell: int = 224, max_lines: int = 12) -> Path:  # fmt: skip
     """Write a montage of `n` seeded-random images of `split` with all their captions; returns the PNG path.
 
     Needs `{split}_images.txt` (raw pictures), `{split}_caps.txt` and `{split}_cap2img.txt` (or k captions
-    per image in order). Ids from `{split}_ids.txt` are printed above the captions when present.
+    per image in order). Ids from `{split}_ids.txt` are printed above the captions when present. `out_png`
+    is checked first: a picture format Pillow writes (`picture_format`), in an existing folder, outside the
+    dataset folder (`vsekit.utils.io.check_output_file`); it is written whole or not at all.
     """
+    fmt = picture_format(out_png)
+    out = check_output_file(out_png, "--out", [data_dir])
     root = Path(data_dir)
     images_file = root / f"{split}_images.txt"
     if not images_file.is_file():
@@ -109,7 +132,8 @@ def show_dataset(data_dir: str | Path, out_png: str | Path, split: str = "test",
                 break
             x = c * (cell + 2 * pad) + pad
             row = rows_idx[idx]
-            with Image.open(resolve_image_path(images_root, paths[row], f"{images_file}:{row + 1}")) as im:
+            # a dataset's picture list is untrusted: inside the images root, a regular file, bounded bytes and pixels
+            with open_image(resolve_image_path(images_root, paths[row], f"{images_file}:{row + 1}")) as im:
                 im = im.convert("RGB")
                 im.thumbnail((cell, cell))
                 sheet.paste(im, (x, y0 + pad))
@@ -121,7 +145,6 @@ def show_dataset(data_dir: str | Path, out_png: str | Path, split: str = "test",
         y0 += row_heights[r]
         if r < nrows - 1:
             draw.line([0, y0 - 1, sheet.width, y0 - 1], fill=(220, 220, 220))
-    out = Path(out_png)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    sheet.save(out)
+    with atomic_path(out) as tmp:
+        sheet.save(tmp, format=fmt)
     return out

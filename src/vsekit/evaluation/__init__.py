@@ -38,8 +38,8 @@ def encode_images(model: VSEModel, source, batch_size: int = 256, device: str | 
     model.eval()
     out = []
     for batch in progress_bar(loader, desc="encode images", enabled=progress, leave=False):
-        out.append(model.encode_images(batch["images"].to(device), batch["image_lengths"].to(device)).float().cpu())
-    return torch.cat(out)
+        out.append(model.encode_images(batch.images.to(device), batch.image_lengths.to(device)).float().cpu())
+    return cat_embeddings(out)
 
 
 @torch.no_grad()
@@ -50,8 +50,17 @@ def encode_captions(model: VSEModel, captions: list[str], text, batch_size: int 
     model.eval()
     out = []
     for batch in progress_bar(loader, desc="encode captions", enabled=progress, leave=False):
-        out.append(model.encode_texts(batch["tokens"].to(device), batch["token_lengths"].to(device)).float().cpu())
-    return torch.cat(out)
+        out.append(model.encode_texts(batch.tokens.to(device), batch.token_lengths.to(device)).float().cpu())
+    return cat_embeddings(out)
+
+
+def cat_embeddings(batches: list[torch.Tensor]) -> torch.Tensor:
+    """The batches' embeddings in one tensor. Vectors [b, D] stack; sets [b, S, D] (late interaction), each
+    batch padded to its own largest set, are padded with zero rows (a set's padding) to the widest."""
+    if batches and batches[0].ndim == 3:
+        width = max(b.shape[1] for b in batches)
+        batches = [torch.nn.functional.pad(b, (0, 0, 0, width - b.shape[1])) for b in batches]
+    return torch.cat(batches)
 
 
 def split_similarities(model: VSEModel, split, batch_size: int = 256, device: str | torch.device = "cpu",

@@ -21,12 +21,12 @@ whole picture is resized (no centre crop).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from vsekit.errors import MissingPackageError, VseInputError
+from vsekit.features.weights import load_state_dict_file, load_weights_strict  # noqa: F401  (also the API here)
 
 EXTRA_HINT = "pip install 'torchvision==0.28.*' timm  (the versions that match torch 2.13)"
 INTERPOLATIONS = ("nearest", "nearest-exact", "bilinear", "bicubic", "box", "hamming", "lanczos")
@@ -90,37 +90,6 @@ class GridBackbone(nn.Module):
         return self._extract(pixels)
 
 
-def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
-    """Tensors of a local weights file; safetensors or a plain state dict (no pickled objects)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: backbone weights file not found")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unpickling refusal or corruption: one clear message
-        raise VseInputError(f"{path}: not a plain state dict of tensors ({type(e).__name__}: {e})") from e
-    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise VseInputError(f"{path}: expected a state dict of tensors")
-    return state
-
-
-def _load_strict(model: nn.Module, weights: str | Path, name: str) -> None:
-    state = load_state_dict_file(weights)
-    state = {k.removeprefix("module."): v for k, v in state.items()}
-    result = model.load_state_dict(state, strict=False)
-    if result.missing_keys or result.unexpected_keys:
-        raise VseInputError(
-            f"{weights}: does not fit {name}: missing {result.missing_keys[:5]}, "
-            f"unexpected {result.unexpected_keys[:5]}"
-        )
-
-
 def _out_dim(extract, image_size: int = 64) -> int:
     with torch.no_grad():
         return int(extract(torch.zeros(1, 3, image_size, image_size)).shape[1])
@@ -170,7 +139,7 @@ def _from_factory(spec: str, weights: str | None, label: str) -> GridBackbone:
         net = factory(weights=None)
     except TypeError:
         net = factory()
-    _load_strict(net, weights, label)
+    load_weights_strict(net, weights, label)
     net.eval()  # before the probe forward in _out_dim: BatchNorm statistics must not move
     extract, stages = grid_trunk(net)
     if module_name == "torchvision.models":
@@ -211,7 +180,7 @@ def _timm(name: str, weights: str | None) -> GridBackbone:
     if not weights:
         raise VseInputError(f"timm:{name} needs model.image.backbone_weights (a local file; nothing is downloaded)")
     net = timm.create_model(name, pretrained=False)
-    _load_strict(net, weights, f"timm:{name}")
+    load_weights_strict(net, weights, f"timm:{name}")
     net.eval()
     extract, stages = grid_trunk(net)
     cfg = timm.data.resolve_data_config({}, model=net)  # the model's own preprocessing (its pretrained_cfg)

@@ -9,17 +9,15 @@ and load the state_dict ourselves.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 
 from vsekit.errors import MissingPackageError
+from vsekit.features.weights import load_weights_strict
 from vsekit.utils.io import sha256_file
-from vsekit.utils.progress import progress_bar
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -67,8 +65,7 @@ def load_efficientnet_lite0(weights_path: str | None = None) -> torch.nn.Module:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: EfficientNet-Lite0 weights file not found")
     model = EfficientNet.from_name("efficientnet-lite0")
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    model.load_state_dict(state, strict=True)
+    load_weights_strict(model, path, "EfficientNet-Lite0")  # a file that is no checkpoint: one line naming it
     return model.eval()
 
 
@@ -91,7 +88,8 @@ def preprocess_image(img: Image.Image, size: int = IMAGE_SIZE) -> torch.Tensor:
 
 
 class GridFeatureExtractor:
-    """Frozen Lite0 grid features as region tokens [B, 49, 1280].
+    """Frozen Lite0 grid features as region tokens [B, 49, 1280]. Builders and search use it through the picture ->
+    features contract (`vsekit.features.extractor.LiteGridExtractor`: prepare / run / describe), never directly.
 
     channels_last with small batches is the fastest layout on CPU (about 18 ms/img on 2 cores at bs 8).
     """
@@ -132,22 +130,3 @@ class GridFeatureExtractor:
             "layer": "extract_features (head conv + BN + swish, before pooling)",
             "dtype": "float16",
         }
-
-    def extract_paths(
-        self, paths: Sequence[str | Path], batch_size: int = 8, progress: bool = True
-    ) -> np.ndarray:
-        """Features of image files, float16 [N, 49, 1280] (fp16 halves the 245 KB/img of fp32)."""
-        side = self.image_size // 32
-        out = np.zeros((len(paths), side * side, CHANNELS), dtype=np.float16)
-        bar = progress_bar(total=len(paths), desc="features", unit="img", enabled=progress)
-        for start in range(0, len(paths), batch_size):
-            chunk = paths[start : start + batch_size]
-            tensors = []
-            for p in chunk:
-                with Image.open(p) as im:
-                    tensors.append(preprocess_image(im, self.image_size))
-            feats = self(torch.stack(tensors))
-            out[start : start + len(chunk)] = feats.float().cpu().numpy().astype(np.float16)
-            bar.update(len(chunk))
-        bar.close()
-        return out

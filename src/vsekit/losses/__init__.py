@@ -1,33 +1,45 @@
-"""Losses on an in-batch similarity matrix: each returns (scalar, diagnostics dict)."""
+"""Losses on an in-batch similarity matrix: each returns (scalar, diagnostics dict).
+
+The names below are imported when first used, so `vsekit.losses.parts` (the losses a recipe may name, their
+settings) loads without torch.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+from vsekit import registry
 
-from vsekit.config import LossConfig
-from vsekit.losses.triplet import TripletLoss, positive_mask, triplet_loss
+if TYPE_CHECKING:
+    from torch import nn
 
-__all__ = ["TripletLoss", "create_loss", "positive_mask", "triplet_loss"]
+    from vsekit.config import LossConfig
+    from vsekit.losses.base import InBatchLoss
+    from vsekit.losses.triplet import TripletLoss, positive_mask, triplet_loss
+
+__all__ = ["InBatchLoss", "TripletLoss", "create_loss", "positive_mask", "triplet_loss"]
 
 
 def create_loss(cfg: LossConfig, image_views: int = 1) -> nn.Module:
-    """The loss `cfg` names, on an in-batch similarity matrix. `image_views` (the recipe's model.image.views)
-    is what AVSE's view regulariser needs to split the image embedding; no loss ever sees the model."""
+    """The loss `cfg` names (a registered one), on an in-batch similarity matrix. `image_views` (the recipe's
+    model.image.views) is what AVSE's view regulariser needs to split the image embedding; no loss ever sees the
+    model."""
     if cfg.view_reg_weight > 0:  # AVSE: the named loss + the dimension-wise view regulariser
         from vsekit.losses.view_reg import ViewRegularisedLoss
 
         base = create_loss(dataclasses.replace(cfg, view_reg_weight=0.0))
-        return ViewRegularisedLoss(base, cfg.view_reg_weight, cfg.view_reg_offdiag, cfg.view_reg_variant, image_views)
-    if cfg.name == "triplet":
-        return TripletLoss(cfg.margin, cfg.max_violation, cfg.mask_same_image)
-    if cfg.name in ("adopt", "infonce"):
-        from vsekit.losses.adopt import create_adopt_loss
+        return ViewRegularisedLoss(
+            base, cfg.view_reg_weight, cfg.view_reg_offdiag, cfg.view_reg_variant, image_views
+        )
+    return registry.get("loss", cfg.name).build(cfg)
 
-        return create_adopt_loss(cfg)
-    if cfg.name in ("ladder", "ladder_auto"):
-        from vsekit.losses.ladder import create_ladder_loss
 
-        return create_ladder_loss(cfg)
-    raise ValueError(f"unknown loss {cfg.name!r}")
+def __getattr__(name: str) -> Any:
+    if name in ("TripletLoss", "positive_mask", "triplet_loss"):
+        from vsekit.losses import triplet as module
+    elif name == "InBatchLoss":
+        from vsekit.losses import base as module
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(module, name)

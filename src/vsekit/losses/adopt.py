@@ -34,9 +34,9 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from vsekit.config import LossConfig
+from vsekit.losses.base import InBatchLoss
 from vsekit.losses.triplet import positive_mask
 
 ADOPT_VARIANTS = ("paper", "reference")
@@ -132,7 +132,7 @@ def topk_infonce(
     return -torch.log_softmax(logits, dim=1)[:, 0].mean()
 
 
-class ADOPTLoss(nn.Module):
+class ADOPTLoss(InBatchLoss):
     """ADOPT (adaptive K) or, with `adaptive=False` and `fixed_k=None`, InfoNCE over all in-batch negatives.
 
     `fixed_k` pins K (the released code's `constant` mode; used to compare with a hardest-negative loss).

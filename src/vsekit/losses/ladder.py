@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vsekit.config import ConfigError, LossConfig
+from vsekit.losses.base import InBatchLoss
 from vsekit.losses.triplet import positive_mask, triplet_loss
 
 VARIANTS = ("paper", "reference")
@@ -348,7 +349,7 @@ def _ladder_terms(s: torch.Tensor, levels: torch.Tensor, margin: torch.Tensor, w
     return total, ok[0, 0].to(s.dtype).mean()
 
 
-class LadderLoss(nn.Module):
+class LadderLoss(InBatchLoss):
     """CVSE++ ladder loss (fixed thresholds), adaptive ladder loss (`adaptive=True`) or the released code's
     auto-threshold ladder (`percentile=p`: each query's threshold is the p-th percentile of its relevance row).
 
@@ -356,6 +357,8 @@ class LadderLoss(nn.Module):
     sentence embeddings given by `set_caption_embeddings` (the trainer: `vsekit.relevance.prepare_ladder_relevance`), or an
     explicit `relevance=[B, B]` tensor passed to forward.
     """
+
+    needs_caption_embeddings = True
 
     def __init__(self, margins: Sequence[float], weights: Sequence[float], thresholds: Sequence[float] = (0.40,),
                  cumulative: bool = False, adaptive: bool = False, levels_min: int = 2, levels_max: int = 4,

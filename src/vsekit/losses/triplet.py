@@ -8,7 +8,8 @@ the VSE∞ warm-up epoch). Losses are summed over the batch, as in the reference
 from __future__ import annotations
 
 import torch
-from torch import nn
+
+from vsekit.losses.base import InBatchLoss
 
 
 def positive_mask(image_ids: torch.Tensor | None, batch: int, device: torch.device) -> torch.Tensor:
@@ -39,7 +40,7 @@ def triplet_loss(
     return loss, {"violations": (cost_caption > 0).float().mean().detach()}
 
 
-class TripletLoss(nn.Module):
+class TripletLoss(InBatchLoss):
     """VSE++ loss; `hardest` can be switched off for the warm-up epoch(s)."""
 
     def __init__(self, margin: float = 0.2, max_violation: bool = True, mask_same_image: bool = True) -> None:

@@ -16,7 +16,7 @@ Variants (`variant`; the recipes' default is `loss.view_reg_variant: reference`)
   it acts as a push of every c_ii upwards with a gradient ~1/B of the paper form's (0.04x the ranking
   loss's in the same setting), so weight 1 leaves the ranking loss in charge — the form behind the
   released code's results.
-With more than two views the loss is the mean over all view pairs. `vsekit.bench.view_reg`'s
+With more than two views the loss is the mean over all view pairs. `vsekit_lab.bench.view_reg`'s
 `grad_norm_ratio` / `view_reg_grad_ratio` report ‖∇ weight·L_reg‖ / ‖∇ L_rank‖ on the image embedding (the ablation script
 prints it; `vse bench view-reg` gives it on random embeddings).
 """
@@ -26,7 +26,8 @@ from __future__ import annotations
 from itertools import combinations
 
 import torch
-from torch import nn
+
+from vsekit.losses.base import InBatchLoss
 
 VARIANTS = ("paper", "reference")
 
@@ -64,11 +65,11 @@ def view_regulariser(views: torch.Tensor, offdiag: float = 0.0051, variant: str 
     return total / len(pairs)
 
 
-class ViewRegularisedLoss(nn.Module):
+class ViewRegularisedLoss(InBatchLoss):
     """Any similarity loss + `weight` × the view regulariser on the image embedding's views (Eq. 6)."""
 
     def __init__(
-        self, base: nn.Module, weight: float, offdiag: float = 0.0051, variant: str = "paper", views: int = 1
+        self, base: InBatchLoss, weight: float, offdiag: float = 0.0051, variant: str = "paper", views: int = 1
     ) -> None:
         super().__init__()
         if variant not in VARIANTS:
@@ -78,9 +79,36 @@ class ViewRegularisedLoss(nn.Module):
         self.base, self.weight, self.offdiag, self.variant = base, weight, offdiag, variant
         self.views = int(views)  # the image encoder's views (recipe: model.image.views)
 
+    # the hooks of `InBatchLoss` are the base loss's (its defaults here would hide them)
     @property
     def step_log_keys(self) -> tuple[str, ...]:
-        return tuple(getattr(self.base, "step_log_keys", ()))
+        return tuple(self.base.step_log_keys)
+
+    @property
+    def host_diag(self) -> bool:
+        return self.base.host_diag
+
+    @host_diag.setter
+    def host_diag(self, value: bool) -> None:
+        self.base.host_diag = value
+
+    @property
+    def needs_caption_embeddings(self) -> bool:
+        return self.base.needs_caption_embeddings
+
+    def set_caption_embeddings(self, emb: torch.Tensor) -> None:
+        self.base.set_caption_embeddings(emb)
+
+    @property
+    def threshold_share(self) -> float | None:
+        return self.base.threshold_share
+
+    @property
+    def derived_thresholds(self) -> list[float] | None:
+        return self.base.derived_thresholds
+
+    def set_derived_threshold(self, theta: float) -> None:
+        self.base.set_derived_threshold(theta)
 
     def __getattr__(self, name: str):
         """The base loss's own interface (a ladder's caption embeddings and thresholds) through the wrapper."""

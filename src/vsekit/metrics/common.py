@@ -49,11 +49,12 @@ def check_inputs(sims: np.ndarray, cap2img: np.ndarray, finite: bool = True) -> 
     if len(missing):
         raise MetricsInputError(f"{len(missing)} image row(s) have no caption, e.g. row {missing[0]}")
     if finite and not np.isfinite(sims).all():
-        _raise_not_finite(sims)
+        raise_not_finite(sims)
     return sims, cap2img.astype(np.int64)
 
 
-def _raise_not_finite(block: np.ndarray, row0: int = 0) -> None:
+def raise_not_finite(block: np.ndarray, row0: int = 0) -> None:
+    """Raise NonFiniteScoresError at the first NaN/inf of `block` (whose first row is matrix row `row0`)."""
     bad = np.argwhere(~np.isfinite(block))[0]
     image, caption = row0 + int(bad[0]), int(bad[1])
     raise NonFiniteScoresError(f"similarity matrix has NaN/inf values, first at (image {image}, caption {caption})",

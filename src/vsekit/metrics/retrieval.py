@@ -22,9 +22,9 @@ import numpy as np
 from vsekit.metrics.common import (  # noqa: F401  (MetricsInputError, NonFiniteScoresError: public here too)
     MetricsInputError,
     NonFiniteScoresError,
-    _raise_not_finite,
     check_inputs,
     fold_slices,
+    raise_not_finite,
 )
 
 RECALL_KS = (1, 5, 10)
@@ -58,7 +58,7 @@ def ranks_both(sims: np.ndarray, cap2img: np.ndarray, block_bytes: int = 4 << 20
         stop = min(start + rows_per_block, n_img)
         block = np.asarray(sims[start:stop])
         if not (np.isfinite(block.min()) and np.isfinite(block.max())):  # NaN propagates through min/max
-            _raise_not_finite(block, start)
+            raise_not_finite(block, start)
         m = mask[: stop - start]
         np.greater_equal(block, own, out=m)  # image above (or tied with) each caption's own image
         t2i += np.count_nonzero(m, axis=0)

@@ -31,8 +31,12 @@ class ResidualMLP(nn.Module):
         self.bn = MaskedBatchNorm1d(d_hidden)
         self.fc2 = nn.Linear(d_hidden, d_out)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, keep_padding: bool = False) -> torch.Tensor:
+        """`keep_padding`: padded rows keep what the MLP computes for them (normalised with the valid rows'
+        statistics), as the released code's do, instead of 0."""
         out = self.fc2(torch.relu(self.bn(self.fc1(x), mask)))
+        if keep_padding:
+            return out
         # masked_fill (not a product): a padded row is 0 even when its content was inf/NaN
         return out.masked_fill(~mask.unsqueeze(-1), 0.0)
 
@@ -95,6 +99,7 @@ class PrecompImageEncoder(nn.Module):
         self.l2_form = l2_form
         self.fc = xavier_linear(img_dim, embed_dim)
         self.mlp = ResidualMLP(img_dim, cfg.mlp_hidden, embed_dim) if cfg.feature_type == "region" else None
+        self.mlp_on_padding = cfg.mlp_on_padding
         self.pool = create_pooling(cfg.pooling, embed_dim)
         self.normalize = normalize
 
@@ -102,7 +107,7 @@ class PrecompImageEncoder(nn.Module):
         mask = length_mask(lengths.to(feats.device, non_blocking=True), feats.shape[1])
         x = self.fc(feats)
         if self.mlp is not None:
-            x = x + self.mlp(feats, mask)
+            x = x + self.mlp(feats, mask, self.mlp_on_padding)
         return x
 
     def forward(self, feats: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -5,8 +5,8 @@ What each method takes (anything else is a `ModelInputError`, a `VseInputError` 
 the argument and what is wrong; a value of a type the API never takes is a `ModelInputTypeError`, which is
 also a TypeError). Valid input is used exactly as given: the checks never change an embedding.
 
-- `encode_image`, runs on precomputed features: a real-valued tensor or numpy array [B, R, D] with D the
-  run's feature width, B >= 1, R >= 1, every value finite; `lengths` [B] integers in 1..R (default R). A 2-D
+- `encode_image`, runs on precomputed features: a floating-point tensor or numpy array [B, R, D] with D the
+  run's feature width, B >= 1, R >= 1, every value finite (integer dtypes are refused: uint8 is pixels); `lengths` [B] integers in 1..R (default R). A 2-D
   array is refused rather than guessed: one picture's R regions is `x[None]`, one vector per picture `x[:, None]`.
 - `encode_image`, pixel runs (CNN backbone, ViT): pictures (PIL images or paths, alone or in a list), which
   go through the run's own transform (`preprocess`, any size); or a pixel tensor [B, 3, S, S] ([3, S, S]: one
@@ -17,7 +17,9 @@ also a TypeError). Valid input is used exactly as given: the checks never change
   token ids [B, L] (B, L >= 1) within the run's vocabulary and, for transformers, its position table; `lengths`
   [B] integers in 1..L (default: up to the first pad id 0).
 - `similarity`: image embeddings [n_images, W] and caption embeddings [n_captions, D] as the encoders give
-  them (W = D, or views x D for AVSE runs).
+  them (W = D, or views x D for AVSE runs; for late-interaction runs (CHAN) sets [n, set size, D] whose zero
+  rows are padding), every value finite (checked in eval mode, the mode `vsekit.load`
+  gives; the train step's calls stay free of host syncs).
 - `preprocess`: a PIL image or a path to a picture, of any size and mode.
 """
 
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 from vsekit.errors import VseInputError
+from vsekit.models.image_parts import reads_pixels
 
 VSEModel = nn.Module  # the model these rules serve (`vsekit.models.vse.VSEModel`, which calls them)
 
@@ -274,6 +277,10 @@ def _features(model: VSEModel, images: Any, lengths: Any, device: torch.device) 
                               "at least one region")  # fmt: skip
     if x.dtype == torch.bool or x.is_complex():
         raise ModelInputError(f"encode_image: features must be real numbers, got dtype {x.dtype}")
+    if not x.is_floating_point():  # uint8 is pixels, which a feature run cannot take; no extractor writes integers
+        raise ModelInputError(f"encode_image: features of dtype {x.dtype}: this run takes precomputed float features "
+                              f"[batch, regions, {dim}] from its feature extractor, not pixels or integers "
+                              "(docs/data.md)")  # fmt: skip
     x = x.to(device=device, dtype=torch.float32)
     if not bool(torch.isfinite(x).all()):
         raise ModelInputError(f"encode_image: features hold NaN or inf ({_count_bad(x)})")
@@ -285,7 +292,7 @@ def _features(model: VSEModel, images: Any, lengths: Any, device: torch.device) 
 def encode_image(model: VSEModel, images: Any, lengths: Any = None, **kwargs: Any) -> torch.Tensor:
     """Image embeddings from precomputed features [B, R, D] (+ lengths) or pixels [B, 3, S, S].
 
-    Precomputed-feature runs: finite real values [B, R, D] (B, R >= 1; a 2-D array is refused, not guessed),
+    Precomputed-feature runs: finite floats [B, R, D] (B, R >= 1; a 2-D array is refused, not guessed),
     `lengths` [B] integers in 1..R. Pixel runs: pictures (PIL images or paths, alone or in a list) go through the
     run's transform at any size; a pixel tensor must be S x S (the run's size); uint8 pixels are scaled and
     normalised as the transform does (/255, then mean/std); float pixels must already be normalised, finite,
@@ -298,7 +305,7 @@ def encode_image(model: VSEModel, images: Any, lengths: Any = None, **kwargs: An
     if unknown:
         raise ModelInputTypeError(f"encode_image: unexpected argument {unknown[0]!r} (this run takes "
                                   f"{', '.join(sorted(allowed))})")  # fmt: skip
-    if kind == "precomp":
+    if not reads_pixels(kind):
         x, lengths = _features(model, images, lengths, device)
     else:
         x = _pixels(model, images, device)
@@ -312,7 +319,7 @@ def _preprocess(model: VSEModel, image: Any, what: str) -> torch.Tensor:
     from vsekit.data.pictures import backbone_pixels, open_image
     from vsekit.features.backbones import pixel_transform_of
 
-    if model.recipe.model.image.kind == "precomp":
+    if not reads_pixels(model.recipe.model.image.kind):
         raise ModelInputError(f"{what}: this run takes precomputed features, not pictures: extract them with the "
                               "run's feature extractor (see docs/data.md)")  # fmt: skip
     if isinstance(image, (str, Path)):
@@ -333,14 +340,21 @@ def preprocess(model: VSEModel, image: Any) -> torch.Tensor:
 
 def check_similarity_inputs(model: VSEModel, image_emb: Any, text_emb: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """(image_emb, text_emb) as tensors of one dtype, or a `ModelInputError` naming the side whose shape is not
-    what the run's encoders give ([n, views x D] and [n, D]). Shape checks only: no host sync."""
+    what the run's encoders give ([n, views x D] and [n, D]), or, for a model in eval mode (as `vsekit.load`
+    returns it), that holds NaN or inf: a NaN score would rank as nothing and silently. In train mode the
+    checks are shapes only, without a host sync (the train step's similarity, CUDA-graph capture included)."""
     d = int(model.recipe.model.embed_dim)
     width = d * int(model.recipe.model.image.views)
     img = _as_tensor(image_emb, "similarity: image embeddings")
     txt = _as_tensor(text_emb, "similarity: caption embeddings")
     views = int(model.recipe.model.image.views)
+    sets = bool(getattr(model.sim, "takes_sets", False))  # late interaction (CHAN): each item a set of vectors
     for name, t, w in (("image", img, width), ("caption", txt, d)):
-        if name == "image" and views > 1 and t.ndim == 3 and tuple(t.shape[1:]) == (views, d):
+        if sets:
+            if t.ndim != 3 or t.shape[2] != d or 0 in t.shape[:2]:
+                raise ModelInputError(f"similarity: {name} embeddings of this run are sets [n_{name}s, set size, {d}] "
+                                      f"as its encoders give them, got {tuple(t.shape)}")  # fmt: skip
+        elif name == "image" and views > 1 and t.ndim == 3 and tuple(t.shape[1:]) == (views, d):
             pass  # multi-view embeddings as [n, views, D] (what an index stores) are the same numbers
         elif t.ndim != 2 or t.shape[1] != w:
             raise ModelInputError(f"similarity: {name} embeddings must be [n_{name}s, {w}], got {tuple(t.shape)}")
@@ -348,6 +362,10 @@ def check_similarity_inputs(model: VSEModel, image_emb: Any, text_emb: Any) -> t
             raise ModelInputError(f"similarity: {name} embeddings must be floating point, got dtype {t.dtype}")
     if img.device != txt.device:
         raise ModelInputError(f"similarity: image embeddings are on {img.device}, caption embeddings on {txt.device}")
+    if not model.training:
+        for name, t in (("image", img), ("caption", txt)):
+            if not bool(torch.isfinite(t).all()):  # one host sync per side, as encode_image's checks
+                raise ModelInputError(f"similarity: {name} embeddings hold NaN or inf ({_count_bad(t)})")
     if img.dtype != txt.dtype:
         common = torch.promote_types(img.dtype, txt.dtype)
         img, txt = img.to(common), txt.to(common)

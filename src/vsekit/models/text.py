@@ -48,11 +48,14 @@ class BiGRUTextEncoder(nn.Module):
         `pack_padded_sequence`, so no host sync and fixed shapes). In eager CPU mode, where the lengths are
         host values anyway, it runs packed: only each caption's own steps (captions of 8-25 tokens padded to
         25: ~1.3x less work). The two give the same values up to float rounding (tests/test_fixed_shape.py)."""
-        x = self.embed(tokens)
-        if tokens.device.type == "cpu" and not torch.compiler.is_compiling():
+        return self.recurrent(self.embed(tokens), lengths)
+
+    def recurrent(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The BiGRU on word vectors x [B, T, word_dim] (`token_features` after the embedding lookup)."""
+        if x.device.type == "cpu" and not torch.compiler.is_compiling():
             packed = pack_padded_sequence(x, lengths.cpu().clamp(min=1), batch_first=True, enforce_sorted=False)
             out, _ = self.gru(packed)
-            out, _ = pad_packed_sequence(out, batch_first=True, total_length=tokens.shape[1])
+            out, _ = pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])
         else:
             out = bigru_unpacked(self.gru, x, lengths)
         half = out.shape[-1] // 2

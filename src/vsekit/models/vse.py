@@ -6,14 +6,17 @@ The trainer, evaluation and search only talk to this interface: `encode_images`,
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from vsekit import registry
 from vsekit.config import Recipe
-from vsekit.models.image import BackboneImageEncoder, PrecompImageEncoder
-from vsekit.models.text import BagOfWordsTextEncoder, BiGRUTextEncoder, TransformerTextEncoder
+from vsekit.models.image import BackboneImageEncoder
+from vsekit.models.text import TransformerTextEncoder
 from vsekit.similarity import create_similarity
 
 
@@ -33,50 +36,44 @@ class VSEModel(nn.Module):
         m = recipe.model
         self.recipe = recipe
         self.spec = spec
-        views = m.image.views
-        form = m.l2_form
-        if m.image.kind == "vit":
-            from vsekit.models.vit_views import ViTMultiViewImageEncoder
-
-            if not spec.vision_config:
-                raise ValueError("a vit image encoder needs the ViT configuration (DataSpec.vision_config)")
-            self.image_encoder = ViTMultiViewImageEncoder(
-                spec.vision_config, m.embed_dim, views=m.image.views, keep_train=m.image.view_keep_train,
-                keep_test=m.image.view_keep_test, pooling=m.image.pooling,
-                normalize=m.normalize, l2_eps_outside_sqrt=form == "add_eps", size_augment=recipe.data.size_augment,
-                grid_drop_max=recipe.data.grid_drop_max,
-            )
-        elif m.image.kind == "precomp":
-            if spec.img_dim <= 0:
-                raise ValueError("a precomp image encoder needs the feature size (DataSpec.img_dim)")
-            if views > 1:
-                from vsekit.models.multiview import MultiViewImageEncoder
-
-                self.image_encoder = MultiViewImageEncoder(spec.img_dim, m.embed_dim, m.image, m.normalize, form)
-            else:
-                self.image_encoder = PrecompImageEncoder(spec.img_dim, m.embed_dim, m.image, m.normalize, form)
-        else:
-            self.image_encoder = BackboneImageEncoder(
-                m.embed_dim, m.image, m.normalize, recipe.data.grid_drop_max, recipe.data.size_augment
-            )
-        if m.text.kind in ("bigru", "bow"):
-            if not spec.vocab_words:
-                raise ValueError(f"a {m.text.kind} text encoder needs a vocabulary (DataSpec.vocab_words)")
-            encoder = BiGRUTextEncoder if m.text.kind == "bigru" else BagOfWordsTextEncoder
-            self.text_encoder = encoder(len(spec.vocab_words), m.embed_dim, m.text, m.normalize, form)
-        else:
-            self.text_encoder = TransformerTextEncoder(m.embed_dim, m.text, m.normalize, spec.text_model_path, form)
-            self.spec.text_model_path = self.text_encoder.model_path
-        self.sim = create_similarity(m.similarity, m.embed_dim, views)
+        # the encoders the recipe names (vsekit.models.image_parts, text_parts), built by their registered builders
+        self.image_encoder = registry.get("image_encoder", m.image.kind).build(recipe, spec)
+        self.text_encoder = registry.get("text_encoder", m.text.kind).build(recipe, spec)
+        self.sim = create_similarity(m.similarity, m.embed_dim, m.image.views)
 
     def encode_images(self, images: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         return self.image_encoder(images, lengths, generator=generator)
 
-    def encode_texts(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def encode_texts(self, tokens: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        # an encoder with random draws of its own in training (ESA's caption copies) takes the step's generator
+        if getattr(self.text_encoder, "draws_in_training", False):
+            return self.text_encoder(tokens, lengths, generator=generator)
         return self.text_encoder(tokens, lengths)
 
+    @contextlib.contextmanager
+    def capture_sets(self) -> Iterator[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """While inside, `sets["image"]` / `sets["text"]` hold the (local features [B, N, D], lengths) each
+        encoder hands its pooling, from the last forward pass: what a loss that reads the sets is given."""
+        sets: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        hooks = []
+        for side, encoder in (("image", self.image_encoder), ("text", self.text_encoder)):
+            pool = getattr(encoder, "pool", None)
+            if not isinstance(pool, nn.Module):
+                raise ValueError(f"the {side} encoder {type(encoder).__name__} has no pooling whose set a loss could read")
+
+            def keep(module: nn.Module, args: tuple, output: torch.Tensor, side: str = side) -> None:
+                sets[side] = (args[0], args[1])
+
+            hooks.append(pool.register_forward_hook(keep))
+        try:
+            yield sets
+        finally:
+            for hook in hooks:
+                hook.remove()
+
     def similarity(self, image_emb: torch.Tensor, text_emb: torch.Tensor) -> torch.Tensor:
-        """[n_images, n_captions] under the run's own similarity (cosine, or AEOM for multi-view runs).
+        """[n_images, n_captions] under the run's own similarity (cosine, AEOM for multi-view runs, or a late
+        interaction of sets such as CHAN's).
 
         Image embeddings [n_images, views x D] and caption embeddings [n_captions, D], as the encoders give them
         (torch or numpy; different float dtypes are promoted); other shapes are a `ModelInputError` naming the

@@ -2,15 +2,23 @@
 
     from vsekit.pooling import GPO
     pooled = GPO()(features, lengths)
+
+The names below are imported when first used, so `vsekit.pooling.parts` (the poolings a recipe may name, their
+settings) loads without torch.
 """
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
-from vsekit.config import PoolingConfig
-from vsekit.pooling.basic import AvgPool, ClsPool, KMaxPool, MaxPool, length_mask, sort_desc_per_dim
-from vsekit.pooling.gpo import GPO, positional_encoding_1d
+from vsekit import registry
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from vsekit.config import PoolingConfig
+    from vsekit.pooling.basic import AvgPool, ClsPool, KMaxPool, MaxPool, length_mask, sort_desc_per_dim
+    from vsekit.pooling.gpo import GPO, positional_encoding_1d
 
 __all__ = [
     "GPO",
@@ -26,20 +34,15 @@ __all__ = [
 
 
 def create_pooling(cfg: PoolingConfig, dim: int) -> nn.Module:
-    """Build a pooling module by name from its config; `dim` is the feature size it will see."""
-    if cfg.name == "avg":
-        return AvgPool()
-    if cfg.name == "max":
-        return MaxPool()
-    if cfg.name == "kmax":
-        return KMaxPool(cfg.k)
-    if cfg.name == "cls":
-        return ClsPool()
-    if cfg.name == "gpo":
-        return GPO(cfg.d_pe, cfg.d_hidden, cfg.temperature)
-    if cfg.name == "adpool":
-        from vsekit.pooling.adpool import ADPool
+    """The pooling `cfg.name` names (a registered one), built from its settings; `dim` is the feature size it sees."""
+    return registry.get("pooling", cfg.name).build(cfg, dim)
 
-        return ADPool(dim, token_level=cfg.token_level, embedding_level=cfg.embedding_level, variant=cfg.adpool_variant,
-                      mask_padding=cfg.adpool_mask_padding)
-    raise ValueError(f"unknown pooling {cfg.name!r}")
+
+def __getattr__(name: str) -> Any:
+    if name in ("AvgPool", "ClsPool", "KMaxPool", "MaxPool", "length_mask", "sort_desc_per_dim"):
+        from vsekit.pooling import basic as module
+    elif name in ("GPO", "positional_encoding_1d"):
+        from vsekit.pooling import gpo as module
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(module, name)

@@ -111,7 +111,9 @@ class GPO(nn.Module):
             weights = self.weights_for_lengths(n, max_len)
         else:
             table = self.weights_for_lengths(torch.arange(1, max_len + 1, device=device), max_len)  # [L, L]
-            weights = table.index_select(0, n - 1)
+            # indexing, not index_select: on CUDA its backward sorts the rows and sums each one's repeats in a
+            # fixed order (index_select's adds them with atomics, in a varying order: no bit-exact resume)
+            weights = table[n - 1]
         weights = weights.to(features.device, features.dtype)
         ordered = sort_desc_per_dim(features, lengths.to(features.device, non_blocking=True))
         pooled = (ordered * weights.unsqueeze(-1)).sum(1)

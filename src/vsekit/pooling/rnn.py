@@ -22,12 +22,23 @@ import warnings
 import torch
 from torch import nn
 
+# Devices whose autocast runs cuDNN's RNN (`_cudnn_rnn`, what `torch.gru` calls there) in float16 whatever the
+# autocast dtype, bf16 included (PyTorch's aten/src/ATen/cudnn/AutocastRNN.cpp): float16 gradients would need the
+# loss scaling a bf16 run does not do, so the GRUs run in float32 there. Elsewhere (the CPU) autocast runs the
+# GRU's matrix products in the autocast dtype, as the user asked.
+FLOAT16_RNN_AUTOCAST = ("cuda",)
+
 
 def gru_direction(x: torch.Tensor, params: list[torch.Tensor], hidden: int, train: bool = False) -> torch.Tensor:
     """One layer, one direction of a GRU over batch-first `x` [B, T, I] from a zero state -> [B, T, hidden].
 
     `params` = [w_ih, w_hh(, b_ih, b_hh)] as `nn.GRU` names them for a layer/direction.
+
+    Under CUDA autocast it runs in its weights' dtype (float32) with autocast off (`FLOAT16_RNN_AUTOCAST`).
     """
+    if x.device.type in FLOAT16_RNN_AUTOCAST and torch.is_autocast_enabled(x.device.type):
+        with torch.autocast(x.device.type, enabled=False):
+            return gru_direction(x.to(params[0].dtype), params, hidden, train)
     h0 = x.new_zeros(1, x.shape[0], hidden)
     has_biases = len(params) == 4
     if torch.compiler.is_compiling():  # dynamo traces no warnings filter; a compiled graph warns nothing

@@ -36,8 +36,8 @@ from vsekit.search.embedding_folder import (  # noqa: F401  (the reading side, p
     EMBED_FORMAT,
     MANIFEST_DIR,
     EmbeddingFolder,
-    _pyarrow,
     open_embedding_folder,
+    pyarrow_modules,
 )
 from vsekit.utils.io import atomic_path, atomic_save_npy, atomic_write_json
 
@@ -58,7 +58,7 @@ def chunk_files(out: Path, name: str) -> dict[str, Path]:
 def write_chunk(out: Path, name: str, img: np.ndarray | None, text: np.ndarray | None, columns: dict[str, list],
                 entry: dict) -> None:  # fmt: skip
     """Write one chunk's files, each atomically, then its manifest entry (which marks the chunk finished)."""
-    pa, pq = _pyarrow()
+    pa, pq = pyarrow_modules()
     files = chunk_files(out, name)
     if img is not None:
         files["img"].parent.mkdir(parents=True, exist_ok=True)
@@ -95,7 +95,7 @@ def resolve_input(spec: str, captions_per_image: int = 5) -> EmbedInput:
     """INPUT of `vse embed`: a `.txt` file of captions (one per line), else what `vse index` takes (a folder of
     pictures, DATASET_DIR:SPLIT, a dataset directory, one picture)."""
     from vsekit.data.precomp import read_lines
-    from vsekit.search.index import resolve_source
+    from vsekit.search.sources import resolve_source
 
     path = Path(spec)
     if path.is_file() and path.suffix.lower() == ".txt":
@@ -149,12 +149,13 @@ def embed_to_folder(run_dir: str | Path, spec: str, out_dir: str | Path, *, chec
 
     from vsekit.data.precomp import DataFormatError
     from vsekit.runs import load_run
+    from vsekit.search.build import model_fingerprint, use_stored_features
+    from vsekit.search.chunks import chunk_batches
     from vsekit.search.encode import (
         ImageEmbedder,
         TextEmbedder,
         embed_features,
     )
-    from vsekit.search.index import chunk_batches, model_fingerprint, use_stored_features
     from vsekit.utils.progress import progress_bar
 
     if chunk_size < 1 or batch_size < 1 or workers < 0:

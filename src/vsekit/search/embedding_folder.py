@@ -16,7 +16,8 @@ EMBED_FORMAT = "vsekit-embeddings/1"
 MANIFEST_DIR = ".manifest"
 
 
-def _pyarrow():
+def pyarrow_modules():
+    """(pyarrow, pyarrow.parquet), or one line saying how to install them (an optional extra)."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -54,7 +55,7 @@ class EmbeddingFolder:
         return None if path is None else _checked(path, self.rows[i], None)
 
     def metadata(self, i: int) -> dict[str, list]:
-        _, pq = _pyarrow()
+        _, pq = pyarrow_modules()
         return pq.read_table(str(self.meta[i])).to_pydict()
 
 
@@ -72,7 +73,7 @@ def _checked(path: Path, rows: int, dim: int | None) -> np.ndarray:
 def open_embedding_folder(path: str | Path) -> EmbeddingFolder:
     """Open OUT of `vse embed` (or any clip-retrieval-layout folder): pairs img_emb_N.npy with
     metadata_N.parquet (and text_emb_N.npy) by N, and checks their row counts and dimension agree."""
-    _, pq = _pyarrow()
+    _, pq = pyarrow_modules()
     root = Path(path)
     if not root.is_dir():
         what = "no such folder" if not root.exists() else "is a file, expected a folder"

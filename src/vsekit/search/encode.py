@@ -2,8 +2,9 @@
 
 A model trained on precomputed features never saw pixels: its run records the dataset's feature extractor
 (`extractor` in RUN/config.json, copied from the dataset manifest), and raw pictures go through that
-extractor first (for openclipart: EfficientNet-Lite0 grid at 224 px, alpha on white, ImageNet mean/std,
-stored as float16 — so the features match the training ones bit for bit). A model with a pixel backbone
+extractor first, made again from that spec by `vsekit.features.extractor.extractor_from_spec` (for openclipart:
+EfficientNet-Lite0 grid at 224 px, alpha on white, ImageNet mean/std, stored as float16 — the same prepare and
+run the builder used, so the features match the training ones bit for bit). A model with a pixel backbone
 takes the pictures directly.
 """
 
@@ -41,14 +42,13 @@ def proxy_vectors(model: VSEModel, image_emb: torch.Tensor) -> torch.Tensor:
     """[N, D] vectors for the inner-product index.
 
     Cosine models: the embedding itself (the index is then exact). AEOM: the mean of the image's views,
-    L2-normalised — a shortlist key only; the engine re-scores the shortlist with `model.similarity`.
+    L2-normalised — a shortlist key only; the engine re-scores the shortlist with `model.similarity`
+    (`vsekit.search.proxies.picture_proxies`, the one rule; float32 on the CPU).
     """
-    n = image_emb.shape[0]
-    if not needs_rerank(model):
-        return image_emb.reshape(n, -1).float()
-    d = model.recipe.model.embed_dim
-    v = image_emb.reshape(n, -1, d).float().mean(1)
-    return torch.nn.functional.normalize(v, dim=-1)
+    from vsekit.search.proxies import picture_proxies
+
+    views_of = model.recipe.model.embed_dim if needs_rerank(model) else None
+    return torch.from_numpy(picture_proxies(image_emb, views_of))
 
 
 def read_manifest_extractor(data_dir: str | Path) -> dict | None:
@@ -112,16 +112,11 @@ class ImageEmbedder:
             if spec.get("name") not in SUPPORTED_EXTRACTORS:
                 raise VseInputError(f"feature extractor {spec.get('name')!r} is not supported for raw pictures "
                                  f"(supported: {', '.join(SUPPORTED_EXTRACTORS)})")  # fmt: skip
-            from vsekit.features.efficientnet import GridFeatureExtractor
+            from vsekit.features.extractor import extractor_from_spec
 
-            self.image_size = int(spec.get("image_size", 224))
-            self.extractor = GridFeatureExtractor(device=self.device, image_size=self.image_size)
-            local = self.extractor.describe()
-            if spec.get("weights_sha256") and spec["weights_sha256"] != local["weights_sha256"]:
-                raise VseInputError(
-                    f"the run's features came from extractor weights {spec['weights_sha256']}, but the installed "
-                    f"EfficientNet-Lite0 weights are {local['weights_sha256']}; features would not match training"
-                )
+            self.extractor = extractor_from_spec(spec, device=self.device)  # refuses other weights in one line
+            self.image_size = self.extractor.image_size
+            local = self.extractor.spec
             if model.spec.img_dim != local["dim"]:
                 raise VseInputError(f"the extractor makes {local['dim']}-d features but the model expects {model.spec.img_dim}")
             self.mode = "extractor"
@@ -140,9 +135,7 @@ class ImageEmbedder:
         """The model's evaluation-time input: the extractor's preprocessing, or `load_pixels` for backbones."""
         if self.mode == "backbone":
             return backbone_pixels(img, self.image_size, self.transform)
-        from vsekit.features.efficientnet import preprocess_image
-
-        return preprocess_image(img, self.image_size)
+        return self.extractor.prepare(img)
 
     @torch.no_grad()
     def embed(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -152,8 +145,8 @@ class ImageEmbedder:
             lengths = torch.full((pixels.shape[0],), -1, dtype=torch.long, device=self.device)
             out = self.model.encode_images(pixels, lengths)
         else:
-            feats = self.extractor(pixels)
-            feats = feats.half().float()  # the dataset stores float16 features; match them exactly
+            stored = self.extractor.run(pixels)  # float16, exactly as the dataset's builder stored its features
+            feats = torch.from_numpy(stored).to(self.device).float()
             lengths = torch.full((feats.shape[0],), feats.shape[1], dtype=torch.long, device=self.device)
             out = self.model.encode_images(feats, lengths)
         return out.float().cpu()

@@ -36,7 +36,7 @@ from vsekit.search.encode import (
     proxy_vectors,
     run_extractor_spec,
 )
-from vsekit.search.index import IndexFormatError, SearchIndex, run_weights, stored_proxies
+from vsekit.search.store import IndexFormatError, SearchIndex
 from vsekit.utils.io import sha256_file
 
 
@@ -77,12 +77,12 @@ class SearchEngine:
     def open(cls, index_dir: str | Path, device: str | torch.device = "cpu", run_dir: str | Path | None = None,
              **kwargs) -> SearchEngine:  # fmt: skip
         """Open an index and load its model, refusing a model whose weights differ from the indexed ones."""
-        from vsekit.runs import load_run
+        from vsekit.runs import load_run, weights_path
 
         index = SearchIndex(index_dir)
         m = index.meta["model"]
         run = Path(run_dir) if run_dir else Path(m["run_dir"])
-        weights = run_weights(run, m["checkpoint"])
+        weights = weights_path(run, m["checkpoint"])
         if not weights.is_file():
             raise IndexFormatError(f"{index_dir}: its model {weights} is missing; pass the run with --run RUN_DIR")
         if sha256_file(weights) != m["weights_sha256"]:
@@ -241,13 +241,12 @@ class SearchEngine:
             scores, ids = self.index.image_faiss.search(q, k)
             return [[(int(i), float(s)) for i, s in zip(ids[r], scores[r]) if i >= 0] for r in range(len(q))]
         # embeddings that are not unit length: their inner product is no cosine, so score the stored ones exactly
-        shape = list(self.emb_shape)
         best_s = np.full((len(q), 0), -np.inf, dtype=np.float32)
         best_i = np.zeros((len(q), 0), dtype=np.int64)
         for s, (pics, _) in enumerate(self.index.segment_spans()):
             if not len(pics):
                 continue
-            x = stored_proxies(np.asarray(self.index.segment_arrays(s)[0]), shape)
+            x = self.index.proxies(np.asarray(self.index.segment_arrays(s)[0]))
             x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
             best_s = np.concatenate([best_s, q @ x.T], axis=1)
             best_i = np.concatenate([best_i, np.broadcast_to(np.arange(pics.start, pics.stop), (len(q), len(pics)))], axis=1)

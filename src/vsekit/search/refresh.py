@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -38,35 +36,30 @@ import torch
 
 from vsekit.data.precomp import DataFormatError
 from vsekit.errors import VseInputError
-from vsekit.search.encode import ImageEmbedder, TextEmbedder
-from vsekit.search.index import (
-    INDEX_FORMAT,
-    FaissParams,
-    IndexFormatError,
-    SearchIndex,
+from vsekit.runs import load_run
+from vsekit.search.build import build_under_lock, model_fingerprint
+from vsekit.search.chunks import encode_resumable
+from vsekit.search.encode import ImageEmbedder, TextEmbedder, proxy_vectors
+from vsekit.search.faiss_index import FaissParams, build_caption_faiss, build_faiss, check_trainable
+from vsekit.search.sources import (
     Source,
-    _build_index,
-    _check_same_model,
-    _is_dataset_dir,
-    _undo_on_failure,
-    _write_jsonl,
-    build_caption_faiss,
-    build_faiss,
-    check_trainable,
     display_path,
-    encode_resumable,
     hash_pictures,
-    model_fingerprint,
-    next_segment_number,
+    is_dataset_dir,
     path_kind,
     read_extra_captions,
     resolve_source,
-    segment_dir_name,
-    stored_proxies,
-    write_faiss,
-    writer_lock,
 )
-from vsekit.utils.io import atomic_save_npy, atomic_write_json
+from vsekit.search.store import (
+    IndexFormatError,
+    SearchIndex,
+    check_same_model,
+    commit_generation,
+    next_segment_number,
+    timestamp,
+    write_segment,
+    writing,
+)
 
 
 def refresh_index(run_dir: str | Path, source: str, out_dir: str | Path, *, checkpoint: str = "best",
@@ -80,12 +73,12 @@ def refresh_index(run_dir: str | Path, source: str, out_dir: str | Path, *, chec
     when nothing changed: then nothing is embedded or written)."""
     out_dir = Path(out_dir)
     check_refresh_source(source)  # before the lock: a wrong SOURCE leaves no --out folder behind
-    with writer_lock(out_dir, log), _undo_on_failure(out_dir):
+    with writing(out_dir, log):
         if not (out_dir / "index.json").is_file():
             log(f"note: {out_dir} holds no index yet; building it")
-            return _build_index(run_dir, source, out_dir, checkpoint=checkpoint, params=params, device=device,
-                                batch_size=batch_size, chunk_size=chunk_size, pixels=False, strict=strict,
-                                captions_file=captions_file, progress=progress, log=log)  # fmt: skip
+            return build_under_lock(run_dir, source, out_dir, checkpoint=checkpoint, params=params, device=device,
+                                    batch_size=batch_size, chunk_size=chunk_size, pixels=False, strict=strict,
+                                    captions_file=captions_file, progress=progress, log=log)  # fmt: skip
         return _refresh(Path(run_dir), source, out_dir, checkpoint, params, torch.device(device), batch_size,
                         chunk_size, strict, captions_file, progress, log)  # fmt: skip
 
@@ -98,7 +91,7 @@ def check_refresh_source(source: str | Path) -> None:
     if not path.is_dir():
         raise VseInputError(f"--refresh: {display_path(source)}: {path_kind(path)}; --refresh re-reads a folder of "
                             "pictures (add a single picture or a DATASET_DIR:SPLIT without --refresh)")  # fmt: skip
-    if _is_dataset_dir(path):
+    if is_dataset_dir(path):
         raise VseInputError(f"--refresh: {display_path(source)} is a dataset directory, whose splits' "
                             "{split}_images.txt fix their pictures; index its splits without --refresh")  # fmt: skip
 
@@ -109,26 +102,13 @@ def refresh_source(source: str, captions_per_image: int) -> Source:
     return resolve_source(source, captions_per_image)
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
-    """`dst` as a hard link to `src` (index files are never rewritten in place, only replaced, so the two names
-    can share one file), or a synced copy where the file system has no hard links."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copyfile(src, dst)
-        with open(dst, "rb+") as f:
-            os.fsync(f.fileno())
-
-
 def _refresh(run_dir: Path, source: str, out_dir: Path, checkpoint: str, params: FaissParams | None,
              device: torch.device, batch_size: int, chunk_size: int, strict: bool,
              captions_file: str | Path | None, progress: bool, log: Callable[[str], None]) -> dict:  # fmt: skip
-    from vsekit.runs import load_run
-
     model, run_cfg = load_run(run_dir, checkpoint, device)
     fingerprint = model_fingerprint(run_dir, checkpoint, model)
     old = SearchIndex(out_dir)
-    _check_same_model(old.meta, fingerprint, out_dir)
+    check_same_model(old.meta, fingerprint, out_dir)
     if params is not None and params.kind != old.params.kind:
         log(f"note: {out_dir} is a {old.params.kind} index; it is refreshed as such")
     params = replace(old.params)
@@ -239,8 +219,9 @@ def _write_refreshed(out_dir: Path, old: SearchIndex, rid: int, block: list[int]
                      device: torch.device, params: FaissParams, fingerprint: dict, roots: list[str], shape: list[int],
                      segment: dict) -> dict:  # fmt: skip
     """Write the refreshed index: the other roots' segments (kept, or re-listed with renumbered captions), the
-    refreshed folder's one new segment where its first picture was, rebuilt FAISS indexes, then index.json."""
-    now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    refreshed folder's one new segment where its first picture was, rebuilt FAISS indexes, then index.json
+    (`store.commit_generation`)."""
+    now = timestamp()
     number = next_segment_number(old.meta)
     out_segments: list[dict] = []
     img_parts: list[np.ndarray] = []
@@ -303,18 +284,10 @@ def _write_refreshed(out_dir: Path, old: SearchIndex, rid: int, block: list[int]
         if c["text"] in embedded:
             block_cap_emb[r] = embedded[c["text"]]
 
-    new_dirs = []
     for o in out_segments:
         if o.get("block"):
-            seg_rel = segment_dir_name(number)
+            seg_rel = write_segment(out_dir, number, block_pics, block_emb, block_caps, block_cap_emb)
             number += 1
-            seg_dir = out_dir / seg_rel
-            _fresh_dir(seg_dir)
-            _write_jsonl(seg_dir / "pictures.jsonl", block_pics)
-            atomic_save_npy(seg_dir / "image_emb.npy", block_emb)
-            _write_jsonl(seg_dir / "captions.jsonl", block_caps)
-            atomic_save_npy(seg_dir / "caption_emb.npy", block_cap_emb)
-            new_dirs.append(seg_rel)
             o.clear()
             o.update({"dir": seg_rel, "pictures": len(block_pics), "captions": len(block_caps), **segment, "added": now})
             img_parts.append(block_emb)
@@ -327,68 +300,30 @@ def _write_refreshed(out_dir: Path, old: SearchIndex, rid: int, block: list[int]
                                             if old.captions[c].get("image") is not None else {})} for c in keep_caps]  # fmt: skip
         if len(rows) == len(pics) and captions == [old.captions[c] for c in caps]:  # nothing moved: kept as it is
             o.update({**seg})
-        else:
-            seg_rel = segment_dir_name(number)
-            number += 1
-            seg_dir, old_dir = out_dir / seg_rel, old.dir / seg["dir"]
-            _fresh_dir(seg_dir)
-            if len(rows) == len(pics):
-                _link_or_copy(old_dir / "pictures.jsonl", seg_dir / "pictures.jsonl")
-                _link_or_copy(old_dir / "image_emb.npy", seg_dir / "image_emb.npy")
-            else:
-                _write_jsonl(seg_dir / "pictures.jsonl", [old.pictures[p] for p in rows])
-                atomic_save_npy(seg_dir / "image_emb.npy", np.asarray(img[[p - pics.start for p in rows]]))
-            _write_jsonl(seg_dir / "captions.jsonl", captions)
+        else:  # a file that keeps all its rows is linked, not rewritten
+            old_dir, all_rows = old.dir / seg["dir"], len(rows) == len(pics)
             if len(keep_caps) == len(caps):
-                _link_or_copy(old_dir / "caption_emb.npy", seg_dir / "caption_emb.npy")
+                cap_emb: np.ndarray | Path = old_dir / "caption_emb.npy"
             else:
-                sub = np.asarray(cap[[c - caps.start for c in keep_caps]]) if cap is not None else np.zeros((0, dim))
-                atomic_save_npy(seg_dir / "caption_emb.npy", sub.astype(np.float32))
-            new_dirs.append(seg_rel)
+                cap_emb = np.asarray(cap[[c - caps.start for c in keep_caps]]) if cap is not None else np.zeros((0, dim))
+            seg_rel = write_segment(
+                out_dir, number,
+                old_dir / "pictures.jsonl" if all_rows else [old.pictures[p] for p in rows],
+                old_dir / "image_emb.npy" if all_rows else np.asarray(img[[p - pics.start for p in rows]]),
+                captions, cap_emb)  # fmt: skip
+            number += 1
             o.update({**seg, "dir": seg_rel, "pictures": len(rows), "captions": len(captions)})
         img_parts.append(np.asarray(img[[p - pics.start for p in rows]]))
         if keep_caps:
             cap_parts.append(np.asarray(cap[[c - caps.start for c in keep_caps]]))
 
-    # FAISS over the result, built as a first build builds it (IVF lists trained on these vectors)
+    # FAISS over the result, built as a first build builds it (IVF lists trained on these vectors, the proxies
+    # of `proxy_vectors`, as a first build takes them)
     all_emb = np.concatenate(img_parts)
     all_cap = np.concatenate(cap_parts) if cap_parts else np.zeros((0, dim), np.float32)
     built = replace(params)
-    img_index = build_faiss(stored_proxies(all_emb, shape), built)
+    img_index = build_faiss(proxy_vectors(model, torch.from_numpy(all_emb)).numpy(), built)
     cap_index = build_caption_faiss(all_cap, built) if len(all_cap) else None
-    gen = int(old.meta["generation"]) + 1
-    files = {"images": f"images.g{gen}.faiss", "captions": f"captions.g{gen}.faiss" if cap_index is not None else None}
-    write_faiss(img_index, out_dir / files["images"])
-    if cap_index is not None:
-        write_faiss(cap_index, out_dir / files["captions"])
-    meta = {
-        "format": INDEX_FORMAT,
-        "generation": gen,
-        "created": old.meta["created"],
-        "updated": now,
-        "model": fingerprint,
-        "image_emb_shape": list(shape),
-        "faiss": asdict(built),
-        "roots": roots,
-        "segments": out_segments,
-        "files": files,
-        "counts": {"pictures": len(all_emb), "captions": len(all_cap)},
-    }
-    atomic_write_json(out_dir / "index.json", meta)
-    # switched: what the old index.json listed and the new one does not is garbage now (readers that opened the
-    # old one keep their open files); so are segment folders no index.json lists, left by a killed writer
-    for name in old.meta["files"].values():
-        if name and name not in files.values():
-            (out_dir / name).unlink(missing_ok=True)
-    listed = {seg["dir"] for seg in out_segments}
-    for d in sorted((out_dir / "segments").iterdir()):
-        if d.is_dir() and f"segments/{d.name}" not in listed:
-            shutil.rmtree(d, ignore_errors=True)
-    return meta
-
-
-def _fresh_dir(seg_dir: Path) -> None:
-    """A new, empty segment folder (one of this name that no index.json lists is a killed writer's leftover)."""
-    if seg_dir.exists():
-        shutil.rmtree(seg_dir)
-    seg_dir.mkdir(parents=True)
+    return commit_generation(out_dir, old, fingerprint=fingerprint, params=built, roots=roots, emb_shape=shape,
+                             segments=out_segments, image_index=img_index, caption_index=cap_index,
+                             counts={"pictures": len(all_emb), "captions": len(all_cap)}, now=now)  # fmt: skip

@@ -1,11 +1,15 @@
 """`vse serve`: a FastAPI app over one index — JSON API, thumbnails and a small web page.
 
 Safety basics: the CLI binds to 127.0.0.1; Host headers are checked (DNS
-rebinding); request bodies are capped (413); k and the query length are bounded (422 with a message that
-says the bound); CORS is off unless origins are named; thumbnails are served by picture id only, and a
-picture's file must resolve inside the root it was indexed from, so no request can name a path; static
-files come from a fixed in-memory set; every response carries nosniff / frame / CSP headers; each
-request is logged as one JSON line (method, path, status, ms — never the query text).
+rebinding); a request whose Origin is another site's is refused (403) unless named with --cors-origin, so
+no web page open in the user's browser can query the server; request bodies are capped (413); k and the
+query length are bounded (422 with a message that says the bound); CORS is off unless origins are named;
+picture uploads must be sent as image/* (415 otherwise) and are decoded within a memory budget, at most
+`decode_slots` at a time (`uploads.py`); request heads have a deadline and silent connections cannot hold
+the connection slots (`connections.py`); thumbnails are served by picture id only, and a picture's file
+must resolve inside the root it was indexed from, so no request can name a path; static files come from a
+fixed in-memory set; every response carries nosniff / frame / CSP headers; each request is logged as one
+JSON line (method, path, status, ms — never the query text).
 """
 
 from __future__ import annotations
@@ -18,21 +22,25 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
 
 from vsekit.data.precomp import DataFormatError
-from vsekit.search.encode import MAX_IMAGE_PIXELS, open_bounded
+from vsekit.search.connections import HEAD_TIMEOUT_S
 from vsekit.search.engine import SearchEngine
+from vsekit.search.uploads import UPLOAD_DECODE_BYTES, UploadRefused, content_type_problem, decode_reduced
 
 SECURITY_HEADERS = {
     "x-content-type-options": "nosniff",
@@ -57,6 +65,11 @@ class ServerLimits:
     rate_per_s: float = 100.0  # sustained requests per second per client address (0 = no limit)
     rate_burst: int = 200  # requests a client may send at once before the rate applies
     timeout_s: float = 30.0  # a request that takes longer is answered 504 (0 = no timeout)
+    head_timeout_s: float = HEAD_TIMEOUT_S  # a connection without a whole request head by then is closed
+    decode_slots: int = 2  # picture uploads decoded at once (each may take up to upload_decode_bytes)
+    decode_wait_s: float = 10.0  # an upload that waits longer for a decode slot is answered 503
+    upload_decode_bytes: int = UPLOAD_DECODE_BYTES
+    query_px: int = 224  # the model's input side when the engine does not say (uploads keep twice this)
 
 
 class RateLimiter:
@@ -89,17 +102,41 @@ class _BodyTooLarge(Exception):
     pass
 
 
+def _origin_key(scheme: str, netloc: str) -> str:
+    """host[:port] in lower case, without the scheme's default port (browsers omit it in Origin and Host)."""
+    netloc = netloc.strip().lower()
+    default = {"http": ":80", "https": ":443"}.get(scheme, "")
+    return netloc[: -len(default)] if default and netloc.endswith(default) else netloc
+
+
+def foreign_origin(origin: str | None, host: str | None, allowed: frozenset[str] = frozenset()) -> bool:
+    """True when a request comes from a web page of another site: it has an Origin header (browsers send one
+    with every cross-origin request and every POST) that is neither this server's own (scheme://Host) nor
+    one of `allowed`. Clients that send no Origin (curl, scripts) are not browsers' pages: False."""
+    if origin is None or "*" in allowed or origin.strip() in allowed:
+        return False
+    try:
+        parts = urlsplit(origin.strip())
+    except ValueError:
+        return True
+    if parts.scheme not in ("http", "https") or not parts.netloc or not host:
+        return True  # "null" (a sandboxed frame, a file:// page) included
+    return _origin_key(parts.scheme, parts.netloc) != _origin_key(parts.scheme, host)
+
+
 class Guard:
-    """Outermost ASGI layer: rate limit, body-size cap, timeout, security headers and one structured log line
-    per request."""
+    """Outermost ASGI layer: rate limit, cross-origin refusal, body-size cap, timeout, security headers and
+    one structured log line per request."""
 
     def __init__(self, app, max_body_bytes: int, logger: logging.Logger, rate_per_s: float = 0.0,
-                 rate_burst: int = 1, timeout_s: float = 0.0) -> None:  # fmt: skip
+                 rate_burst: int = 1, timeout_s: float = 0.0,
+                 allowed_origins: tuple[str, ...] = ()) -> None:  # fmt: skip
         self.app = app
         self.max_body = max_body_bytes
         self.logger = logger
         self.limiter = RateLimiter(rate_per_s, rate_burst)
         self.timeout = timeout_s
+        self.allowed_origins = frozenset(allowed_origins)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -129,13 +166,21 @@ class Guard:
         too_large = JSONResponse({"detail": f"request body is larger than the {self.max_body} byte limit"}, 413)
         client = scope.get("client")
         try:
-            length = dict(scope.get("headers") or []).get(b"content-length")
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers") or []}
+            length = headers.get("content-length")
+            origin = headers.get("origin")
             wait = self.limiter.allow(client[0] if client else "?")
             if wait > 0:
                 retry = str(max(1, int(wait + 0.999)))
                 await JSONResponse({"detail": f"too many requests from this address; retry in {retry} s"}, 429,
                                    headers={"retry-after": retry})(scope, receive, send_wrapper)  # fmt: skip
-            elif length is not None and (not length.isdigit() or int(length) > self.max_body):
+            elif foreign_origin(origin, headers.get("host"), self.allowed_origins):
+                why = (f"cross-origin request from {origin[:80]!r} refused: this server answers its own page "
+                       "and clients that send no Origin (vse serve --cors-origin ORIGIN allows "
+                       "a site)")  # fmt: skip
+                await JSONResponse({"detail": why}, 403)(scope, receive, send_wrapper)
+            elif length is not None and not (length.isascii() and length.isdigit()
+                                             and int(length) <= self.max_body):  # fmt: skip
                 await too_large(scope, receive, send_wrapper)
             elif self.timeout > 0:
                 await asyncio.wait_for(self.app(scope, limited_receive, send_wrapper), self.timeout)
@@ -217,6 +262,9 @@ def create_app(index_dir: str | Path | SearchEngine, *, device: str = "cpu", run
     static = _static_files()
     thumbs: OrderedDict[int, bytes] = OrderedDict()
     thumbs_lock = threading.Lock()
+    # Uploads are decoded on their own few threads: at most decode_slots at once, and the memory glibc keeps
+    # after a decode stays with these threads instead of one malloc arena per request thread.
+    decoders = ThreadPoolExecutor(max(1, limits.decode_slots), thread_name_prefix="vse-decode")
 
     app = FastAPI(title="vsekit search", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -228,6 +276,39 @@ def create_app(index_dir: str | Path | SearchEngine, *, device: str = "cpu", run
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         return JSONResponse({"detail": exc.detail}, exc.status_code, headers=getattr(exc, "headers", None))
+
+    def input_side() -> int:
+        """The side the model reads a query picture at (builds the picture pipeline on first use)."""
+        return int(getattr(getattr(engine, "images", None), "image_size", None) or limits.query_px)
+
+    def busy() -> HTTPException:
+        why = f"the server is decoding other pictures (waited {limits.decode_wait_s:g} s); try again shortly"
+        return HTTPException(503, why, headers={"retry-after": "2"})
+
+    async def decode(data: bytes) -> Image.Image:
+        """An upload decoded (uploads.decode_reduced) on one of the `decode_slots` decoder threads: what one
+        decode may allocate is bounded, so this bounds the memory of all uploads together."""
+        try:
+            side = await run_in_threadpool(input_side)
+        except ValueError as e:  # e.g. extractor weights that do not match the run's
+            raise HTTPException(501, f"picture queries are not available for this index: {e}") from None
+        job = decoders.submit(decode_reduced, data, side, limits.upload_decode_bytes)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(job), limits.decode_wait_s)
+        except asyncio.TimeoutError:
+            raise busy() from None
+        except UploadRefused as e:
+            raise HTTPException(e.status, str(e)) from None
+
+    def thumbnail_png(path: Path) -> bytes:
+        """An indexed picture as a PNG of at most thumb_px a side, decoded like an upload (any format PIL
+        reads: the index took it), alpha on white."""
+        im = decode_reduced(path, limits.thumb_px, limits.upload_decode_bytes, formats=None).convert("RGBA")
+        im.thumbnail((limits.thumb_px, limits.thumb_px))
+        out = io.BytesIO()
+        white = Image.new("RGBA", im.size, (255, 255, 255, 255))
+        Image.alpha_composite(white, im).convert("RGB").save(out, format="PNG")
+        return out.getvalue()
 
     def picture_json(pid: int | None) -> dict:
         if pid is None:
@@ -285,22 +366,16 @@ def create_app(index_dir: str | Path | SearchEngine, *, device: str = "cpu", run
             raise HTTPException(422, f"target must be 'captions' or 'images', got {target[:20]!r}")
         if why := engine.picture_query_problem():  # before the upload is read
             raise HTTPException(501, f"picture queries are not available for this index: {why}")
+        if why := content_type_problem(request.headers.get("content-type")):
+            raise HTTPException(415, why)
         data = await request.body()
         if not data:
             raise HTTPException(422, "the body is empty; send the picture's bytes")
 
+        t0 = time.perf_counter()
+        img = await decode(data)
+
         def run() -> dict:
-            t0 = time.perf_counter()
-            try:
-                with open_bounded(io.BytesIO(data)) as im:
-                    if im.width * im.height > MAX_IMAGE_PIXELS:
-                        raise HTTPException(413, f"the picture has more than {MAX_IMAGE_PIXELS} pixels")
-                    im.load()
-                    img = im.copy()
-            except Image.DecompressionBombError:  # beyond PIL's own limit: refused before decoding, no warning
-                raise HTTPException(413, f"the picture has more than {MAX_IMAGE_PIXELS} pixels") from None
-            except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
-                raise HTTPException(400, "the body is not a readable picture (PNG, JPEG, WebP, GIF, BMP)") from None
             try:
                 hits = engine.search_image_to_images(img, kk) if target == "images" else engine.search_image(img, kk)
             except DataFormatError as e:
@@ -327,18 +402,14 @@ def create_app(index_dir: str | Path | SearchEngine, *, device: str = "cpu", run
             if path is None:
                 raise HTTPException(404, f"picture {i} has no file on this server")
             try:
-                with open_bounded(path) as im:
-                    if im.width * im.height > MAX_IMAGE_PIXELS:
-                        raise HTTPException(404, f"picture {i} is too large to thumbnail")
-                    im.draft("RGB", (limits.thumb_px, limits.thumb_px))
-                    im = im.convert("RGBA")
-                    im.thumbnail((limits.thumb_px, limits.thumb_px))
-                    bg = Image.new("RGBA", im.size, (255, 255, 255, 255))
-                    out = io.BytesIO()
-                    Image.alpha_composite(bg, im).convert("RGB").save(out, format="PNG")
-            except (OSError, ValueError, Image.DecompressionBombError, SyntaxError):
+                body = decoders.submit(thumbnail_png, path).result(timeout=limits.decode_wait_s)
+            except FutureTimeout:
+                raise busy() from None
+            except UploadRefused as e:
+                why = "is too large to thumbnail" if e.status == 413 else "cannot be read"
+                raise HTTPException(404, f"picture {i} {why}") from None
+            except (OSError, ValueError):
                 raise HTTPException(404, f"picture {i} cannot be read") from None
-            body = out.getvalue()
             with thumbs_lock:
                 thumbs[i] = body
                 while len(thumbs) > limits.thumb_cache:
@@ -355,7 +426,8 @@ def create_app(index_dir: str | Path | SearchEngine, *, device: str = "cpu", run
 
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))
     app.add_middleware(Guard, max_body_bytes=limits.max_body_bytes, logger=logger, rate_per_s=limits.rate_per_s,
-                       rate_burst=limits.rate_burst, timeout_s=limits.timeout_s)  # fmt: skip
+                       rate_burst=limits.rate_burst, timeout_s=limits.timeout_s,
+                       allowed_origins=tuple(cors_origins or ()))  # fmt: skip
     app.state.engine = engine
     app.state.limits = limits
     return app

@@ -49,9 +49,12 @@ TOLERANCE = 0.01  # |loss - collapse value| <= 1 % of it
 # out as they train (0.1 and more), so an absolute floor alone would either miss collapses or flag every start
 SPREAD_DROP = 0.1
 SPREAD_FLOOR = 1e-4
-REMEDIES = ("a lower learning rate (optim.lr); a warm-up with all negatives before the hardest ones "
-            "(loss.warmup_epochs >= 1, or loss.max_violation=false); a longer frozen-backbone phase "
-            "(model.image.backbone_frozen_epochs) for pixel runs")  # fmt: skip
+# each remedy changes the recipe, which `vse train --resume` keeps (only the lr schedule may change there, and
+# a collapsed state rarely recovers): the advice is a new run, with the `--set` that `vse train` takes
+REMEDIES = ("start a new run (vse train --out NEW_RUN ... --set KEY=VALUE; --resume keeps the recipe) with a lower "
+            "learning rate (--set optim.lr=..., e.g. a tenth of this run's); a warm-up with all negatives before the "
+            "hardest ones (--set loss.warmup_epochs=1, or --set loss.max_violation=false); for pixel runs, a "
+            "longer frozen-backbone phase (--set model.image.backbone_frozen_epochs=...)")  # fmt: skip
 
 # the loss kinds the collapse value is known for (codes kept on the device with the alarm's snapshot)
 KINDS = ("hardest-negative triplet", "triplet over all negatives", "InfoNCE", "ADOPT")

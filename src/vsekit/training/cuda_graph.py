@@ -27,29 +27,31 @@ takes longer than running them. A CUDA graph records them once and replays them 
   generator reads its seed and offset at replay time, so each replay draws what the eager step would.
 - **Autocast** (bf16) runs with `cache_enabled=False` under capture, as the notes require.
 
-What cannot be captured is refused before any training (`cuda_graph_blockers`, a `ConfigError` naming
-each part). NOT YET RUN ON A GPU: the capture (`CudaCapture`) is exercised only by tests that need CUDA
-(tests/test_cuda_graph.py, skipped here); the shape keying, static buffers, learning-rate tensors and the
-optimizer conversion are tested on the CPU with the capture replaced by eager execution (`EagerCapture`).
+What cannot be captured is listed by `cuda_graph_blockers` and refused before any training, with every other
+setting the step cannot run, by `vsekit.training.step_setup.check_step_setup` (one `ConfigError` naming each
+part). The step recorded is the eager step of `vsekit.training.step.TrainStep` (its encode / score / update
+parts), on the static buffers: a strategy over the same parts, not a copy. NOT YET RUN ON A GPU: the capture
+(`CudaCapture`) is exercised only by tests that need CUDA (tests/test_cuda_graph.py, skipped here); the shape
+keying, static buffers, learning-rate tensors and the optimizer conversion are tested on the CPU with the
+capture replaced by eager execution (`EagerCapture`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from vsekit.config import ConfigError, Recipe
+from vsekit.data.batch import Batch
 from vsekit.distributed import DistContext
 
 logger = logging.getLogger(__name__)
 
-# the batch entries the step reads: each gets a static buffer
-INPUT_KEYS = ("images", "image_lengths", "tokens", "token_lengths", "image_index", "caption_index")
 WARMUP_STEPS = 3  # eager steps before a capture (the notes' example uses 3; DDP needs 11, not supported here)
 # the optimizer flags the conversion sets; a checkpoint records the values the optimizer was built with
 _FLAGS = ("fused", "capturable", "foreach")
@@ -58,7 +60,8 @@ _CAPTURABLE_LOSSES = ("triplet", "adopt", "infonce")
 
 
 def cuda_graph_blockers(recipe: Recipe, device: torch.device, dist: DistContext | None = None) -> list[str]:
-    """Why the recipe's step cannot run as a CUDA graph on `device` (empty: it can)."""
+    """Why the recipe's step cannot run as a CUDA graph on `device` (empty: it can). Each entry names the
+    setting and why; `check_step_setup` refuses them all in one message. A new refusal is one more entry here."""
     r, out = recipe, []
     if device.type != "cuda":
         out.append(f"the run is on {device} (CUDA graphs need a CUDA device; train.device=cuda)")
@@ -79,15 +82,14 @@ def cuda_graph_blockers(recipe: Recipe, device: torch.device, dist: DistContext 
     if r.model.image.views > 1 and not hasattr(torch.cuda.CUDAGraph, "register_generator_state"):
         out.append(f"model.image.views={r.model.image.views} (random views need graph-safe generators, "
                    f"torch >= 2.4; this is {torch.__version__})")  # fmt: skip
+    # the data path's settings a graph cannot run with: one entry each, here
+    if r.data.num_workers > 0 and r.train.data_on_device is not True:
+        on_device = str(r.train.data_on_device).lower()
+        out.append(f"data.num_workers={r.data.num_workers} with train.data_on_device={on_device} "
+                   "(when the DataLoader makes the batches, its pin-memory thread calls CUDA while a step is "
+                   "being captured, which the capture's global mode forbids; set data.num_workers=0, or "
+                   "train.data_on_device=true to keep the set on the GPU)")  # fmt: skip
     return out
-
-
-def check_cuda_graph(recipe: Recipe, device: torch.device, dist: DistContext | None = None) -> None:
-    """A `ConfigError` naming every part of the recipe that keeps `train.cuda_graph=true` from running."""
-    blockers = cuda_graph_blockers(recipe, device, dist)
-    if blockers:
-        raise ConfigError("train.cuda_graph=true cannot capture this run's step: " + "; ".join(blockers)
-                          + ". Set train.cuda_graph=false")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ the optimizer
@@ -152,28 +154,28 @@ def make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> L
 
 
 # --------------------------------------------------------------------------------- graphs per shape
-Body = Callable[[dict, tuple], dict]
+Body = Callable[[Batch, tuple], dict]
 Replay = Callable[[], dict]
 
 
-def shape_key(batch: dict) -> tuple:
+def shape_key(batch: Batch | Mapping[str, torch.Tensor]) -> tuple:
     """(shape, dtype) of every input the step reads: batches with the same key share one graph."""
-    return tuple((k, tuple(batch[k].shape), batch[k].dtype) for k in INPUT_KEYS)
+    return tuple((k, tuple(t.shape), t.dtype) for k, t in Batch.of(batch).items())
 
 
 @dataclass
 class _Entry:
-    inputs: dict[str, torch.Tensor]
+    inputs: Batch  # the static buffers the graph reads
     replay: Replay
 
 
 class StepGraphs:
     """One captured step per (batch shape, flags): static input buffers and the replay of the step on them.
 
-    `body(inputs, flags)` is the eager step on the buffers (forward, loss, backward, clipping, optimizer step;
-    it returns device tensors); `capture(fn)` turns `fn` (the body on a shape's buffers) into a replay
-    (`CudaCapture`, or `EagerCapture` that runs it as it is: CPU tests); `before_run(seed)` runs right before
-    every replay (re-seeds the step's generator, writes the learning rates). A call copies the batch into its
+    `body(inputs, flags)` is the eager step on the buffers, a `Batch` (forward, loss, backward, clipping,
+    optimizer step; it returns device tensors); `capture(fn)` turns `fn` (the body on a shape's buffers) into
+    a replay (`CudaCapture`, or `EagerCapture` that runs it as it is: CPU tests); `before_run(seed)` runs right
+    before every replay (re-seeds the step's generator, writes the learning rates). A call copies the batch into its
     shape's buffers (capturing on first sight), replays, and returns copies of the outputs (a replay
     overwrites them)."""
 
@@ -183,11 +185,12 @@ class StepGraphs:
         self.before_run = before_run
         self.entries: dict[tuple, _Entry] = {}
 
-    def __call__(self, batch: dict, flags: tuple = (), seed: int = 0) -> dict:
+    def __call__(self, batch: Batch | Mapping[str, torch.Tensor], flags: tuple = (), seed: int = 0) -> dict:
+        batch = Batch.of(batch)
         key = (shape_key(batch), flags)
         entry = self.entries.get(key)
         if entry is None:
-            inputs = {k: torch.empty(batch[k].shape, dtype=batch[k].dtype, device=self.device) for k in INPUT_KEYS}
+            inputs = batch.map(lambda t: torch.empty(t.shape, dtype=t.dtype, device=self.device))
             self._copy(inputs, batch)
             logger.info("capturing the training step for batch shape %s (graph %d)",
                         {k: tuple(v.shape) for k, v in inputs.items()}, len(self.entries) + 1)  # fmt: skip
@@ -201,9 +204,10 @@ class StepGraphs:
         return {k: v.clone() for k, v in out.items()}
 
     @staticmethod
-    def _copy(inputs: dict[str, torch.Tensor], batch: dict) -> None:
-        for k, buf in inputs.items():
-            buf.copy_(batch[k], non_blocking=True)
+    def _copy(inputs: Batch, batch: Batch) -> None:
+        """The batch into the static buffers (device to device, asynchronous)."""
+        for buf, value in zip(inputs.values(), batch.values(), strict=True):
+            buf.copy_(value, non_blocking=True)
 
 
 class EagerCapture:

@@ -59,6 +59,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from vsekit.config import Recipe
+from vsekit.data.batch import Batch
 from vsekit.data.datasets import (
     AugmentConfig,
     Collate,
@@ -137,7 +138,7 @@ class TaggedBatches(Sampler[list[tuple[int, int]]]):
         return len(self.sampler)
 
 
-def device_batches(loader: Iterable[dict], device: torch.device) -> Iterator[dict]:
+def device_batches(loader: Iterable[Batch], device: torch.device) -> Iterator[Batch]:
     """The loader's batches, on CUDA already copied to the GPU: the next batch is copied on a side stream
     (from pinned memory, so asynchronously) while the current one trains. Elsewhere a plain pass-through.
     Every tensor goes, the caption lengths included: on CUDA the BiGRU runs unpacked (device lengths, no host
@@ -147,9 +148,9 @@ def device_batches(loader: Iterable[dict], device: torch.device) -> Iterator[dic
         return
     stream = torch.cuda.Stream(device)
 
-    def move(b: dict) -> dict:
+    def move(b: Batch) -> Batch:
         with torch.cuda.stream(stream):
-            return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in b.items()}
+            return Batch.of(b).to(device, non_blocking=True)
 
     it = iter(loader)
     nxt = next(it, None)
@@ -159,7 +160,7 @@ def device_batches(loader: Iterable[dict], device: torch.device) -> Iterator[dic
         current.wait_stream(stream)
         batch = nxt
         for v in batch.values():
-            if torch.is_tensor(v) and v.is_cuda:
+            if v.is_cuda:
                 v.record_stream(current)  # the copy's memory belongs to the compute stream from now on
         raw = next(it, None)
         nxt = move(raw) if raw is not None else None
@@ -205,15 +206,15 @@ class FixedWidthCollate:
         self.inner = Collate(pad_id, float32=float32)
         self.pad_id, self.widths, self.image_width = pad_id, tuple(widths), image_width
 
-    def __call__(self, batch) -> dict:
+    def __call__(self, batch) -> Batch:
         out = self.inner.pairs(batch)
-        tokens = out["tokens"]
+        tokens = out.tokens
         width = bucket_width(self.widths, tokens.shape[1])
         if width > tokens.shape[1]:
-            out["tokens"] = torch.nn.functional.pad(tokens, (0, width - tokens.shape[1]), value=self.pad_id)
-        images = out["images"]
+            out = out.replace(tokens=torch.nn.functional.pad(tokens, (0, width - tokens.shape[1]), value=self.pad_id))
+        images = out.images
         if self.image_width is not None and images.ndim == 3 and images.shape[1] < self.image_width:
-            out["images"] = torch.nn.functional.pad(images, (0, 0, 0, self.image_width - images.shape[1]))
+            out = out.replace(images=torch.nn.functional.pad(images, (0, 0, 0, self.image_width - images.shape[1])))
         return out
 
 
@@ -359,7 +360,7 @@ class DeviceBatches:
     def __len__(self) -> int:
         return len(self.sampler)
 
-    def __iter__(self) -> Iterator[dict]:
+    def __iter__(self) -> Iterator[Batch]:
         epoch, skip = self.sampler.epoch, self.sampler.skip
         batches = self.sampler.batches()[skip:]
         if not batches:
@@ -371,7 +372,7 @@ class DeviceBatches:
             yield self.batch(order[start : start + len(b)], epoch, skip + k, self.width_for(b))
             start += len(b)
 
-    def batch(self, captions: torch.Tensor, epoch: int, step: int, width: int | None = None) -> dict:
+    def batch(self, captions: torch.Tensor, epoch: int, step: int, width: int | None = None) -> Batch:
         """Global batch `captions` (caption indices on the device) of (epoch, step), this rank's shard of it;
         captions cut to `width` tokens (None: the full width), which must hold the batch's longest caption."""
         d = self.data
@@ -392,8 +393,8 @@ class DeviceBatches:
             part = shard_slice(captions.shape[0], self.dist.rank, self.dist.world_size)
             captions, image_index, keep, tokens, lengths = (t[part] for t in (captions, image_index, keep, tokens, lengths))
         images, image_lengths = d.images(image_index, keep)
-        return {"images": images, "image_lengths": image_lengths, "tokens": tokens, "token_lengths": lengths,
-                "image_index": image_index, "caption_index": captions}  # fmt: skip
+        return Batch(images=images, image_lengths=image_lengths, tokens=tokens, token_lengths=lengths,
+                     image_index=image_index, caption_index=captions)
 
 
 # --------------------------------------------------------------------------------------- the choice
@@ -439,7 +440,7 @@ class TrainData:
     `path` is `device:<type>` or `loader`, `reason` why; `caption_widths` the caption bucket widths (() when
     each batch is padded to its own longest caption)."""
 
-    loader: Iterable[dict]
+    loader: Iterable[Batch]
     sampler: EpochBatches
     device: torch.device
     path: str
@@ -450,15 +451,15 @@ class TrainData:
     def on_device(self) -> bool:
         return self.path.startswith(DEVICE)
 
-    def epoch(self, epoch: int, skip: int = 0) -> Iterator[dict]:
+    def epoch(self, epoch: int, skip: int = 0) -> Iterator[Batch]:
         self.sampler.epoch, self.sampler.skip = epoch, skip
         if self.on_device:
             yield from self.loader
             return
         for batch in device_batches(self.loader, self.device):
-            images = batch["images"]
+            images = batch.images
             if images.is_floating_point() and images.dtype != torch.float32:
-                batch["images"] = images.float()  # float16 sets became float32 on the device
+                batch = batch.replace(images=images.float())  # float16 sets became float32 on the device
             yield batch
 
 
@@ -487,8 +488,11 @@ def make_train_data(recipe: Recipe, split, pairs: PairDataset, sampler: EpochBat
         collate = FixedWidthCollate(pad_id, float32, widths, image_width)
     else:
         collate = Collate(pad_id, float32=float32).pairs
+    # the workers' base seed from the loader's own generator: starting an epoch never draws from torch's global
+    # generator, whose state a resumed run restores for in-model dropout (a draw there would shift every mask)
     loader = DataLoader(pairs, batch_sampler=TaggedBatches(sampler), collate_fn=collate, num_workers=workers,
-                        pin_memory=device.type == "cuda", persistent_workers=workers > 0)  # fmt: skip
+                        pin_memory=device.type == "cuda", persistent_workers=workers > 0,
+                        generator=torch.Generator().manual_seed(derived_seed(recipe.train.seed, 0x10AD)))  # fmt: skip
     return TrainData(loader, sampler, device, LOADER, f"DataLoader ({workers} workers): {reason}; {_widths_note(widths)}",
                      widths)  # fmt: skip
 

@@ -14,6 +14,9 @@ loss, though, depends on the encoders only through the embeddings. So, for a bat
    (`emb.backward(grad[chunk])`): the encoders' gradients accumulate chunk by chunk;
 4. clip and step as usual.
 
+`GradCache` is a strategy over the step's parts (`vsekit.training.parts.StepParts`): it calls the same encode,
+score and update the eager step calls, only chunk by chunk and in this order.
+
 The loss sees exactly the full batch's similarity matrix, ids and embeddings, so every loss works unchanged:
 hardest-negative and all-negatives triplet, InfoNCE, ADOPT (whose K is computed from that same matrix), the
 ladder losses (relevance looked up by the full batch's caption ids) and AVSE's view regulariser (computed on
@@ -41,23 +44,27 @@ Two things would make the re-encoded chunk differ from the chunk that was scored
   exactly as the unchunked step updates them (the passes' own updates are undone).
   Any other BatchNorm that uses batch statistics is refused (`GradCacheError`).
 
-Not supported (refused with a message naming the setting): several processes (torchrun), `train.compile` and
-`train.cuda_graph` (the last two in `config.validate_recipe`). Under `train.amp=bf16` the cached step agrees with
-the unchunked one to bf16's precision only.
+Not supported (refused before any training, by `vsekit.training.step_setup.check_step_setup`, with a message
+naming the setting): several processes (torchrun, `grad_cache_blockers`), `train.compile` and `train.cuda_graph`
+(`config.validate_recipe`). Under `train.amp=bf16` the cached step agrees with the unchunked one to bf16's
+precision only.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from vsekit.config import ConfigError
+from vsekit.config import ConfigError, Recipe
+from vsekit.data.batch import Batch
+from vsekit.distributed import DistContext
 from vsekit.models.norm import MaskedBatchNorm1d
+from vsekit.training.parts import StepParts
 
 logger = logging.getLogger(__name__)
 
@@ -66,17 +73,15 @@ class GradCacheError(ConfigError):
     """A recipe setting that gradient caching cannot reproduce exactly."""
 
 
-def check_grad_cache_setup(chunk: int, *, compiled: bool, distributed: bool) -> None:
-    """Refuse the combinations the cached step does not compute exactly (before any training)."""
-    if chunk < 0:
-        raise GradCacheError(f"train.grad_cache_chunk={chunk}: must be >= 0 (0 = off)")
-    if chunk and compiled:
-        raise GradCacheError("train.grad_cache_chunk with train.compile=true is not supported: the cached step "
-                             "re-enters the encoders chunk by chunk with hooks in their BatchNorm; set one of them off")  # fmt: skip
-    if chunk and distributed:
-        raise GradCacheError("train.grad_cache_chunk under torchrun (several processes) is not supported yet: the "
-                             "cached embeddings would have to be gathered across ranks; train on one process or set "
-                             "train.grad_cache_chunk=0")  # fmt: skip
+def grad_cache_blockers(recipe: Recipe, dist: DistContext | None = None) -> list[str]:
+    """Why the cached step cannot run here (empty: it can, or it is off); refused by `check_step_setup`.
+    (With train.compile or train.cuda_graph: `config.validate_recipe`, a fact of the recipe alone.)"""
+    out = []
+    if recipe.train.grad_cache_chunk > 0 and dist is not None and dist.enabled:
+        out.append("train.grad_cache_chunk under torchrun (several processes) is not supported yet: the cached "
+                   "embeddings would have to be gathered across ranks; train on one process or set "
+                   "train.grad_cache_chunk=0")  # fmt: skip
+    return out
 
 
 # ------------------------------------------------------------------------------------------ randomness
@@ -300,46 +305,38 @@ def _require_mask(module: nn.Module, args: tuple) -> None:
 
 # ------------------------------------------------------------------------------------------- the step
 class GradCache:
-    """One optimisation step in chunks of `chunk` pairs with the gradients of the whole batch (module docstring).
+    """One optimisation step in chunks of `chunk` pairs with the gradients of the whole batch (module docstring),
+    a strategy over the step's `parts`: their encoders per chunk, their score on the whole batch's embeddings,
+    their update once at the end.
 
-    Called by `TrainStep` when `train.grad_cache_chunk > 0`; it does the whole step: zero_grad, the passes,
-    clipping, `optimizer.step()`. Returns (loss, diagnostics, image embeddings, caption embeddings), all on
-    the device, without reading anything back to the host.
+    Called by `TrainStep` when `train.grad_cache_chunk > 0`. Returns (loss, diagnostics, image embeddings,
+    caption embeddings), all on the device, without reading anything back to the host.
     """
 
-    def __init__(self, model: nn.Module, loss_fn: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                 chunk: int, *, amp: bool = False, grad_clip: float = 0.0) -> None:  # fmt: skip
+    def __init__(self, parts: StepParts, chunk: int) -> None:
         if chunk < 1:
             raise GradCacheError(f"train.grad_cache_chunk={chunk}: a chunk holds at least 1 pair")
-        self.model, self.loss_fn, self.optimizer, self.device = model, loss_fn, optimizer, device
-        self.chunk, self.amp, self.grad_clip = chunk, amp, grad_clip
+        self.parts, self.chunk = parts, chunk
         self.passes = 0  # encoder calls of the last step (tests count them)
 
-    def _autocast(self):
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.amp)
-
-    def __call__(self, batch: dict, generator: torch.Generator | None, *, warmup: bool = False,
-                 ramp: tuple[int, int] | None = None) -> tuple[torch.Tensor, dict, torch.Tensor, torch.Tensor]:  # fmt: skip
+    def __call__(self, batch: Batch | Mapping[str, torch.Tensor], generator: torch.Generator | None, *,
+                 warmup: bool = False, ramp: tuple[int, int] | None = None
+                 ) -> tuple[torch.Tensor, dict, torch.Tensor, torch.Tensor]:  # fmt: skip
         """`warmup`: the loss's warm-up form (all negatives); `ramp` = (step + 1, steps in the epoch): the loss
-        scaled by their ratio, as TrainStep does in the first unfrozen-backbone epoch."""
-        model, dev = self.model, self.device
-        images = batch["images"].to(dev, non_blocking=True)
-        image_lengths = batch["image_lengths"].to(dev, non_blocking=True)
-        tokens = batch["tokens"].to(dev, non_blocking=True)
-        token_lengths = batch["token_lengths"].to(dev, non_blocking=True)  # as TrainStep passes them
-        b = images.shape[0]
+        scaled by their ratio, as in the first unfrozen-backbone epoch (`StepParts.score`)."""
+        parts = self.parts
+        model, dev = parts.model, parts.device
+        batch = parts.to_device(Batch.of(batch))
+        b = batch.images.shape[0]
         spans = [(s, min(s + self.chunk, b)) for s in range(0, b, self.chunk)]
         bn = FullBatchNorm(model)
         image_bn, text_bn = bn.in_module(model.image_encoder), bn.in_module(model.text_encoder)
         self.passes = 0
 
         def encode(side: str, span: tuple[int, int]) -> torch.Tensor:
-            s, e = span
             self.passes += 1
-            with self._autocast():
-                if side == "image":
-                    return model.encode_images(images[s:e], image_lengths[s:e], generator=generator)
-                return model.encode_texts(tokens[s:e], token_lengths[s:e])
+            rows = batch.rows(*span)
+            return parts.encode_images(rows, generator) if side == "image" else parts.encode_texts(rows)
 
         states: list[RandomState | None] = [None] * len(spans)
 
@@ -375,17 +372,9 @@ class GradCache:
         txt = torch.cat(txts).detach().requires_grad_(True)
         del imgs, txts
         # 3. the full batch's loss on the leaf embeddings: d loss / d embeddings (+ similarity/loss parameters)
-        self.optimizer.zero_grad(set_to_none=True)
-        with self._autocast():
-            sims = model.similarity(img, txt).float()
-        loss, diag = self.loss_fn(
-            sims, image_ids=batch["image_index"].to(dev), caption_ids=batch["caption_index"].to(dev),
-            warmup=warmup, image_emb=img, text_emb=txt,
-        )  # fmt: skip
-        if ramp is not None:
-            loss = loss * ramp[0] / ramp[1]
+        parts.zero_grad()
+        loss, diag = parts.score(img, txt, batch.image_index, batch.caption_index, warmup=warmup, ramp=ramp)
         loss.backward()
-        del sims
         grad_img, grad_txt = img.grad, txt.grad
         # 4. each chunk again, with its graph: back-propagate the cached embedding gradients
         with bn.hooked("leaf") if bn else contextlib.nullcontext():
@@ -420,9 +409,7 @@ class GradCache:
             bn.restore_buffers()
             bn.update_running_stats()
         after.restore(dev, generator)
-        if self.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), self.grad_clip)
-        self.optimizer.step()
+        parts.update()
         return loss.detach(), diag, img.detach(), txt.detach()
 
 

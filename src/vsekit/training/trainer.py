@@ -9,33 +9,28 @@ A resumed run therefore replays exactly the batches an uninterrupted run would h
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from vsekit.config import ConfigError, Recipe, to_dict
+from vsekit.config import Recipe, to_dict
+from vsekit.data.batch import Batch
 from vsekit.data.datasets import FeatureSource
 from vsekit.data.precomp import DataFormatError, load_precomp_split
 from vsekit.data.raw_images import PixelSource
 from vsekit.data.text import HFTextProcessor, Vocabulary
 from vsekit.distributed import (
-    DistContext,
-    all_gather_rows,
-    all_gather_with_grad,
-    average_gradients,
     barrier,
     broadcast_module,
     convert_batchnorm,
     init_from_env,
-    local_shard_sizes,
     main_first,
     rank_device,
     shard_sizes,
@@ -63,14 +58,7 @@ from vsekit.runs import (
     write_checkpoint_set,
     write_run_config,
 )
-from vsekit.training.collapse import CollapseMonitor, TrainingCollapsed, embedding_spread
-from vsekit.training.cuda_graph import (
-    CudaCapture,
-    EagerCapture,
-    StepGraphs,
-    check_cuda_graph,
-    make_capturable,
-)
+from vsekit.training.collapse import CollapseMonitor, TrainingCollapsed
 from vsekit.training.data_path import (  # noqa: F401 (EpochBatches, device_batches: imported from here too)
     EpochBatches,
     device_batches,
@@ -78,12 +66,15 @@ from vsekit.training.data_path import (  # noqa: F401 (EpochBatches, device_batc
     train_feature_source,
     train_pairs,
 )
-from vsekit.training.grad_cache import GradCache, check_grad_cache_setup
 from vsekit.training.reporting import check_report_to, make_reporters
+from vsekit.training.step import TrainStep, tf32_matmul  # noqa: F401 (tf32_matmul: imported from here too)
+from vsekit.training.step_setup import check_step_setup
 from vsekit.utils.progress import progress_bar
-from vsekit.utils.runtime import derived_seed, resolve_device, seed_everything
+from vsekit.utils.runtime import resolve_device, seed_everything
 
 logger = logging.getLogger(__name__)
+
+LOSS_STATE = "__loss__."  # prefix of the loss's own state in the `last` checkpoint's optimizer file
 
 
 @dataclass
@@ -139,133 +130,6 @@ def small_data_advice(recipe: Recipe, train_images: int) -> str | None:
             f"the best single model was `--recipe {SMALL_DATA_RECIPE}`")  # fmt: skip
 
 
-@contextlib.contextmanager
-def tf32_matmul(enabled: bool) -> Iterator[None]:
-    """TF32 matmuls inside the block only: torch keeps this as a process-wide flag, so it is restored."""
-    if not enabled:
-        yield
-        return
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
-
-
-class TrainStep:
-    """One optimisation step: encode, all-gather across ranks, similarity, loss, backward, AdamW.
-
-    Shared by `Trainer` and `vse bench train-step`, so the benchmark times exactly the step that trains.
-    It never reads a value back to the host itself (the returned loss and diagnostics are device tensors:
-    ADOPT's logged K and gammas too, `host_diag=False`); autocast (`train.amp=bf16`) works on any device;
-    `train.compile` wraps the two encoders in `torch.compile` (the modules themselves are untouched, so
-    checkpoints keep their keys). In-model randomness (grid size augmentation, AVSE's views) comes from a
-    generator on the device (the CPU's on the CPU) seeded from (seed, epoch, step).
-
-    `train.cuda_graph` (CUDA): the whole step is one CUDA graph per batch shape (`vsekit.training.cuda_graph`);
-    `graph="eager"` runs that machinery with the capture replaced by eager execution (CPU tests).
-    """
-
-    def __init__(self, recipe: Recipe, model: VSEModel, loss_fn: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 device: torch.device, dist: DistContext | None = None, graph: str | None = None) -> None:  # fmt: skip
-        self.recipe, self.model, self.loss_fn, self.optimizer = recipe, model, loss_fn, optimizer
-        self.device = device
-        self.dist = dist or DistContext()
-        self.amp = recipe.train.amp == "bf16"
-        self.tf32 = recipe.train.tf32 and device.type == "cuda"
-        self.encode_images, self.encode_texts = model.encode_images, model.encode_texts
-        if recipe.train.compile:
-            self.encode_images = torch.compile(model.encode_images)
-            self.encode_texts = torch.compile(model.encode_texts)
-        if hasattr(loss_fn, "host_diag"):
-            loss_fn.host_diag = False  # no host read in the loss: the trainer reads the values when it logs
-        self.generator = torch.Generator(device=device) if device.type == "cuda" else torch.Generator()
-        self.graphs: StepGraphs | None = None
-        if recipe.train.cuda_graph or graph is not None:
-            self.graphs = self._step_graphs(graph)
-        # train.grad_cache_chunk: the same step in chunks, with the whole batch's gradients (training/grad_cache.py)
-        self.grad_cache: GradCache | None = None
-        if recipe.train.grad_cache_chunk > 0:
-            check_grad_cache_setup(recipe.train.grad_cache_chunk, compiled=recipe.train.compile, distributed=self.dist.enabled)
-            self.grad_cache = GradCache(model, loss_fn, optimizer, device, recipe.train.grad_cache_chunk, amp=self.amp,
-                                        grad_clip=recipe.optim.grad_clip)  # fmt: skip
-
-    def __call__(self, batch: dict, epoch: int, step: int, steps_in_epoch: int = 1, loss_warmup: bool = False,
-                 shard_sizes: list[int] | None = None) -> dict:  # fmt: skip
-        """Train on `batch` (this rank's shard; `shard_sizes` = every rank's shard size of the global batch)."""
-        r, ctx = self.recipe, self.dist
-        self.model.train()
-        rank_part = (ctx.rank,) if ctx.enabled else ()
-        seed = derived_seed(r.train.seed, epoch, step, 0x1A6E, *rank_part)
-        warmup = epoch < r.loss.warmup_epochs
-        if self.graphs is not None:
-            if loss_warmup:  # only pixel recipes ramp the loss in, and they are refused (cuda_graph_blockers)
-                raise ConfigError("train.cuda_graph: a loss warm-up scales the loss by the step, which a graph cannot")
-            return self.graphs(batch, (warmup,), seed)
-        gen = self.generator.manual_seed(seed)
-        if self.grad_cache is not None:
-            with tf32_matmul(self.tf32):
-                loss, diag, img, txt = self.grad_cache(batch, gen, warmup=epoch < r.loss.warmup_epochs,
-                                                       ramp=(step + 1, steps_in_epoch) if loss_warmup else None)  # fmt: skip
-            return {"loss": loss, "spread": embedding_spread(img, txt),
-                    **{k: v for k, v in diag.items() if torch.is_tensor(v) or isinstance(v, (int, float))}}  # fmt: skip
-        return self._body(batch, warmup, (step + 1, steps_in_epoch) if loss_warmup else None, shard_sizes)
-
-    def _step_graphs(self, graph: str | None) -> StepGraphs:
-        """The step as CUDA graphs per batch shape (`graph="eager"`: captured as eager calls, CPU tests)."""
-        if graph not in (None, "cuda", "eager"):
-            raise ValueError(f"graph must be 'cuda' or 'eager', got {graph!r}")
-        if graph != "eager":
-            check_cuda_graph(self.recipe, self.device, self.dist)
-        lrs = make_capturable(self.optimizer, self.device)
-        if graph == "eager":
-            capture: EagerCapture | CudaCapture = EagerCapture(lrs)
-        else:
-            capture = CudaCapture([self.model, self.loss_fn], self.optimizer, lrs, self.generator, self.device)
-
-        def before_run(seed: int) -> None:
-            self.generator.manual_seed(seed)
-            lrs.sync()
-
-        return StepGraphs(lambda b, flags: self._body(b, flags[0], graph=True), capture, self.device, before_run)
-
-    def _body(self, batch: dict, warmup: bool, loss_scale: tuple[int, int] | None = None,
-              shard_sizes: list[int] | None = None, graph: bool = False) -> dict:  # fmt: skip
-        """The step itself. `graph` (a step a CUDA graph records): gradients zeroed, not set to None, so every
-        replay accumulates into the same tensors; autocast without its cast cache; tensor outputs only."""
-        r, dev, ctx = self.recipe, self.device, self.dist
-        with tf32_matmul(self.tf32):
-            with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=self.amp, cache_enabled=not graph):
-                img = self.encode_images(batch["images"].to(dev, non_blocking=True),
-                                         batch["image_lengths"].to(dev, non_blocking=True), generator=self.generator)  # fmt: skip
-                txt = self.encode_texts(batch["tokens"].to(dev, non_blocking=True),
-                                        batch["token_lengths"].to(dev, non_blocking=True))  # fmt: skip
-                image_ids, caption_ids = batch["image_index"].to(dev), batch["caption_index"].to(dev)
-                if ctx.enabled:  # every rank scores the global batch: its negatives are everyone's
-                    sizes = shard_sizes or local_shard_sizes(img.shape[0], ctx, dev)
-                    img, txt = all_gather_with_grad(img, sizes, ctx), all_gather_with_grad(txt, sizes, ctx)
-                    image_ids, caption_ids = all_gather_rows(image_ids, sizes, ctx), all_gather_rows(caption_ids, sizes, ctx)
-                sims = self.model.similarity(img, txt).float()
-            loss, diag = self.loss_fn(
-                sims, image_ids=image_ids, caption_ids=caption_ids,
-                warmup=warmup, image_emb=img, text_emb=txt,
-            )  # fmt: skip
-            if loss_scale is not None:
-                loss = loss * loss_scale[0] / loss_scale[1]
-            self.optimizer.zero_grad(set_to_none=not graph)
-            loss.backward()
-            average_gradients(self.model.parameters(), ctx)
-            if r.optim.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), r.optim.grad_clip)
-            self.optimizer.step()
-        if graph:  # a Python number would be the capture's value at every replay
-            return {"loss": loss.detach(), "spread": embedding_spread(img, txt),
-                    **{k: v.detach() for k, v in diag.items() if torch.is_tensor(v)}}  # fmt: skip
-        return {"loss": loss.detach(), "spread": embedding_spread(img, txt),  # the collapse alarm's second sign
-                **{k: v for k, v in diag.items() if torch.is_tensor(v) or isinstance(v, (int, float))}}  # fmt: skip
-
-
 def _quiet(*_args, **_kwargs) -> None:
     return None
 
@@ -283,10 +147,8 @@ class Trainer:
         # under torchrun: join the group, one GPU per rank; only rank 0 logs and writes files
         self.dist = init_from_env(self.device.type)
         self.device = rank_device(self.device, self.dist)
-        # before anything is read or written: a grad cache setting this process cannot run
-        check_grad_cache_setup(recipe.train.grad_cache_chunk, compiled=recipe.train.compile, distributed=self.dist.enabled)
-        if recipe.train.cuda_graph:  # likewise: a device or recipe parts a CUDA graph cannot capture
-            check_cuda_graph(recipe, self.device, self.dist)
+        # before anything is read or written: every setting the step cannot run with, refused at once
+        self.step_setup = check_step_setup(recipe, self.device, self.dist)
         if not self.dist.is_main:
             self.progress, self.log = False, _quiet
         seed_everything(recipe.train.seed)
@@ -296,7 +158,7 @@ class Trainer:
         report = check_dataset(self.data_dir, [cfg.train_split, cfg.val_split], cfg.captions_per_image)
         report.raise_for_errors()  # every problem of both splits in one message, before any training
         for problem in report.warnings:
-            self.log(f"warning: {problem}")
+            self.log(str(problem))  # "warning: FILE:LINE: …" (the problem names its severity)
         self.train_split = load_precomp_split(self.data_dir, cfg.train_split, cfg.captions_per_image)
         if cfg.train_fraction < 1.0:
             full = self.train_split.n_images
@@ -325,12 +187,12 @@ class Trainer:
         convert_batchnorm(self.model, self.dist)  # global-batch BatchNorm statistics under torchrun
         broadcast_module(self.model, self.dist)
         self.loss_fn = create_loss(recipe.loss, image_views=recipe.model.image.views)
-        if hasattr(self.loss_fn, "set_caption_embeddings"):  # ladder losses: caption relevance as tensors
+        if self.loss_fn.needs_caption_embeddings:  # ladder losses: caption relevance as tensors
             from vsekit.relevance import prepare_ladder_relevance
 
             with main_first(self.dist):  # rank 0 computes and caches, the others read the cache
                 prepare_ladder_relevance(self.loss_fn, self.data_dir, self.train_split, self.log)
-            if getattr(self.loss_fn, "derived_thresholds", None) is not None:  # config.json shows the θ used
+            if self.loss_fn.derived_thresholds is not None:  # config.json shows the θ used
                 recipe.loss.ladder_thresholds = list(self.loss_fn.derived_thresholds)
         self.loss_fn.to(self.device)
         params = self.model.parameter_groups(recipe.optim.lr)
@@ -352,9 +214,11 @@ class Trainer:
                 or (manifest.get("features") if isinstance(manifest.get("features"), dict) else None),
                 "dataset_format": manifest.get("format"),
             })  # fmt: skip
-        self.step_fn = TrainStep(recipe, self.model, self.loss_fn, self.optimizer, self.device, self.dist)
+        self.step_fn = TrainStep(
+            recipe, self.model, self.loss_fn, self.optimizer, self.device, self.dist, setup=self.step_setup
+        )
         # scalars a loss wants recorded at every iteration, whatever train.log_every is (ADOPT's K)
-        self._step_keys: tuple[str, ...] = tuple(getattr(self.loss_fn, "step_log_keys", ()))
+        self._step_keys: tuple[str, ...] = tuple(self.loss_fn.step_log_keys)
         # their values stay on the device until _check_finite reads them all at once (no host read per step)
         self._pending_steps: list[tuple[int, int, dict]] = []
         self._first_bad: torch.Tensor | None = None  # global step of the first non-finite loss, on the device
@@ -450,6 +314,8 @@ class Trainer:
             return
         tensors, meta = optimizer_to_files(self.optimizer)
         tensors["__torch_rng__"] = torch.get_rng_state()
+        # a loss's own parameters and buffers (HREM's graph layer and call counter) resume with the optimizer
+        tensors.update({LOSS_STATE + k: v for k, v in self.loss_fn.state_dict().items()})
         metrics = self.run_dir / "metrics.jsonl"
         state = {"train_state": self.state.__dict__, "optimizer": meta, "history": self.history,
                  "metrics_bytes": metrics.stat().st_size if metrics.is_file() else 0}  # fmt: skip
@@ -470,6 +336,8 @@ class Trainer:
         load_weights(self.model, files[".safetensors"])
         tensors = load_tensors(files["_optim.safetensors"])
         rng = tensors.pop("__torch_rng__", None)
+        self.loss_fn.load_state_dict({k[len(LOSS_STATE) :]: tensors.pop(k) for k in list(tensors)
+                                      if k.startswith(LOSS_STATE)})  # fmt: skip
         path = files["_state.json"]
         try:
             saved = json.loads(path.read_text(encoding="utf-8"))
@@ -570,7 +438,7 @@ class Trainer:
         enc.set_backbone_trainable(epoch >= frozen)
         return epoch == frozen and frozen > 0
 
-    def train_step(self, batch: dict, epoch: int, step: int, steps_in_epoch: int, loss_warmup: bool,
+    def train_step(self, batch: Batch, epoch: int, step: int, steps_in_epoch: int, loss_warmup: bool,
                    shard_sizes: list[int] | None = None) -> dict:  # fmt: skip
         return self.step_fn(batch, epoch, step, steps_in_epoch, loss_warmup, shard_sizes)
 
@@ -679,7 +547,7 @@ class Trainer:
                 out = self.train_step(batch, epoch, step, steps_in_epoch, loss_warmup, sizes)
                 self._track_finite(out["loss"])  # no float(loss) here: that would sync with the GPU every step
                 if self._collapse is not None:
-                    self._collapse.update(out, batch.get("image_index"), len(epoch_batches[step]),
+                    self._collapse.update(out, batch.image_index, len(epoch_batches[step]),
                                           hardest=epoch >= r.loss.warmup_epochs, step=self.state.global_step + 1,
                                           scale=(step + 1) / steps_in_epoch if loss_warmup else 1.0)  # fmt: skip
                 if self._step_keys:

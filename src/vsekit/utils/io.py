@@ -3,16 +3,17 @@ and .npy reads that never unpickle and name the file when it cannot be read.
 
 Every write in vsekit that replaces a file goes through `atomic_path` (or the `atomic_write_*` helpers built
 on it): the data goes to a temp file in the target's directory, is fsynced, and is renamed over the target.
+Where a command may write a result file at all is one rule, `check_output_file` (results never overwrite
+inputs); where a dataset builder may write its folder, `prepare_dataset_dir`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,31 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def file_stamp(path: str | Path) -> tuple[int, int] | None:
+    """(inode, mtime in ns) of `path`, None when there is none: equal stamps before and after a step mean the
+    step did not replace the file (every write here is a rename, which gives a new inode)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+def utf8_text(text: str) -> str:
+    """`text` as valid UTF-8, for JSON, text files and the terminal: the bytes of a file name that is not UTF-8
+    (Python's surrogate escapes) become `\\xNN`, any other lone surrogate `\\uDNNN` (text that is valid is
+    returned as it is)."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _default_file_mode() -> int:
@@ -95,9 +121,11 @@ def atomic_write_json(path: str | Path, obj: Any, ensure_ascii: bool = True) -> 
 
 
 def atomic_save_npy(path: str | Path, array: np.ndarray) -> None:
-    buf = io.BytesIO()
-    np.save(buf, np.asarray(array), allow_pickle=False)
-    atomic_write_bytes(path, buf.getvalue())
+    """`array` in .npy format at exactly `path` (whatever its suffix: numpy's own `np.save(name)` would add
+    `.npy` to a name without it), streamed to the temp file: no second copy of the array in memory."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            np.save(f, np.asarray(array), allow_pickle=False)
 
 
 def open_npy(path: Path, error: type[Exception] = VseInputError) -> np.ndarray:
@@ -128,6 +156,44 @@ def open_npy(path: Path, error: type[Exception] = VseInputError) -> np.ndarray:
         raise error(f"{path}: not a plain numeric .npy array ({e})") from e
     except (OSError, EOFError) as e:
         raise error(f"{path}: cannot be read as .npy ({e or type(e).__name__}; truncated?)") from e
+
+
+def check_output_file(path: str | Path, option: str, inputs: Iterable[str | Path] = ()) -> Path:
+    """`path` as a place a command may write a result file (`--json-out`, `--save-sims`, a montage), else a
+    `VseInputError` naming `option`, raised before any work so that nothing is lost:
+    - the folder it goes in must already exist (no folder is created for a result file, so a typo in the
+      folder is an error, not a new tree), and `path` must not be a folder;
+    - results never overwrite inputs: `path` may not lie inside any folder in `inputs` (a run, an index, a
+      dataset the command reads) nor be one of the files in `inputs`, through symbolic or hard links too.
+    Writes nothing."""
+    out = Path(path)
+    where = f"{option} {path}"
+    if not out.name or out.name in (".", ".."):
+        raise VseInputError(f"{where}: name a file")
+    if out.is_dir():
+        raise VseInputError(f"{where}: is a folder; name a file")
+    parent = out.parent
+    if not parent.is_dir():
+        why = "is not a folder" if parent.exists() else "does not exist"
+        raise VseInputError(f"{where}: the folder {parent} {why}; nothing is created for a result file: create the "
+                            "folder first or name another")  # fmt: skip
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise VseInputError(f"{where}: the folder {parent} is not writable")
+    written = {parent.resolve() / out.name, out.resolve()}  # the name itself, and where a symlink there leads
+    for given in inputs:
+        inp = Path(given)
+        if not inp.exists():
+            continue
+        real = inp.resolve()
+        if inp.is_dir():
+            if any(w == real or w.is_relative_to(real) for w in written):
+                raise VseInputError(f"{where}: is inside {given}, which this command reads; nothing was written: a "
+                                    "result never goes into an input run, index or dataset folder, name a file "
+                                    "outside it")  # fmt: skip
+        elif real in written or (out.exists() and os.path.samefile(out, inp)):
+            raise VseInputError(f"{where}: is {given}, which this command reads; nothing was written: name "
+                                "another file")  # fmt: skip
+    return out
 
 
 def prepare_dataset_dir(out: Path, overwrite: bool, splits: tuple[str, ...], split_files: tuple[str, ...],

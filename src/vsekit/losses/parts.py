@@ -1,0 +1,271 @@
+"""The losses a recipe names (`loss.name`): each one's settings and builder, registered in `vsekit.registry`,
+and the settings every loss takes (the all-negatives warm-up, AVSE's view regulariser, which `create_loss` wraps
+around the named loss). Torch-free (the builders import their module when called)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vsekit.config import ConfigError
+from vsekit.registry import Settings, register, register_shared, setting
+
+# keys several losses read, each declared once
+
+
+@dataclass
+class _Margin(Settings):
+    margin: float = setting(
+        0.2, "the margin of the ranking hinge (adopt: its reference variant only)", rule=">= 0 and finite"
+    )
+
+
+@dataclass
+class _Hardest(Settings):
+    max_violation: bool = setting(
+        True, "the hardest negative (VSE++) after the warm-up; false = the sum over all negatives (VSE0)"
+    )
+
+
+@dataclass
+class _Negatives(Settings):
+    mask_same_image: bool = setting(True, "captions of the same image are never negatives")
+
+
+@dataclass
+class _Temperature(Settings):
+    temperature: float = setting(0.05, "softmax temperature", rule="a positive finite number")
+
+
+@dataclass
+class TripletSettings(_Negatives, _Hardest, _Margin):
+    pass
+
+
+@dataclass
+class WarmupSettings(Settings):
+    warmup_epochs: int = setting(
+        1,
+        "epochs that use the sum over all negatives (VSE0) before the hardest one (the "
+        "trainer's warm-up flag; a loss without a warm-up form ignores it)",
+        rule=">= 0",
+    )
+
+
+@dataclass
+class InfoNCESettings(_Temperature, _Negatives):
+    pass
+
+
+@dataclass
+class ADOPTSettings(_Margin, InfoNCESettings):
+    adopt_variant: str = setting(
+        "reference",
+        "reference (the released K rule, whose K falls during training "
+        "as in the paper's Fig. C-2) | paper (the printed Eq. 6, whose K stays "
+        "near |B|); docs/vse_2ad.md",
+        choices=("paper", "reference"),
+    )
+    adopt_scale: float = setting(
+        1.25,
+        "the exponent in K = cos(t^scale) x |B| (t: alignment + uniformity)",
+        rule="a positive finite number",
+    )
+    adopt_zero_fill_negatives: bool = setting(
+        False,
+        "adopt reference only: pick negatives as the released code does "
+        "(non-negatives set to 0 first, so the positive itself can be "
+        "picked when few similarities are above 0); imported VSE+2AD runs "
+        "set it",
+    )
+
+    def check(self, where: str, recipe: Any) -> None:
+        if self.adopt_zero_fill_negatives and self.adopt_variant != "reference":
+            raise ConfigError(
+                f"{where}.adopt_zero_fill_negatives=true reproduces the released code: it needs "
+                f"{where}.adopt_variant=reference"
+            )
+
+
+@dataclass
+class ViewRegSettings(Settings):
+    view_reg_weight: float = setting(
+        0.0,
+        "AVSE: weight of the dimension-wise view regulariser added to the named "
+        "loss (0 = off; needs model.image.views >= 2)",
+        rule=">= 0 and finite",
+    )
+    view_reg_offdiag: float = setting(
+        0.0051, "AVSE: lambda_1, the weight of the regulariser's off-diagonal terms", rule=">= 0 and finite"
+    )
+    view_reg_variant: str = setting(
+        "reference",
+        "AVSE: reference (the released code's c = A^T B / B; at weight 1 its "
+        "gradient is comparable to the ranking loss's) | paper (Eq. 3 cosine "
+        "without /B: ~B x larger, it dominates the ranking loss); "
+        "docs/avse.md",
+        choices=("paper", "reference"),
+    )
+
+    def check(self, where: str, recipe: Any) -> None:
+        if self.view_reg_weight > 0 and recipe.model.image.views < 2:
+            raise ConfigError(
+                f"{where}.view_reg_weight > 0 (the view regulariser) needs model.image.views >= 2"
+            )
+
+
+@dataclass
+class LadderSettings(_Negatives, _Hardest):
+    ladder_thresholds: list[float] = setting(
+        [0.40],
+        "relevance thresholds θ of the levels (0.40 for "
+        "Sentence-BERT relevance, TMM paper Sec. IV-A; 0.63 was the AAAI "
+        "CBoW+BERT value)",
+        rule="a finite number",
+    )
+    ladder_margins: list[float] = setting([0.2, 0.01], "the margin of each level", rule=">= 0 and finite")
+    ladder_weights: list[float] = setting(
+        [1.0, 0.25], "the weight of each level's term", rule=">= 0 and finite"
+    )
+    ladder_cumulative: bool = setting(
+        False,
+        "a level-l candidate is pushed from the positive by the summed "
+        "margins α_1 + … + α_l (the paper's text, the reference `cumulative`)",
+    )
+    ladder_levels_min: int = setting(2, "fewest levels the per-query k-means may choose")
+    ladder_levels_max: int = setting(4, "most levels the per-query k-means may choose")
+    ladder_variant: str = setting(
+        "paper",
+        "paper | reference (the released code's hard-contrastive sets: losses/ladder.py, docs/coherent.md)",
+        choices=("paper", "reference"),
+    )
+    ladder_percentile: float | None = setting(
+        None,
+        "auto-threshold ladder (the released config.atl.py, e.g. 85): "
+        "each query's one threshold is this percentile of its relevance "
+        "row; replaces ladder_thresholds (2 levels); null = fixed "
+        "thresholds",
+    )
+    ladder_threshold_share: float | None = setting(
+        None,
+        "θ_1 from the data instead of ladder_thresholds: the value "
+        "that this share of the train split's different-image "
+        "caption pairs reach, computed by the trainer from the "
+        "relevance embeddings (recipe cvsepp: 0.15); null = "
+        "ladder_thresholds; unused by ladder_auto and with "
+        "ladder_percentile",
+    )
+
+
+@dataclass
+class HREMSettings(_Margin):
+    hrem_embed_dim: int = setting(
+        1024, "hrem: width of the graph layer; must equal model.embed_dim (the loss never sees the model)", rule=">= 1"
+    )
+    hrem_heads: int = setting(16, "hrem: attention heads of the instance graph layer", rule=">= 1")
+    hrem_cutoff: float = setting(
+        1.7,
+        "hrem: negatives farther than this distance are never drawn (the release: 1.7 for f30k, 1.9 for coco)",
+        rule="a positive finite number",
+    )
+    hrem_threshold: float = setting(
+        0.5, "hrem: share of each row's strongest entries connected in the graph", rule="in (0, 1]"
+    )
+    hrem_topk: int = setting(10, "hrem: K, the region-word maxima the relation MLPs read", rule=">= 1")
+    hrem_mask_weight: float = setting(
+        1.0, "hrem: weight of the relevance bias in the graph's attention", rule=">= 0 and finite"
+    )
+    hrem_reg_weight: float = setting(10.0, "hrem: weight of the KL relation regulariser", rule=">= 0 and finite")
+    hrem_warmup_iters: int = setting(
+        8000, "hrem: training steps with the base triplet term only, before the graph joins", rule=">= 0"
+    )
+    hrem_cross_terms: bool = setting(
+        True, "hrem: also the (img, cap_gnn) and (img_gnn, cap) triplet terms (the release's cross_loss)"
+    )
+    hrem_dropout: float = setting(0.1, "hrem: dropout of the graph layer in training", rule="in [0, 1]")
+
+    def check(self, where: str, recipe: Any) -> None:
+        if self.hrem_embed_dim != recipe.model.embed_dim:
+            raise ConfigError(
+                f"{where}.hrem_embed_dim={self.hrem_embed_dim} must equal model.embed_dim={recipe.model.embed_dim}"
+            )
+        if self.hrem_embed_dim % self.hrem_heads:
+            raise ConfigError(f"{where}.hrem_heads={self.hrem_heads} does not divide {where}.hrem_embed_dim")
+        t = recipe.train
+        refused = [k for k, on in (("train.grad_cache_chunk", t.grad_cache_chunk > 0),
+                                   ("train.cuda_graph", t.cuda_graph), ("train.compile", t.compile)) if on]  # fmt: skip
+        if refused:
+            raise ConfigError(
+                f"{where}.name=hrem reads the encoders' local sets in the step: it runs eager only; "
+                f"unset {', '.join(refused)}"
+            )
+
+
+def _hrem(cfg: Any) -> Any:
+    from vsekit.losses.hrem import HREMLoss
+
+    return HREMLoss(cfg.hrem_embed_dim, cfg.hrem_heads, cfg.margin, cfg.hrem_cutoff, cfg.hrem_threshold,
+                    cfg.hrem_topk, cfg.hrem_mask_weight, cfg.hrem_reg_weight, cfg.hrem_warmup_iters,
+                    cfg.hrem_cross_terms, cfg.hrem_dropout)  # fmt: skip
+
+
+def _triplet(cfg: Any) -> Any:
+    from vsekit.losses.triplet import TripletLoss
+
+    return TripletLoss(cfg.margin, cfg.max_violation, cfg.mask_same_image)
+
+
+def _adopt(cfg: Any) -> Any:  # adopt and infonce
+    from vsekit.losses.adopt import create_adopt_loss
+
+    return create_adopt_loss(cfg)
+
+
+def _ladder(cfg: Any) -> Any:  # ladder and ladder_auto
+    from vsekit.losses.ladder import create_ladder_loss
+
+    return create_ladder_loss(cfg)
+
+
+register(
+    "loss",
+    "triplet",
+    TripletSettings,
+    build=_triplet,
+    help="VSE++'s hinge triplet loss, both directions, on the hardest negative or the sum over all",
+)
+register_shared("loss", WarmupSettings, help="the trainer's all-negatives warm-up")
+register(
+    "loss",
+    "adopt",
+    ADOPTSettings,
+    build=_adopt,
+    help="VSE+2AD's ADOPT: InfoNCE over the K hardest in-batch negatives, K from alignment and uniformity",
+)
+register(
+    "loss", "infonce", InfoNCESettings, build=_adopt, help="symmetric InfoNCE over every in-batch negative"
+)
+register_shared(
+    "loss", ViewRegSettings, help="AVSE's view regulariser, added to any loss when its weight is > 0"
+)
+register(
+    "loss",
+    "ladder",
+    LadderSettings,
+    build=_ladder,
+    help="CVSE++'s ladder loss: levels of relevance (fixed thresholds, or per-query percentile ones)",
+)
+register(
+    "loss",
+    "ladder_auto",
+    LadderSettings,
+    build=_ladder,
+    help="CVSE++ (Auto)'s adaptive ladder loss: per-query levels by 1-D k-means and the silhouette",
+)
+register(
+    "loss",
+    "hrem",
+    HREMSettings,
+    build=_hrem,
+    help="HREM's loss: distance-weighted triplets on the embeddings and on their instance-graph versions",
+)

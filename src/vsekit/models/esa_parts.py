@@ -1,0 +1,85 @@
+"""ESA's aggregator as a pooling a recipe names (`model.image.pooling.name: esa`, `model.text.pooling.name: esa`),
+with its settings; on precomputed region features and on BiGRU captions it brings ESA's own encoders, which make
+two views of each item in training (`vsekit.models.esa`; the precomp and bigru builders pick them). Torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import vsekit.pooling.parts  # noqa: F401  (the built-in poolings register first: listings keep their order)
+from vsekit.config import ConfigError
+from vsekit.registry import Settings, register, setting
+
+
+@dataclass
+class ESAPoolSettings(Settings):
+    esa_mask_padding: bool = setting(
+        True,
+        "esa: the per-channel softmax runs over each set's own vectors; false = the released image "
+        "encoder, whose softmax (and BatchNorm) also take the batch's zero padding, so an image's embedding "
+        "depends on how far its batch is padded (imported ESA runs set it on the image side; BUTD's 36 "
+        "regions are never padded, where both agree)",
+    )
+    esa_region_drop: float = setting(
+        0.2,
+        "esa, image side, training: each of an image's two views leaves out each region with this "
+        "probability (the release: kept when U >= 0.2)",
+        rule="in [0, 1]",
+    )
+    esa_word_dropout: float = setting(
+        0.1,
+        "esa, caption side, training: dropout on the word embeddings (the release's 0.1)",
+        rule="in [0, 1]",
+    )
+    esa_caption_augment: float = setting(
+        0.2,
+        "esa, caption side, training: each of a caption's two copies masks, replaces or deletes each "
+        "token with this probability (the data path's rule; data.text_augment_prob must be 0)",
+        rule="in [0, 1]",
+    )
+
+    def check(self, where: str, recipe: Any) -> None:
+        for key in ("esa_region_drop", "esa_word_dropout"):
+            if getattr(self, key) >= 1:
+                raise ConfigError(f"{where}.{key} must be below 1 (it is a probability of leaving out)")
+        if makes_views(where, recipe) and recipe.loss.name != "sel":
+            raise ConfigError(
+                f"{where}.name=esa makes two views of each item in training, which only loss.name=sel scores "
+                "(recipe esa)"
+            )
+        if makes_views(where, recipe) and recipe.train.grad_cache_chunk > 0:
+            raise ConfigError(
+                f"{where}.name=esa trains on two views per item; gradient caching (train.grad_cache_chunk) "
+                "splits the batch by items: set train.grad_cache_chunk=0"
+            )
+        if where.startswith("model.text") and recipe.data.text_augment_prob > 0:
+            raise ConfigError(
+                f"{where}.name=esa draws two augmented copies of each caption itself "
+                f"({where}.esa_caption_augment); set data.text_augment_prob=0"
+            )
+
+
+def makes_views(where: str, recipe: Any) -> bool:
+    """Whether the encoder of section `where` (with esa pooling) is ESA's, which trains on two views: region
+    features (one view at test time) on the image side, the BiGRU on the caption side."""
+    m = recipe.model
+    if where.startswith("model.image"):
+        return m.image.kind == "precomp" and m.image.feature_type == "region" and m.image.views == 1
+    return m.text.kind == "bigru"
+
+
+def _esa_pool(cfg: Any, dim: int) -> Any:
+    from vsekit.models.esa import ESAPool
+
+    return ESAPool(dim, cfg.esa_mask_padding)
+
+
+register(
+    "pooling",
+    "esa",
+    ESAPoolSettings,
+    build=_esa_pool,
+    help="ESA's aggregator: a per-channel softmax of linear scores over the set (two views in training "
+    "on region features and BiGRU captions: loss sel)",
+)

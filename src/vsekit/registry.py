@@ -1,0 +1,268 @@
+"""The parts a recipe names: image and text encoders, poolings, similarities and losses.
+
+Each part registers, next to its code, its name, its own settings dataclass (the recipe keys it reads, each with
+its type, default, range and help: `setting(...)`) and its builder. Recipe validation, the choices a recipe may
+name, the `create_*` factories, `vse recipes` and docs/recipe_keys.md all read them here, so a new part is one
+module and one `register` call:
+
+    @dataclass
+    class LSESettings(Settings):
+        lse_sharpness: float = setting(5.0, "how close to max pooling", rule="a positive finite number")
+
+    register("pooling", "lse", LSESettings, build=lambda cfg, dim: LSEPool(cfg.lse_sharpness), help="log-sum-exp")
+
+A recipe writes a part's settings flat in the part's section (`model.image.pooling: {name: gpo, d_pe: 32}`), as
+recipes always have: a section takes the keys of every part of its kind, so a key two parts share is declared
+once (a base dataclass both settings inherit) or identically. Settings that every part of a kind reads (the
+loss's view regulariser) are registered with `register_shared`.
+
+What a builder is given, by kind: pooling `(cfg: PoolingConfig, dim)`; similarity `(cfg: SimilarityConfig,
+embed_dim, views)`; loss `(cfg: LossConfig)`; image_encoder and text_encoder `(recipe: Recipe, spec: DataSpec)`.
+Each returns the `nn.Module`. `cfg` is the recipe's whole flat section, so the part reads its keys as attributes.
+
+The built-in parts register the first time the registry is asked (the package root installs that loader:
+`vsekit.parts`); a part of your own registers when your module is imported, before you load a recipe naming it.
+This module imports nothing of vsekit, so every layer may use it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+KINDS = ("image_encoder", "text_encoder", "pooling", "similarity", "loss")
+# the recipe's own keys in a part's section (the part's name, the encoder kind, the encoder's pooling section, the
+# section's store of settings): no part may declare a setting with one of these names
+RESERVED_KEYS = frozenset({"name", "kind", "pooling", "settings"})
+
+# the ranges a setting may declare (`setting(rule=...)`), the words the error message uses; every test is False for NaN
+RULES: dict[str, Callable[[Any], bool]] = {
+    ">= 0 and finite": lambda v: 0 <= v < math.inf,
+    "a positive finite number": lambda v: 0 < v < math.inf,
+    "a finite number": lambda v: -math.inf < v < math.inf,
+    "in [0, 1]": lambda v: 0 <= v <= 1,
+    "in (0, 1]": lambda v: 0 < v <= 1,
+    ">= 0": lambda v: v >= 0,
+    ">= 1": lambda v: v >= 1,
+    ">= -1 (-1: every stage)": lambda v: v >= -1,
+    "in -2**63 .. 2**64-1 (torch's seed range)": lambda v: -(2**63) <= v < 2**64,
+    "in 0 .. 2**64-1 (numpy's seed range)": lambda v: 0 <= v < 2**64,
+}
+
+
+class RegistryError(ValueError):
+    """A part registered twice, or declared in a way a recipe could not hold (a programming error)."""
+
+
+def setting(
+    default: Any, help: str, *, rule: str | None = None, choices: tuple[str, ...] | None = None
+) -> Any:
+    """A recipe key of a settings dataclass: its default, the one line of help docs/recipe_keys.md prints, and
+    optionally its range (a `RULES` name; for a list, each element's) or its string choices."""
+    if not help.strip():
+        raise RegistryError("every recipe key needs a help string")
+    if rule is not None and rule not in RULES:
+        raise RegistryError(f"unknown rule {rule!r}; choose one of {', '.join(RULES)}")
+    metadata = {"help": help, "rule": rule, "choices": tuple(choices) if choices else None}
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def default_of(f: dataclasses.Field) -> Any:
+    """The default value of a dataclass field (a fresh one for list and dict defaults)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    raise RegistryError(f"recipe key {f.name!r} has no default")
+
+
+@dataclass
+class Settings:
+    """Base of a part's settings dataclass: its fields (made with `setting`) are the recipe keys the part reads."""
+
+    def check(self, where: str, recipe: Any) -> None:
+        """Rules across keys or sections, checked when this part is the one a recipe names (the range of one key
+        is its `setting(rule=...)`, checked always): raise `vsekit.config.ConfigError` naming `where`."""
+
+
+@dataclass(frozen=True)
+class Key:
+    """One recipe key of a kind's section: its field, its type, and the parts that read it."""
+
+    field: dataclasses.Field
+    type: Any
+    parts: tuple[str, ...]
+    shared: bool  # read by every part of the kind
+
+    @property
+    def help(self) -> str:
+        return self.field.metadata["help"]
+
+
+@dataclass(frozen=True)
+class Part:
+    kind: str
+    name: str
+    settings: type[Settings]
+    build: Callable[..., Any] | None  # None for shared settings
+    help: str
+    module: str  # where it was registered (for the duplicate message)
+    shared: bool = False
+
+    def fields(self) -> dict[str, tuple[dataclasses.Field, Any]]:
+        hints = typing.get_type_hints(self.settings)
+        return {f.name: (f, hints[f.name]) for f in dataclasses.fields(self.settings)}
+
+
+_ENTRIES: dict[str, list[Part]] = {k: [] for k in KINDS}  # parts and shared settings, in registration order
+_LOADERS: list[Callable[[], None]] = []
+_STATE = {"loaded": False, "loading": False}
+_KEYS: dict[str, dict[str, Key]] = {}  # `keys(kind)`, cleared whenever a registration changes
+
+
+def add_loader(loader: Callable[[], None]) -> None:
+    """`loader()` registers parts; it runs once, the first time the registry is asked (the package root adds the
+    one that imports the built-in parts, `vsekit.parts`)."""
+    _LOADERS.append(loader)
+    _STATE["loaded"] = False
+
+
+def _ensure_loaded() -> None:
+    if _STATE["loaded"] or _STATE["loading"]:
+        return
+    _STATE["loading"] = True
+    try:
+        for loader in list(_LOADERS):
+            loader()
+        _STATE["loaded"] = True
+    finally:
+        _STATE["loading"] = False
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise RegistryError(f"unknown kind of part {kind!r}; choose one of {', '.join(KINDS)}")
+
+
+def _consistent(kind: str, owner: str, fields: dict[str, tuple[dataclasses.Field, Any]]) -> None:
+    """A key declared by two parts of a kind is one key of the flat section: same type, default, help and range."""
+    for key, (f, tp) in fields.items():
+        if key in RESERVED_KEYS:
+            raise RegistryError(f"{kind} {owner!r}: setting {key!r} is a reserved recipe key")
+        if "help" not in f.metadata:
+            raise RegistryError(f"{kind} {owner!r}: setting {key!r} must be made with registry.setting(...)")
+        default_of(f)
+        for other in _ENTRIES[kind]:
+            mine = other.fields().get(key)
+            if mine is None:
+                continue
+            g, other_tp = mine
+            if (other_tp, default_of(g), dict(g.metadata)) != (tp, default_of(f), dict(f.metadata)):
+                raise RegistryError(
+                    f"{kind} {owner!r}: setting {key!r} differs from the one {other.name!r} declares "
+                    "(a shared key is declared once, e.g. in a base class both settings inherit)"
+                )
+
+
+def _add(part: Part) -> Part:
+    if not (
+        isinstance(part.settings, type)
+        and issubclass(part.settings, Settings)
+        and dataclasses.is_dataclass(part.settings)
+    ):
+        raise RegistryError(
+            f"{part.kind} {part.name!r}: settings must be a dataclass subclassing registry.Settings"
+        )
+    _consistent(part.kind, part.name, part.fields())
+    _ENTRIES[part.kind].append(part)
+    _KEYS.clear()
+    return part
+
+
+def register(
+    kind: str, name: str, settings: type[Settings] = Settings, *, build: Callable[..., Any], help: str
+) -> Part:
+    """Register the part a recipe names `name` in a section of `kind`, with its settings and builder; a name
+    already registered for that kind is an error (unregister it first)."""
+    _check_kind(kind)
+    _ensure_loaded()  # the built-in parts first, so a clash with one of them is found here
+    if not name or not name.replace("_", "").replace("-", "").isalnum():
+        raise RegistryError(f"{kind} name {name!r}: use letters, digits, _ and -")
+    for p in _ENTRIES[kind]:
+        if not p.shared and p.name == name:
+            raise RegistryError(f"{kind} {name!r} is already registered (by {p.module}); unregister it first")
+    return _add(Part(kind, name, settings, build, help, getattr(build, "__module__", "?") or "?"))
+
+
+def register_shared(kind: str, settings: type[Settings], *, help: str) -> Part:
+    """Settings every part of `kind` reads (the trainer's or a wrapper's), checked whichever part is named."""
+    _check_kind(kind)
+    _ensure_loaded()
+    if any(p.shared and p.settings is settings for p in _ENTRIES[kind]):
+        raise RegistryError(f"{kind} shared settings {settings.__name__} are already registered")
+    return _add(Part(kind, settings.__name__, settings, None, help, settings.__module__, shared=True))
+
+
+def unregister(kind: str, name: str) -> None:
+    """Remove a part (a test's, or one a notebook is redefining)."""
+    _check_kind(kind)
+    _ensure_loaded()
+    for i, p in enumerate(_ENTRIES[kind]):
+        if not p.shared and p.name == name:
+            del _ENTRIES[kind][i]
+            _KEYS.clear()
+            return
+    raise RegistryError(f"{kind} {name!r} is not registered")
+
+
+def parts(kind: str) -> tuple[Part, ...]:
+    """The parts of `kind` a recipe may name, in registration order."""
+    _check_kind(kind)
+    _ensure_loaded()
+    return tuple(p for p in _ENTRIES[kind] if not p.shared)
+
+
+def shared(kind: str) -> tuple[Part, ...]:
+    _check_kind(kind)
+    _ensure_loaded()
+    return tuple(p for p in _ENTRIES[kind] if p.shared)
+
+
+def names(kind: str) -> tuple[str, ...]:
+    return tuple(p.name for p in parts(kind))
+
+
+def get(kind: str, name: str) -> Part:
+    """The part of `kind` called `name`; another name is a ValueError listing the choices."""
+    for p in parts(kind):
+        if p.name == name:
+            return p
+    raise ValueError(f"unknown {kind.replace('_', ' ')} {name!r}; choose one of {', '.join(names(kind))}")
+
+
+def keys(kind: str) -> dict[str, Key]:
+    """Every recipe key a section of `kind` takes (the union of its parts' settings), in declaration order."""
+    _check_kind(kind)
+    _ensure_loaded()
+    if kind in _KEYS:
+        return dict(_KEYS[kind])
+    out: dict[str, Key] = {}
+    for p in _ENTRIES[kind]:
+        for key, (f, tp) in p.fields().items():
+            if key in out:
+                k = out[key]
+                out[key] = Key(
+                    k.field, k.type, k.parts + (() if p.shared else (p.name,)), k.shared or p.shared
+                )
+            else:
+                out[key] = Key(f, tp, () if p.shared else (p.name,), p.shared)
+    if not _STATE["loading"]:
+        _KEYS[kind] = dict(out)
+    return out
