@@ -4,6 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check src tests
+# one formatter: ruff format (a `# fmt: skip` only where a table's layout carries meaning)
+.venv/bin/ruff format --check src tests scripts
 # the dependency direction of docs/architecture.md (pyproject.toml [tool.importlinter]); a wrong-way import fails here
 .venv/bin/lint-imports
 # screenshots and other test artefacts (e.g. the search page in headless Chromium) land here

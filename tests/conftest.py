@@ -17,12 +17,16 @@ def _threads():
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
     """A very small synthetic precomp set for CLI tests that train for seconds (copy it before changing it)."""
-    return make_synthetic_precomp(tmp_path_factory.mktemp("tiny"), n_train=48, n_dev=12, n_test=12, regions=4, dim=8)
+    return make_synthetic_precomp(
+        tmp_path_factory.mktemp("tiny"), n_train=48, n_dev=12, n_test=12, regions=4, dim=8
+    )
 
 
 @pytest.fixture(scope="session")
 def synthetic_dir(tmp_path_factory):
-    return make_synthetic_precomp(tmp_path_factory.mktemp("syn"), n_train=240, n_dev=50, n_test=50, regions=10, dim=32, noise=0.8)
+    return make_synthetic_precomp(
+        tmp_path_factory.mktemp("syn"), n_train=240, n_dev=50, n_test=50, regions=10, dim=32, noise=0.8
+    )
 
 
 @pytest.fixture
@@ -149,7 +153,9 @@ def assert_topk_well_separated(queries: np.ndarray, db: np.ndarray, k: int) -> N
     scores = np.sort(np.asarray(queries, np.float64) @ np.asarray(db, np.float64).T, axis=1)[:, ::-1]
     gap = float((scores[:, k - 1] - scores[:, k]).min())
     bound = (db.shape[1] + 4) * float(np.finfo(np.float32).eps)
-    assert gap > bound, f"top-{k} boundary gap {gap:.3g} <= float32 rounding bound {bound:.3g}: pick other data"
+    assert gap > bound, (
+        f"top-{k} boundary gap {gap:.3g} <= float32 rounding bound {bound:.3g}: pick other data"
+    )
 
 
 def recall_vs(ids: np.ndarray, truth: np.ndarray) -> float:

@@ -106,7 +106,9 @@ def _explicit_infonce(sims, k, tau, margin=0.0, mask=None):
     b = sims.shape[0]
     total = 0.0
     for i in range(b):
-        negs = sorted((float(sims[i, j]) for j in range(b) if j != i and (mask is None or not mask[i, j])), reverse=True)
+        negs = sorted(
+            (float(sims[i, j]) for j in range(b) if j != i and (mask is None or not mask[i, j])), reverse=True
+        )
         negs = negs[:k]
         p = float(sims[i, i])
         total += -(p / tau - math.log(math.exp(p / tau) + sum(math.exp((n + margin) / tau) for n in negs)))
@@ -130,7 +132,9 @@ def test_adaptive_loss_uses_rule_k():
     loss, d = ADOPTLoss(temperature=0.1)(s)
     k = int(d["K_i2t"])
     assert k == adopt_k(*adopt_gammas(s), 8)
-    assert float(loss) == pytest.approx(_explicit_infonce(s, k, 0.1) + _explicit_infonce(s.t(), k, 0.1), rel=1e-5)
+    assert float(loss) == pytest.approx(
+        _explicit_infonce(s, k, 0.1) + _explicit_infonce(s.t(), k, 0.1), rel=1e-5
+    )
 
 
 def test_positive_is_never_a_negative():
@@ -151,7 +155,9 @@ def test_same_image_captions_optionally_excluded():
     expect = _explicit_infonce(s, 5, 0.1, mask=same) + _explicit_infonce(s.t(), 5, 0.1, mask=same.t())
     assert float(masked) == pytest.approx(expect, rel=1e-5)
     kept, _ = ADOPTLoss(temperature=0.1, fixed_k=5, mask_same_image=False)(s, image_ids=image_ids)
-    assert float(kept) == pytest.approx(_explicit_infonce(s, 5, 0.1) + _explicit_infonce(s.t(), 5, 0.1), rel=1e-5)
+    assert float(kept) == pytest.approx(
+        _explicit_infonce(s, 5, 0.1) + _explicit_infonce(s.t(), 5, 0.1), rel=1e-5
+    )
     assert float(kept) != pytest.approx(float(masked))
 
 
@@ -168,7 +174,9 @@ def test_k1_small_tau_is_hardest_negative_triplet():
         trip, _ = triplet_loss(s, margin=margin, hardest=True)
         (g_trip,) = torch.autograd.grad(trip, s)
         assert float(trip.detach()) > 0.1  # the batch really has violations, so the check is not 0 == 0
-        assert float(b * tau * scale * loss.detach()) == pytest.approx(float(trip.detach()), abs=4 * b * tau * math.log(2))
+        assert float(b * tau * scale * loss.detach()) == pytest.approx(
+            float(trip.detach()), abs=4 * b * tau * math.log(2)
+        )
         assert torch.allclose(g_adopt, g_trip, atol=1e-3)
         # only the hardest negative of each row/column gets gradient, as in the hardest-negative loss
         assert torch.equal(g_adopt.abs() > 1e-6, g_trip.abs() > 0)
@@ -186,7 +194,9 @@ def test_k1_ignores_all_but_the_hardest_negative():
             if i != j and j != hardest_row[i] and i != hardest_col[j]:
                 t[i, j] = s[i, j] - 0.5  # make easy negatives easier: K = 1 must not notice
     assert float(loss_fn(t)[0]) == pytest.approx(float(base), rel=1e-6)
-    assert float(ADOPTLoss(temperature=0.05, fixed_k=3)(t)[0]) != pytest.approx(float(ADOPTLoss(temperature=0.05, fixed_k=3)(s)[0]))
+    assert float(ADOPTLoss(temperature=0.05, fixed_k=3)(t)[0]) != pytest.approx(
+        float(ADOPTLoss(temperature=0.05, fixed_k=3)(s)[0])
+    )
 
 
 def test_infonce_uses_every_negative():
@@ -217,10 +227,19 @@ def test_topk_infonce_row_without_negatives_is_finite():
 
 
 def test_create_loss_and_errors():
-    loss_fn = create_loss(LossConfig(name="adopt", adopt_variant="reference", adopt_scale=1.5, margin=0.3, temperature=0.1))
+    loss_fn = create_loss(
+        LossConfig(name="adopt", adopt_variant="reference", adopt_scale=1.5, margin=0.3, temperature=0.1)
+    )
     assert isinstance(loss_fn, ADOPTLoss)
-    assert (loss_fn.variant, loss_fn.scale, loss_fn.margin, loss_fn.temperature) == ("reference", 1.5, 0.3, 0.1)
-    assert create_loss(LossConfig(name="adopt", adopt_variant="paper")).margin == 0.0  # the paper's objective has no margin
+    assert (loss_fn.variant, loss_fn.scale, loss_fn.margin, loss_fn.temperature) == (
+        "reference",
+        1.5,
+        0.3,
+        0.1,
+    )
+    assert (
+        create_loss(LossConfig(name="adopt", adopt_variant="paper")).margin == 0.0
+    )  # the paper's objective has no margin
     assert create_loss(LossConfig(name="adopt")).margin == 0.2  # the default, the released rule: + margin
     with pytest.raises(ValueError, match="square"):
         ADOPTLoss()(torch.zeros(3, 4))
@@ -239,8 +258,13 @@ def test_vse_2ad_trains_and_logs_k_every_iteration(synthetic_dir, tmp_path):
 
     from vsekit.training.trainer import Trainer
 
-    over = ["model.embed_dim=32", "train.batch_size=32", "train.log_every=4", "model.text.word_dim=16",
-            "model.image.mlp_hidden=32"]  # fmt: skip
+    over = [
+        "model.embed_dim=32",
+        "train.batch_size=32",
+        "train.log_every=4",
+        "model.text.word_dim=16",
+        "model.image.mlp_hidden=32",
+    ]
     recipe = load_recipe("vse_2ad", over)
     trainer = Trainer(recipe, synthetic_dir, tmp_path / "run", progress=False, log=lambda *_: None)
     rule = (recipe.loss.adopt_variant, recipe.loss.adopt_scale)
@@ -251,7 +275,12 @@ def test_vse_2ad_trains_and_logs_k_every_iteration(synthetic_dir, tmp_path):
     assert [r["step"] for r in recs if r["kind"] == "train"] == [4]  # the regular log keeps its interval
     for r in steps:
         # paper: both gammas clipped to [0, 1]; reference: align unclipped, uniform = mean e^-cos in [1/e, e]
-        assert 1 <= r["K_i2t"] <= 31 and r["K_i2t"] == r["K_t2i"] and -1 <= r["align"] <= 1 and 0 <= r["uniform"] <= math.e
+        assert (
+            1 <= r["K_i2t"] <= 31
+            and r["K_i2t"] == r["K_t2i"]
+            and -1 <= r["align"] <= 1
+            and 0 <= r["uniform"] <= math.e
+        )
         assert r["K_i2t"] == adopt_k(r["align"], r["uniform"], 32, *rule)  # the logged K is the rule's K
     assert steps[0]["K_i2t"] >= 16  # immature model: many negatives
     trainer._tb.flush()
@@ -267,9 +296,18 @@ def test_losses_without_step_keys_write_no_step_records(synthetic_dir, tmp_path)
 
     from vsekit.training.trainer import Trainer
 
-    over = ["model.embed_dim=16", "train.batch_size=32", "train.log_every=2", "model.text.word_dim=8",
-            "model.image.mlp_hidden=16"]  # fmt: skip
-    trainer = Trainer(load_recipe("vse_infty", over), synthetic_dir, tmp_path / "run", progress=False, log=lambda *_: None)
+    over = [
+        "model.embed_dim=16",
+        "train.batch_size=32",
+        "train.log_every=2",
+        "model.text.word_dim=8",
+        "model.image.mlp_hidden=16",
+    ]
+    trainer = Trainer(
+        load_recipe("vse_infty", over), synthetic_dir, tmp_path / "run", progress=False, log=lambda *_: None
+    )
     trainer.fit(max_steps=2)
-    kinds = [json.loads(line)["kind"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    kinds = [
+        json.loads(line)["kind"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert kinds == ["train"]

@@ -164,7 +164,10 @@ def test_gradients_flow_to_every_parameter(variant):
 def test_parameter_counts():
     assert sum(p.numel() for p in ADPool(1024).parameters()) == 2 * 1024
     # released layout: D x D scorer + bias, balance weight + bias
-    assert sum(p.numel() for p in ADPool(1024, variant="reference").parameters()) == 1024 * 1024 + 1024 + 1024 + 1
+    assert (
+        sum(p.numel() for p in ADPool(1024, variant="reference").parameters())
+        == 1024 * 1024 + 1024 + 1024 + 1
+    )
     assert sum(p.numel() for p in ADPool(1024, embedding_level=False).parameters()) == 1024
     assert sum(p.numel() for p in ADPool(1024, token_level=False).parameters()) == 0
 
@@ -184,7 +187,12 @@ def test_bad_input_errors():
 def test_create_pooling_and_recipe_wire_adpool():
     cfg = PoolingConfig(name="adpool", token_level=False, adpool_variant="reference")
     pool = create_pooling(cfg, 8)
-    assert isinstance(pool, ADPool) and not pool.token_level and pool.embedding_level and pool.variant == "reference"
+    assert (
+        isinstance(pool, ADPool)
+        and not pool.token_level
+        and pool.embedding_level
+        and pool.variant == "reference"
+    )
     r = load_recipe("vse_2ad")
     # defaults: the released code's forms behind the paper's tables and figures (docs/reproduce.md)
     assert PoolingConfig().adpool_variant == "reference"
@@ -195,7 +203,10 @@ def test_create_pooling_and_recipe_wire_adpool():
     assert not r.loss.adopt_zero_fill_negatives  # nor is its positive-as-negative pick
     paper = load_recipe("vse_2ad", ["model.image.pooling.adpool_variant=paper"]).model.image.pooling
     assert create_pooling(paper, 8).token_scorer.weight.shape == (1, 8)  # one weight per rank
-    assert create_pooling(r.model.image.pooling, 8).token_scorer.weight.shape == (8, 8)  # per rank and dimension
+    assert create_pooling(r.model.image.pooling, 8).token_scorer.weight.shape == (
+        8,
+        8,
+    )  # per rank and dimension
     assert r.optim.lr == 5e-4 and r.optim.lr_decay_epochs == [15] and r.optim.lr_decay == 0.1
     assert r.train.epochs == 25 and r.train.batch_size == 128 and r.model.embed_dim == 1024
 
@@ -229,8 +240,28 @@ def test_bench_pool_cli_prints_table_and_writes_json(tmp_path, capsys):
         return vse_main(["bench", "pool", *argv])
 
     out = tmp_path / "bench.json"
-    assert main(["--batch", "3", "--n", "4", "--dim", "8", "--repeats", "1", "--warmup", "0", "--poolings", "avg",
-                 "adpool", "--json-out", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "--batch",
+                "3",
+                "--n",
+                "4",
+                "--dim",
+                "8",
+                "--repeats",
+                "1",
+                "--warmup",
+                "0",
+                "--poolings",
+                "avg",
+                "adpool",
+                "--json-out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     assert "| pooling |" in table and "| adpool | 3x4x8 | 16 |" in table
     assert "`vse bench pool --batch 3 --n 4 --dim 8 --repeats 1 --warmup 0 --poolings avg adpool`" in table
@@ -238,4 +269,3 @@ def test_bench_pool_cli_prints_table_and_writes_json(tmp_path, capsys):
     assert [r["pooling"] for r in rows] == ["avg", "adpool"] and rows[0]["vs_avg"] == 1.0
     assert main(["--batch", "3", "--n", "4", "--dim", "8", "--poolings", "nope"]) == 2
     assert "unknown pooling" in capsys.readouterr().err
-

@@ -37,10 +37,25 @@ def cos_atol(d: int) -> float:
     return 2 * (d + 2) * EPS32
 
 
-def make_sim(embed_dim=16, views=2, block_dim=8, iters=20, use_sinkhorn=True, dustbin=1.0, readout="plan",
-             temperature=1.0) -> AEOMSimilarity:  # fmt: skip
-    cfg = SimilarityConfig(name="aeom", block_dim=block_dim, sinkhorn_iters=iters, use_sinkhorn=use_sinkhorn,
-                           dustbin_init=dustbin, readout=readout, temperature=temperature)  # fmt: skip
+def make_sim(
+    embed_dim=16,
+    views=2,
+    block_dim=8,
+    iters=20,
+    use_sinkhorn=True,
+    dustbin=1.0,
+    readout="plan",
+    temperature=1.0,
+) -> AEOMSimilarity:
+    cfg = SimilarityConfig(
+        name="aeom",
+        block_dim=block_dim,
+        sinkhorn_iters=iters,
+        use_sinkhorn=use_sinkhorn,
+        dustbin_init=dustbin,
+        readout=readout,
+        temperature=temperature,
+    )
     return AEOMSimilarity(embed_dim, views, cfg)
 
 

@@ -38,16 +38,19 @@ def _step(overrides: list[str]) -> TrainStep:
 def _batch(b: int = 12) -> dict:
     g = torch.Generator().manual_seed(1)
     return {
-        "images": torch.randn(b, 6, 16, generator=g), "image_lengths": torch.randint(2, 7, (b,), generator=g),
-        "tokens": torch.randint(1, 50, (b, 9), generator=g), "token_lengths": torch.randint(3, 10, (b,), generator=g),
-        "image_index": torch.arange(b), "caption_index": torch.arange(b),
-    }  # fmt: skip
+        "images": torch.randn(b, 6, 16, generator=g),
+        "image_lengths": torch.randint(2, 7, (b,), generator=g),
+        "tokens": torch.randint(1, 50, (b, 9), generator=g),
+        "token_lengths": torch.randint(3, 10, (b,), generator=g),
+        "image_index": torch.arange(b),
+        "caption_index": torch.arange(b),
+    }
 
 
 @pytest.mark.parametrize(
     "feature_type",
     ["grid", "region"],
-)  # fmt: skip
+)
 def test_bf16_autocast_loss_matches_fp32(feature_type):
     ft = [f"model.image.feature_type={feature_type}"]
     ref = _step(ft)(_batch(), epoch=1, step=0)
@@ -109,15 +112,24 @@ def test_compile_flag_compiles_encoders_with_same_result(monkeypatch):
         assert float(a["loss"]) == pytest.approx(float(b["loss"]), rel=1e-5)
     for (name, p), q in zip(compiled.model.named_parameters(), eager.model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
-    assert not any(k.startswith("_orig_mod") for k in compiled.model.state_dict())  # checkpoints keep their keys
+    assert not any(
+        k.startswith("_orig_mod") for k in compiled.model.state_dict()
+    )  # checkpoints keep their keys
 
 
 class _NoReadTensor(torch.Tensor):
     """A loss that counts every read of its value back to the host."""
 
     reads = 0
-    _READS = {torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.item,
-              torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__format__}  # fmt: skip
+    _READS = {
+        torch.Tensor.__float__,
+        torch.Tensor.__int__,
+        torch.Tensor.__bool__,
+        torch.Tensor.item,
+        torch.Tensor.tolist,
+        torch.Tensor.numpy,
+        torch.Tensor.__format__,
+    }
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -142,7 +154,9 @@ def _wrap_step(trainer: Trainer, loss_at=None):
 
 
 def test_training_steps_never_read_the_loss_back(synthetic_dir, tmp_path):
-    t = Trainer(load_recipe("vsepp", TRAIN_SMALL + ["train.epochs=1"]), synthetic_dir, tmp_path / "run", **QUIET)
+    t = Trainer(
+        load_recipe("vsepp", TRAIN_SMALL + ["train.epochs=1"]), synthetic_dir, tmp_path / "run", **QUIET
+    )
     _wrap_step(t)
     _NoReadTensor.reads = 0
     t.fit(max_steps=4)
@@ -173,7 +187,9 @@ def test_adopt_step_records_are_read_only_when_the_trainer_logs(synthetic_dir, t
 
 
 def test_nan_loss_is_caught_before_anything_is_saved(synthetic_dir, tmp_path):
-    r = load_recipe("vsepp", TRAIN_SMALL + ["train.epochs=1", "train.checkpoint_every=1", "train.log_every=1"])
+    r = load_recipe(
+        "vsepp", TRAIN_SMALL + ["train.epochs=1", "train.checkpoint_every=1", "train.log_every=1"]
+    )
     t = Trainer(r, synthetic_dir, tmp_path / "run", **QUIET)
     _wrap_step(t, loss_at=3)  # steps 0-2 finite (logged and checkpointed), step 3 NaN
     with pytest.raises(FloatingPointError, match="at step 3"):
@@ -228,7 +244,9 @@ def test_device_batches_prefetches_to_cuda():
     out = list(device_batches(batches, dev))
     assert len(out) == 3
     for got, ref in zip(out, batches):
-        assert all(v.is_cuda for v in got.values())  # caption lengths too: the unpacked BiGRU reads them there
+        assert all(
+            v.is_cuda for v in got.values()
+        )  # caption lengths too: the unpacked BiGRU reads them there
         torch.testing.assert_close(got["images"].cpu(), ref["images"])
 
 

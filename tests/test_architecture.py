@@ -92,7 +92,11 @@ def lab_imports(path: Path) -> list[str]:
             called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
             if called in ("import_module", "__import__") and isinstance(node.args[0].value, str):
                 names = [node.args[0].value]
-        found += [f"{node.lineno}: {name}" for name in names if name == "vsekit_lab" or name.startswith("vsekit_lab.")]
+        found += [
+            f"{node.lineno}: {name}"
+            for name in names
+            if name == "vsekit_lab" or name.startswith("vsekit_lab.")
+        ]
     return found
 
 
@@ -102,27 +106,37 @@ def test_the_lab_import_finder_sees_every_form(tmp_path):
         '"""vsekit_lab in a docstring"""\nimport vsekit_lab.demo\nfrom vsekit import cli  # vsekit_lab\n'
         "def f():\n    from vsekit_lab.bench import search\n    import importlib\n"
         "    importlib.import_module('vsekit_lab.commands')\n    __import__('vsekit_lab')\n    s = 'vsekit_lab.x'\n"
-    )  # fmt: skip
-    assert lab_imports(sample) == ["2: vsekit_lab.demo", "5: vsekit_lab.bench", "7: vsekit_lab.commands",
-                                   "8: vsekit_lab"]  # fmt: skip
+    )
+    assert lab_imports(sample) == [
+        "2: vsekit_lab.demo",
+        "5: vsekit_lab.bench",
+        "7: vsekit_lab.commands",
+        "8: vsekit_lab",
+    ]
 
 
 def test_the_library_never_imports_its_lab():
     """vsekit_lab registers its verbs through entry points (pyproject.toml); no module of src/vsekit names it in an
     import, and grimp finds no chain of imports from vsekit to vsekit_lab."""
     library = ROOT / "src" / "vsekit"
-    offenders = [f"{p.relative_to(ROOT)}:{hit}" for p in sorted(library.rglob("*.py")) for hit in lab_imports(p)]
+    offenders = [
+        f"{p.relative_to(ROOT)}:{hit}" for p in sorted(library.rglob("*.py")) for hit in lab_imports(p)
+    ]
     assert offenders == []
     graph = grimp.build_graph("vsekit", "vsekit_lab", include_external_packages=False)
     assert not graph.chain_exists(importer="vsekit", imported="vsekit_lab", as_packages=True)
-    assert graph.chain_exists(importer="vsekit_lab", imported="vsekit", as_packages=True)  # the lab uses the library
+    assert graph.chain_exists(
+        importer="vsekit_lab", imported="vsekit", as_packages=True
+    )  # the lab uses the library
 
 
 def test_layers_contract_holds():
     exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
     if exe is None:
         pytest.skip("import-linter is not installed (pip install import-linter)")
-    done = subprocess.run([exe, "--config", str(ROOT / "pyproject.toml")], cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(
+        [exe, "--config", str(ROOT / "pyproject.toml")], cwd=ROOT, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
 
 
@@ -186,17 +200,25 @@ def test_the_private_name_finder_sees_every_form(tmp_path):
         "import vsekit.sub.b\nfrom vsekit import __version__\nfrom vsekit import a\n"
         "b._one(); a_mod._two; vsekit.sub.b._three; a.public; self_obj = a; self_obj._not_a_module_name\n"
         "a._four\nx = object(); x._fine\n"
-    )  # fmt: skip
+    )
     assert sorted(private_imports(pkg / "sub" / "c.py", tmp_path)) == [
-        "1: vsekit.a._hidden", "3: vsekit.sub.b._x", "8: vsekit.a._two", "8: vsekit.sub.b._one",
-        "8: vsekit.sub.b._three", "9: vsekit.a._four",
-    ]  # fmt: skip
+        "1: vsekit.a._hidden",
+        "3: vsekit.sub.b._x",
+        "8: vsekit.a._two",
+        "8: vsekit.sub.b._one",
+        "8: vsekit.sub.b._three",
+        "9: vsekit.a._four",
+    ]
 
 
 def test_no_private_names_across_modules():
     """A module's `_private` names are its own: no module of vsekit or vsekit_lab imports or reads another's
     (one owner per fact; what others need is public, with a docstring)."""
     src = ROOT / "src"
-    offenders = [f"{p.relative_to(ROOT)}:{hit}" for package in ("vsekit", "vsekit_lab")
-                 for p in sorted((src / package).rglob("*.py")) for hit in private_imports(p, src)]  # fmt: skip
+    offenders = [
+        f"{p.relative_to(ROOT)}:{hit}"
+        for package in ("vsekit", "vsekit_lab")
+        for p in sorted((src / package).rglob("*.py"))
+        for hit in private_imports(p, src)
+    ]
     assert offenders == []

@@ -95,10 +95,14 @@ def test_torchvision_style_cnn_from_local_weights(tmp_path, cnn_module):
 
 def test_timm_style_cnn_staged_unfreeze_in_the_encoder(tmp_path, cnn_module):
     path = _saved(tmp_path, cnn_module.timm_like())
-    cfg = load_recipe("vse_infty_grid_e2e", [
-        "model.image.backbone=python:tiny_cnns:timm_like", f"model.image.backbone_weights={path}",
-        "model.image.backbone_trainable_blocks=1",
-    ]).model.image  # fmt: skip
+    cfg = load_recipe(
+        "vse_infty_grid_e2e",
+        [
+            "model.image.backbone=python:tiny_cnns:timm_like",
+            f"model.image.backbone_weights={path}",
+            "model.image.backbone_trainable_blocks=1",
+        ],
+    ).model.image
     enc = BackboneImageEncoder(16, cfg)
     assert enc.cnn_dim == 20
     assert not any(p.requires_grad for p in enc.cnn.parameters())
@@ -170,9 +174,15 @@ def _fake_torchvision(monkeypatch, cnn_module):
         BICUBIC = "bicubic"
 
     class ResNetLikeWeights:
-        DEFAULT = types.SimpleNamespace(transforms=lambda: types.SimpleNamespace(
-            mean=[0.48145466, 0.4578275, 0.40821073], std=[0.26862954, 0.26130258, 0.27577711],
-            interpolation=InterpolationMode.BICUBIC, crop_size=[224], resize_size=[232]))  # fmt: skip
+        DEFAULT = types.SimpleNamespace(
+            transforms=lambda: types.SimpleNamespace(
+                mean=[0.48145466, 0.4578275, 0.40821073],
+                std=[0.26862954, 0.26130258, 0.27577711],
+                interpolation=InterpolationMode.BICUBIC,
+                crop_size=[224],
+                resize_size=[232],
+            )
+        )
 
     def get_model_weights(name):
         if name == "resnet_like":
@@ -234,7 +244,9 @@ def test_python_factory_with_a_pretrained_cfg(tmp_path, cnn_module, monkeypatch)
     monkeypatch.setattr(cnn_module, "timm_like_cfg", with_cfg, raising=False)
     t = build_backbone("python:tiny_cnns:timm_like_cfg", str(path)).pixel_transform
     assert (t.mean, t.std, t.interpolation) == ((0.1, 0.2, 0.3), (0.4, 0.5, 0.6), "nearest")
-    assert build_backbone("python:tiny_cnns:timm_like", str(path)).pixel_transform.source == "ImageNet default"
+    assert (
+        build_backbone("python:tiny_cnns:timm_like", str(path)).pixel_transform.source == "ImageNet default"
+    )
 
 
 def test_pixels_follow_the_backbone_transform_everywhere(tmp_path, cnn_module, monkeypatch):
@@ -253,8 +265,15 @@ def test_pixels_follow_the_backbone_transform_everywhere(tmp_path, cnn_module, m
 
     _fake_timm(monkeypatch, cnn_module)
     path = _saved(tmp_path, cnn_module.timm_like())
-    recipe = load_recipe("vse_infty_grid_e2e", ["model.image.backbone=timm:tiny_timm", f"model.image.backbone_weights={path}",
-                                                "model.image.image_size=32", "model.embed_dim=16"])  # fmt: skip
+    recipe = load_recipe(
+        "vse_infty_grid_e2e",
+        [
+            "model.image.backbone=timm:tiny_timm",
+            f"model.image.backbone_weights={path}",
+            "model.image.image_size=32",
+            "model.embed_dim=16",
+        ],
+    )
     model = VSEModel(recipe, DataSpec(img_dim=0, vocab_words=["<pad>", "<start>", "<end>", "<unk>", "a"]))
     transform = model.image_encoder.cnn.pixel_transform
     assert transform.interpolation == "bicubic"
@@ -268,22 +287,31 @@ def test_pixels_follow_the_backbone_transform_everywhere(tmp_path, cnn_module, m
     expect = (np.asarray(pic.resize((32, 32), Image.Resampling.BICUBIC), np.float32) / 255 - 0.5) / 0.5
     bilinear = (np.asarray(pic.resize((32, 32), Image.Resampling.BILINEAR), np.float32) / 255 - 0.5) / 0.5
     assert np.abs(expect - bilinear).max() > 0.05  # the two filters differ on this picture
-    np.testing.assert_allclose(backbone_pixels(pic, 32, transform).numpy(), expect.transpose(2, 0, 1), atol=1e-6)
+    np.testing.assert_allclose(
+        backbone_pixels(pic, 32, transform).numpy(), expect.transpose(2, 0, 1), atol=1e-6
+    )
 
     pic.save(tmp_path / "p.png")
     split = RawSplit(tmp_path, "test", ["a"], np.array([0]), ["p.png"], ["0"])
-    for source in (image_source_for(model, split),
-                   Trainer._image_source(types.SimpleNamespace(recipe=recipe, model=model), split, False)):  # fmt: skip
+    for source in (
+        image_source_for(model, split),
+        Trainer._image_source(types.SimpleNamespace(recipe=recipe, model=model), split, False),
+    ):
         assert isinstance(source, PixelSource) and source.transform == transform
         np.testing.assert_allclose(source.load(0, None).numpy(), expect.transpose(2, 0, 1), atol=1e-6)
-    np.testing.assert_allclose(ImageEmbedder(model, {}).load(tmp_path / "p.png").numpy(), expect.transpose(2, 0, 1),
-                               atol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(
+        ImageEmbedder(model, {}).load(tmp_path / "p.png").numpy(), expect.transpose(2, 0, 1), atol=1e-6
+    )
     np.testing.assert_allclose(preprocess(model, pic).numpy(), expect.transpose(2, 0, 1), atol=1e-6)
     assert ImageEmbedder(model, {}).describe()["transform"]["interpolation"] == "bicubic"
     # without a transform (the default): ImageNet mean/std, bilinear, as before
-    imagenet = (np.asarray(pic.resize((32, 32), Image.Resampling.BILINEAR), np.float32) / 255
-                - np.array([0.485, 0.456, 0.406], np.float32)) / np.array([0.229, 0.224, 0.225], np.float32)  # fmt: skip
-    np.testing.assert_allclose(load_pixels(tmp_path / "p.png", 32, None).numpy(), imagenet.transpose(2, 0, 1), atol=1e-5)
+    imagenet = (
+        np.asarray(pic.resize((32, 32), Image.Resampling.BILINEAR), np.float32) / 255
+        - np.array([0.485, 0.456, 0.406], np.float32)
+    ) / np.array([0.229, 0.224, 0.225], np.float32)
+    np.testing.assert_allclose(
+        load_pixels(tmp_path / "p.png", 32, None).numpy(), imagenet.transpose(2, 0, 1), atol=1e-5
+    )
 
 
 def test_bad_transforms_are_refused():
@@ -296,7 +324,9 @@ def test_bad_transforms_are_refused():
 
 
 def test_real_timm_backbone_uses_its_data_config(tmp_path):
-    timm = pytest.importorskip("timm", reason="timm is not installed (pip install timm beside a matching torchvision)")
+    timm = pytest.importorskip(
+        "timm", reason="timm is not installed (pip install timm beside a matching torchvision)"
+    )
     net = timm.create_model("resnet10t", pretrained=False)
     path = _saved(tmp_path, net)
     cfg = timm.data.resolve_data_config({}, model=net)

@@ -47,12 +47,16 @@ def test_train_step_bench_times_real_steps():
 
     with pytest.MonkeyPatch.context() as mp:
         clock = StepClock([9.0, 0.1, 0.5, 0.2]).install(mp, module)
-        row = bench_train_step("vse_infty", batch=6, overrides=["model.text.word_dim=8"], **{**TINY, "steps": 3})
+        row = bench_train_step(
+            "vse_infty", batch=6, overrides=["model.text.word_dim=8"], **{**TINY, "steps": 3}
+        )
     assert clock.calls == 8  # one start/stop pair per step, warm-up included
     assert row["ms_median"] == pytest.approx(200.0) and row["ms_min"] == pytest.approx(100.0)
     assert row["ms_std"] == pytest.approx(208.1666, rel=1e-5)  # sample stdev of 100, 500, 200 ms
     assert row["samples_per_s"] == pytest.approx(30.0)  # 6 samples per 0.2 s
-    amp = bench_train_step("vse_infty", batch=6, overrides=["model.text.word_dim=8", "train.amp=bf16"], **TINY)
+    amp = bench_train_step(
+        "vse_infty", batch=6, overrides=["model.text.word_dim=8", "train.amp=bf16"], **TINY
+    )
     assert amp["amp"] == "bf16"
 
 
@@ -93,7 +97,21 @@ def test_eval_bench_times_eval_sims_and_the_reference():
 
 def test_bench_pool_cli_prints_and_appends_rows(tmp_path, capsys):
     out = tmp_path / "bench.md"
-    args = ["bench", "pool", "--batch", "4", "--n", "5", "--dim", "8", "--repeats", "2", "--poolings", "avg", "gpo"]
+    args = [
+        "bench",
+        "pool",
+        "--batch",
+        "4",
+        "--n",
+        "5",
+        "--dim",
+        "8",
+        "--repeats",
+        "2",
+        "--poolings",
+        "avg",
+        "gpo",
+    ]
     assert main([*args, "--append", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "| avg |" in printed and "| gpo |" in printed
@@ -101,7 +119,9 @@ def test_bench_pool_cli_prints_and_appends_rows(tmp_path, capsys):
     assert main([*args, "--append", str(out)]) == 0
     text = out.read_text()
     assert text.count(f"## {SECTIONS['pool']}") == 1
-    assert text.count("| pooling |") == 1 and text.count("| gpo |") == 2  # second run: rows under the same table
+    assert (
+        text.count("| pooling |") == 1 and text.count("| gpo |") == 2
+    )  # second run: rows under the same table
     assert "UTC" in text and "cores" in text
 
 
@@ -120,8 +140,27 @@ def test_append_keeps_other_sections(tmp_path):
 
 def test_bench_eval_and_ladder_cli(capsys):
     assert main(["bench", "eval", "--images", "30", "--repeats", "1"]) == 0
-    assert main(["bench", "ladder", "--batch", "4", "--repeats", "1", "--embed-dim", "16", "--regions", "4",
-                 "--img-dim", "16", "--vocab", "100"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "bench",
+                "ladder",
+                "--batch",
+                "4",
+                "--repeats",
+                "1",
+                "--embed-dim",
+                "16",
+                "--regions",
+                "4",
+                "--img-dim",
+                "16",
+                "--vocab",
+                "100",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "| 30 x 150 |" in out and "adaptive / VSE++" in out
 
@@ -131,8 +170,25 @@ def test_bench_search_cli(capsys, monkeypatch):
     from vsekit_lab.bench.search import ClusteredVectors
 
     seen = spy_search_ids(monkeypatch)
-    args = ["bench", "search", "--n", "3000", "--dim", "16", "--queries", "40", "--clusters", "20", "--nlist", "8",
-            "--nprobe", "8", "--no-sq8", "--exact-queries", "30"]  # fmt: skip
+    args = [
+        "bench",
+        "search",
+        "--n",
+        "3000",
+        "--dim",
+        "16",
+        "--queries",
+        "40",
+        "--clusters",
+        "20",
+        "--nlist",
+        "8",
+        "--nprobe",
+        "8",
+        "--no-sq8",
+        "--exact-queries",
+        "30",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| 3,000 x 16")]
@@ -158,7 +214,19 @@ def test_bench_search_on_own_vectors_holds_out_queries(tmp_path, capsys):
     # IVF visiting every list finds the flat index's top 10 (recall 1.0) on any CPU: no near-tie at 10th place
     unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
     assert_topk_well_separated(unit[450:], unit[:450], 10)  # the held-out queries are the last 50 rows
-    args = ["bench", "search", "--vectors", str(db), "--queries", "50", "--nlist", "4", "--nprobe", "4", "--no-sq8"]
+    args = [
+        "bench",
+        "search",
+        "--vectors",
+        str(db),
+        "--queries",
+        "50",
+        "--nlist",
+        "4",
+        "--nprobe",
+        "4",
+        "--no-sq8",
+    ]
     assert main(args) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 450 x 8, db.npy")]
     assert len(rows) == 2 and float(rows[1].split("|")[7]) == 1.0  # 450 = 500 minus the held-out queries
@@ -186,8 +254,27 @@ def test_bench_search_own_vectors_bad_input_names_the_file(tmp_path):
 
 def test_bench_aeom_cli_prints_rows_and_appends(tmp_path, capsys):
     doc = tmp_path / "b.md"
-    assert main(["bench", "aeom", "--images", "6", "--captions", "30", "--dim", "16", "--block-dim", "8",
-                 "--repeats", "1", "--append", str(doc)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "bench",
+                "aeom",
+                "--images",
+                "6",
+                "--captions",
+                "30",
+                "--dim",
+                "16",
+                "--block-dim",
+                "8",
+                "--repeats",
+                "1",
+                "--append",
+                str(doc),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "| AEOM (s) |" in out and "vse bench aeom --images 6" in out
     assert "## AEOM similarity" in doc.read_text()
@@ -197,8 +284,14 @@ def test_bench_aeom_cli_prints_rows_and_appends(tmp_path, capsys):
 def test_bench_aeom_model_eval_times_both_recipes():
     from vsekit_lab.bench.aeom import bench_aeom_eval
 
-    row = bench_aeom_eval(8, 2, repeats=1, regions=3, img_dim=16,
-                          overrides=["model.embed_dim=32", "model.similarity.block_dim=16"])  # fmt: skip
+    row = bench_aeom_eval(
+        8,
+        2,
+        repeats=1,
+        regions=3,
+        img_dim=16,
+        overrides=["model.embed_dim=32", "model.similarity.block_dim=16"],
+    )
     assert row["n_captions"] == 16 and row["views"] == 2 and row["block_dim"] == 16
     assert row["aeom_eval_s"] > 0 and row["cosine_eval_s"] > 0
     # known durations: the vse_infty eval takes 2 s, the avse one 5 s (the untimed warm-ups are not counted)
@@ -206,8 +299,14 @@ def test_bench_aeom_model_eval_times_both_recipes():
 
     with pytest.MonkeyPatch.context() as mp:
         clock = StepClock([2.0, 5.0]).install(mp, module)
-        row = bench_aeom_eval(8, 2, repeats=1, regions=3, img_dim=16,
-                              overrides=["model.embed_dim=32", "model.similarity.block_dim=16"])  # fmt: skip
+        row = bench_aeom_eval(
+            8,
+            2,
+            repeats=1,
+            regions=3,
+            img_dim=16,
+            overrides=["model.embed_dim=32", "model.similarity.block_dim=16"],
+        )
     assert clock.calls == 4
     assert row["cosine_eval_s"] == pytest.approx(2.0) and row["aeom_eval_s"] == pytest.approx(5.0)
     assert row["ratio_eval"] == pytest.approx(2.5)
@@ -238,17 +337,40 @@ def test_append_lands_in_the_docs_own_section(tmp_path, bench):
     assert f"| {bench}-row | 1 |" in _section(text, heading)
     assert "\n".join(rows) in _section(text, heading)  # one new table, under the heading
     rest = text.replace("\n".join(rows) + "\n", "", 1)
-    assert [x for x in rest.splitlines() if x.strip()] == [x for x in original.splitlines() if x.strip()]  # nothing else
+    assert [x for x in rest.splitlines() if x.strip()] == [
+        x for x in original.splitlines() if x.strip()
+    ]  # nothing else
 
 
 def test_bench_pool_append_extends_the_docs_table(tmp_path, capsys):
     doc = tmp_path / "benchmarks.md"
     doc.write_text(DOCS.read_text(encoding="utf-8"), encoding="utf-8")
     before = _section(doc.read_text(), SECTIONS["pool"])
-    assert main(["bench", "pool", "--batch", "2", "--n", "3", "--dim", "4", "--repeats", "1", "--poolings", "avg",
-                 "--append", str(doc)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "bench",
+                "pool",
+                "--batch",
+                "2",
+                "--n",
+                "3",
+                "--dim",
+                "4",
+                "--repeats",
+                "1",
+                "--poolings",
+                "avg",
+                "--append",
+                str(doc),
+            ]
+        )
+        == 0
+    )
     after = _section(doc.read_text(), SECTIONS["pool"])
-    assert after.count("| pooling | B x N x D |") == before.count("| pooling | B x N x D |") == 1  # the same table
+    assert (
+        after.count("| pooling | B x N x D |") == before.count("| pooling | B x N x D |") == 1
+    )  # the same table
     new = [line for line in after.splitlines() if "`vse bench pool --batch 2" in line]
     assert len(new) == 1 and new[0].startswith("| avg | 2x3x4 |")
     table = [line for line in after.splitlines() if line.startswith("|")]
@@ -263,23 +385,64 @@ def test_bench_search_defaults_are_the_documented_run(monkeypatch, capsys, tmp_p
 
     def fake_bench_search(**kwargs):
         calls.append({k: v for k, v in kwargs.items() if k != "log"})
-        setup = {"n": 10, "dim": 4, "k": 10, "queries": 2, "clusters": 3, "spread": 1.0, "threads": 1,
-                 "faiss": "x", "vectors": None}  # fmt: skip
-        return {"setup": setup, "rows": [{"index": "flat (exact)", "params": "", "build_s": 0.1, "bytes_per_vector": 16, "p50_ms": 1.0,
-                                          "p99_ms": 2.0, "recall_at_k": 1.0}]}  # fmt: skip
+        setup = {
+            "n": 10,
+            "dim": 4,
+            "k": 10,
+            "queries": 2,
+            "clusters": 3,
+            "spread": 1.0,
+            "threads": 1,
+            "faiss": "x",
+            "vectors": None,
+        }
+        return {
+            "setup": setup,
+            "rows": [
+                {
+                    "index": "flat (exact)",
+                    "params": "",
+                    "build_s": 0.1,
+                    "bytes_per_vector": 16,
+                    "p50_ms": 1.0,
+                    "p99_ms": 2.0,
+                    "recall_at_k": 1.0,
+                }
+            ],
+        }
 
     monkeypatch.setattr(module, "bench_search", fake_bench_search)
     assert main(["bench", "search"]) == 0
-    expect = {"n": 1_000_000, "dim": 1024, "queries": 200, "exact_queries": 30, "clusters": 10_000, "spread": 1.0,
-              "nlist": 0, "nprobes": (4, 8, 16, 32), "sq8": True, "hnsw_m": 0, "ef_searches": (32, 64, 128),
-              "train_size": 0, "kmeans_iters": 10, "threads": 1, "vectors": None, "query_vectors": None}  # fmt: skip
+    expect = {
+        "n": 1_000_000,
+        "dim": 1024,
+        "queries": 200,
+        "exact_queries": 30,
+        "clusters": 10_000,
+        "spread": 1.0,
+        "nlist": 0,
+        "nprobes": (4, 8, 16, 32),
+        "sq8": True,
+        "hnsw_m": 0,
+        "ef_searches": (32, 64, 128),
+        "train_size": 0,
+        "kmeans_iters": 10,
+        "threads": 1,
+        "vectors": None,
+        "query_vectors": None,
+    }
     assert {k: calls[0][k] for k in expect} == expect
     out = tmp_path / "r.json"
-    assert main(["bench", "search", "--n", "5000", "--nprobe", "2", "8", "--hnsw-m", "16", "--json", str(out)]) == 0
+    assert (
+        main(["bench", "search", "--n", "5000", "--nprobe", "2", "8", "--hnsw-m", "16", "--json", str(out)])
+        == 0
+    )
     assert (calls[1]["n"], calls[1]["nprobes"], calls[1]["hnsw_m"]) == (5000, (2, 8), 16)
     assert json.loads(out.read_text())["rows"][0]["index"] == "flat (exact)"
     printed = capsys.readouterr().out
-    assert "`vse bench search --n 5000 --nprobe 2 8 --hnsw-m 16`" in printed  # --json is not part of the command
+    assert (
+        "`vse bench search --n 5000 --nprobe 2 8 --hnsw-m 16`" in printed
+    )  # --json is not part of the command
 
 
 def test_bench_startup_medians_and_torch_detection(monkeypatch):
@@ -287,14 +450,21 @@ def test_bench_startup_medians_and_torch_detection(monkeypatch):
 
     assert startup.imports_torch(["-c", "import torch"]) is True
     assert startup.imports_torch(["-c", "import json"]) is False
-    assert startup.imports_torch(["-m", "vsekit.cli", "--help"]) is False  # the verbs that need no model stay light
+    assert (
+        startup.imports_torch(["-m", "vsekit.cli", "--help"]) is False
+    )  # the verbs that need no model stay light
     # known durations, one (start, stop) pair per timed run: 2 rounds over the 4 commands, alternated
     durations = [0.01, 0.10, 0.20, 0.30, 0.03, 0.14, 0.22, 0.50]
     StepClock(durations).install(monkeypatch, startup)
     monkeypatch.setattr(startup, "_run", lambda argv: None)
     monkeypatch.setattr(startup, "imports_torch", lambda args: args[-1] == "recipes")
     rows = startup.bench_startup(repeats=2)
-    assert [r["verb"] for r in rows] == ["python -c pass", "vse --help", "vse recipes", "vse eval-sims --help"]
+    assert [r["verb"] for r in rows] == [
+        "python -c pass",
+        "vse --help",
+        "vse recipes",
+        "vse eval-sims --help",
+    ]
     assert [r["median_s"] for r in rows] == pytest.approx([0.02, 0.12, 0.21, 0.40])
     assert [r["min_s"] for r in rows] == pytest.approx([0.01, 0.10, 0.20, 0.30])
     assert [r["over_python_s"] for r in rows] == pytest.approx([0.0, 0.10, 0.19, 0.38])

@@ -24,7 +24,7 @@ from PIL import Image
 from vsekit.cli import main
 from vsekit.data.precomp import DataFormatError, load_precomp_split
 from vsekit.data.validate import check_dataset
-from vsekit.datasets import own_features, own_pairs
+from vsekit.datasets import own_checks, own_features, own_pairs
 
 SPLITS = ("train", "dev", "test")
 NUL, ESC, DEL = "\x00", "\x1b", "\x7f"
@@ -89,8 +89,14 @@ def build(args: list[str], out: Path, *extra: str) -> int:
 
 @pytest.mark.parametrize("kind", ["folder", "table", "webdataset"])
 def test_builders_skip_and_report_captions_with_control_characters(kind, tmp_path, capsys):
-    captions = {"p0": ["a red square"], "p1": ["a blue circle", f"in {ESC}[31mred"], "p2": ["a green bar", f"nul {NUL} x"],
-                "p3": [f"del {DEL} only"], "p4": ["a grey dot"], "p5": ["a pink star"]}  # fmt: skip
+    captions = {
+        "p0": ["a red square"],
+        "p1": ["a blue circle", f"in {ESC}[31mred"],
+        "p2": ["a green bar", f"nul {NUL} x"],
+        "p3": [f"del {DEL} only"],
+        "p4": ["a grey dot"],
+        "p5": ["a pink star"],
+    }
     out = tmp_path / "out"
     assert build(write_input(kind, tmp_path, captions), out, "--pixels") == 0
     problems = (out / "problems.txt").read_text(encoding="utf-8").splitlines()
@@ -98,8 +104,13 @@ def test_builders_skip_and_report_captions_with_control_characters(kind, tmp_pat
     assert any("p2.png: control character: caption 2: U+0000 at character 5" in line for line in problems)
     assert any("p3.png: control character: caption 1: U+007F" in line for line in problems)
     assert any("p3.png: no caption" in line for line in problems)  # its only caption went
-    assert written_captions(out) == {"p0": ["a red square"], "p1": ["a blue circle"], "p2": ["a green bar"],
-                                     "p4": ["a grey dot"], "p5": ["a pink star"]}  # fmt: skip
+    assert written_captions(out) == {
+        "p0": ["a red square"],
+        "p1": ["a blue circle"],
+        "p2": ["a green bar"],
+        "p4": ["a grey dot"],
+        "p5": ["a pink star"],
+    }
     assert json.loads((out / "manifest.json").read_text())["problems"]["control character"] == 3
     report = check_dataset(out)  # what the builders write, the check accepts
     assert report.ok, report.format()
@@ -113,8 +124,10 @@ def test_check_refuses_the_captions_the_builders_skip(char, tiny_data, tmp_path)
     caps[2] = f"a caption{char}with a control character"
     (data / "train_caps.txt").write_text("\n".join(caps), encoding="utf-8")
     report = check_dataset(data)
-    assert [str(p) for p in report.errors] == [f"error: {data / 'train_caps.txt'}:3: control character: "
-                                               f"U+{ord(char):04X} at character 10 (binary data or a terminal escape)"]
+    assert [str(p) for p in report.errors] == [
+        f"error: {data / 'train_caps.txt'}:3: control character: "
+        f"U+{ord(char):04X} at character 10 (binary data or a terminal escape)"
+    ]
 
 
 # ------------------------------------------------------------------------------ C1: runaway captions
@@ -131,7 +144,10 @@ def test_a_10_mb_caption_gives_at_most_the_token_cap(tokenizer):
     dog = vocab.word2idx["dog"]
     assert vocab.encode(RUNAWAY) == [1] + [dog] * 256 + [2]  # <start> 256 words <end>
     many = " ".join(f"w{i}" for i in range(300_000))  # 2 MB of distinct words
-    assert Vocabulary.build([many], tokenizer=tokenizer).idx2word == [*SPECIALS, *sorted(f"w{i}" for i in range(256))]
+    assert Vocabulary.build([many], tokenizer=tokenizer).idx2word == [
+        *SPECIALS,
+        *sorted(f"w{i}" for i in range(256)),
+    ]
 
 
 def test_the_transformer_tokenizer_reads_the_start_of_a_runaway_caption():
@@ -161,17 +177,30 @@ def test_the_transformer_tokenizer_reads_the_start_of_a_runaway_caption():
 @pytest.mark.parametrize("kind", ["folder", "table", "webdataset"])
 def test_builders_skip_and_report_over_long_captions(kind, tmp_path):
     long = "dog " * 5_000  # 20,000 characters: the readers refuse a caption file or table line above 1 MB
-    captions = {"p0": ["a red square"], "p1": ["a blue circle", long], "p2": [long], "p3": ["a grey dot"],
-                "p4": ["a pink star"]}  # fmt: skip
+    captions = {
+        "p0": ["a red square"],
+        "p1": ["a blue circle", long],
+        "p2": [long],
+        "p3": ["a grey dot"],
+        "p4": ["a pink star"],
+    }
     out = tmp_path / "out"
     assert build(write_input(kind, tmp_path, captions), out, "--pixels") == 0
     problems = (out / "problems.txt").read_text(encoding="utf-8").splitlines()
     n = len(long.strip())
-    assert any(line.endswith(f"p1.png: over-long caption: caption 2: {n:,} characters (the limit is 10,000); skipped")
-               for line in problems)  # fmt: skip
+    assert any(
+        line.endswith(
+            f"p1.png: over-long caption: caption 2: {n:,} characters (the limit is 10,000); skipped"
+        )
+        for line in problems
+    )
     assert any("p2.png: no caption" in line for line in problems)
-    assert written_captions(out) == {"p0": ["a red square"], "p1": ["a blue circle"], "p3": ["a grey dot"],
-                                     "p4": ["a pink star"]}  # fmt: skip
+    assert written_captions(out) == {
+        "p0": ["a red square"],
+        "p1": ["a blue circle"],
+        "p3": ["a grey dot"],
+        "p4": ["a pink star"],
+    }
     assert (out / "train_caps.txt").stat().st_size < 1000
 
 
@@ -187,8 +216,22 @@ def test_vse_train_with_a_10_mb_caption_runs_under_a_memory_limit(tiny_data, tmp
     caps[3] = RUNAWAY.strip()
     (data / "train_caps.txt").write_text("\n".join(caps), encoding="utf-8")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"}
-    cmd = [sys.executable, "-m", "vsekit.cli", "train", "--data", str(data), "--out", str(tmp_path / "run"),
-           "--epochs", "1", "--recipe", "vsepp", "--no-progress", *[x for s in TINY for x in ("--set", s)]]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "vsekit.cli",
+        "train",
+        "--data",
+        str(data),
+        "--out",
+        str(tmp_path / "run"),
+        "--epochs",
+        "1",
+        "--recipe",
+        "vsepp",
+        "--no-progress",
+        *[x for s in TINY for x in ("--set", s)],
+    ]
     proc = subprocess.run(cmd, preexec_fn=_limit_memory, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "run" / "config.json").is_file()
@@ -213,22 +256,28 @@ def test_a_folder_whose_path_is_not_utf8_builds_and_records_it_escaped(tmp_path,
     assert "dataset ready" in capsys.readouterr().out
     m = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
     assert m["source"]["input"] == str(tmp_path) + "/pics\\xff"  # the byte 0xff written as \xff
-    assert "images_root" not in m and m["build"]["copy_images"]  # the pictures were copied: their folder is unrecordable
+    assert (
+        "images_root" not in m and m["build"]["copy_images"]
+    )  # the pictures were copied: their folder is unrecordable
     assert sorted(p.name for p in (out / "images").iterdir()) == [f"p{i}.png" for i in range(5)]
     assert check_dataset(out).ok
-    assert sorted(c for caps in written_captions(out).values() for c in caps) == [f"picture number {i}" for i in range(5)]
+    assert sorted(c for caps in written_captions(out).values() for c in caps) == [
+        f"picture number {i}" for i in range(5)
+    ]
 
 
 # ------------------------------------------------------------------------------ P1: what a failed build leaves
 
 
-TINYNET = ("import torch\n"
-           "class Tiny(torch.nn.Module):\n"
-           "    def __init__(self):\n"
-           "        super().__init__()\n"
-           "        self.features = torch.nn.Conv2d(3, 2, 1, stride=32)\n"
-           "def make():\n"
-           "    return Tiny()\n")  # fmt: skip
+TINYNET = (
+    "import torch\n"
+    "class Tiny(torch.nn.Module):\n"
+    "    def __init__(self):\n"
+    "        super().__init__()\n"
+    "        self.features = torch.nn.Conv2d(3, 2, 1, stride=32)\n"
+    "def make():\n"
+    "    return Tiny()\n"
+)
 
 
 def tinynet(tmp_path: Path, monkeypatch, weight: float) -> list[str]:
@@ -238,8 +287,18 @@ def tinynet(tmp_path: Path, monkeypatch, weight: float) -> list[str]:
     sys.modules.pop("tinynet_limits", None)
     path = tmp_path / f"tiny_{weight}.pth"
     torch.save({"features.weight": torch.full((2, 3, 1, 1), weight), "features.bias": torch.zeros(2)}, path)
-    return ["--backbone", "python:tinynet_limits:make", "--backbone-weights", str(path), "--image-size", "64",
-            "--device", "cpu", "--batch-size", "1"]  # fmt: skip
+    return [
+        "--backbone",
+        "python:tinynet_limits:make",
+        "--backbone-weights",
+        str(path),
+        "--image-size",
+        "64",
+        "--device",
+        "cpu",
+        "--batch-size",
+        "1",
+    ]
 
 
 def test_a_failed_build_removes_what_it_created_but_never_an_earlier_cache(tmp_path, monkeypatch, capsys):
@@ -299,12 +358,18 @@ def test_out_of_memory_advice_names_only_the_commands_options(tiny_data, tmp_pat
     monkeypatch.setattr(validate, "check_dataset", exhausted)
     assert main(["data", "check", str(tiny_data)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "vse data: error: out of memory (Unable to allocate 19.0 GiB); free some memory or use a machine with more"
+    assert (
+        err
+        == "vse data: error: out of memory (Unable to allocate 19.0 GiB); free some memory or use a machine with more"
+    )
     monkeypatch.setattr(own_pairs, "build_own_dataset", exhausted)
     args = write_input("folder", tmp_path, {"p0": ["a picture"]})
     assert build(args, tmp_path / "out") == 2
-    assert capsys.readouterr().err.strip().endswith("; try a smaller --batch-size or a smaller --image-size or "
-                                                    "another --device")  # fmt: skip
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith("; try a smaller --batch-size or a smaller --image-size or another --device")
+    )
 
 
 # ------------------------------------------------------------------------------ P7: one build per --out
@@ -314,7 +379,7 @@ def test_a_second_build_into_the_same_folder_fails_naming_it(tmp_path, monkeypat
     args = write_input("folder", tmp_path, {f"p{i}": [f"picture {i}"] for i in range(5)})
     out = tmp_path / "out"
     inside, release = threading.Event(), threading.Event()
-    real, calls = own_pairs.check_picture, []
+    real, calls = own_checks.check_picture, []
 
     def held_first(ref, name):  # the first check of the first build waits until released
         calls.append(name)
@@ -323,7 +388,7 @@ def test_a_second_build_into_the_same_folder_fails_naming_it(tmp_path, monkeypat
             release.wait(30)
         return real(ref, name)
 
-    monkeypatch.setattr(own_pairs, "check_picture", held_first)
+    monkeypatch.setattr(own_checks, "check_picture", held_first)
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(build(args, out, "--pixels", "--workers", "1")))
     thread.start()
@@ -332,8 +397,10 @@ def test_a_second_build_into_the_same_folder_fails_naming_it(tmp_path, monkeypat
         capsys.readouterr()
         assert build(args, out, "--pixels") == 2
         errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
-        assert errors == [f"vse data: error: {out / '.lock'}: another `vse data` build is writing to this folder "
-                          f"right now (pid {os.getpid()}); wait for it to finish"]  # fmt: skip
+        assert errors == [
+            f"vse data: error: {out / '.lock'}: another `vse data` build is writing to this folder "
+            f"right now (pid {os.getpid()}); wait for it to finish"
+        ]
     finally:
         release.set()
         thread.join(120)
@@ -359,6 +426,6 @@ def test_trainer_logs_a_dataset_warning_with_one_prefix(tiny_data, tmp_path):
     lines: list[str] = []
     Trainer(load_recipe("vsepp", TINY), data, tmp_path / "run", progress=False, log=lines.append)
     warned = [line for line in lines if "train_caps.txt:1" in line]
-    assert warned == [f"warning: {data / 'train_caps.txt'}:1: 201 words (over 200; text encoders read the first ones "
-                      "only)"]  # fmt: skip
-
+    assert warned == [
+        f"warning: {data / 'train_caps.txt'}:1: 201 words (over 200; text encoders read the first ones only)"
+    ]

@@ -93,8 +93,13 @@ def _batch(b: int = 10, seed: int = 3) -> dict:
     tok_len = torch.randint(3, 10, (b,), generator=g)
     tok_len[1] = 9
     tokens = torch.randint(5, VOCAB, (b, 9), generator=g).masked_fill(~length_mask(tok_len, 9), 0)
-    return {"images": images, "image_lengths": img_len, "tokens": tokens, "token_lengths": tok_len,
-            "ids": torch.arange(b) // 2}  # fmt: skip
+    return {
+        "images": images,
+        "image_lengths": img_len,
+        "tokens": tokens,
+        "token_lengths": tok_len,
+        "ids": torch.arange(b) // 2,
+    }
 
 
 def _loss_and_grads(model: VSEModel, loss_fn: nn.Module, batch: dict, pad: int) -> tuple[torch.Tensor, ...]:
@@ -102,8 +107,9 @@ def _loss_and_grads(model: VSEModel, loss_fn: nn.Module, batch: dict, pad: int) 
     tokens = torch.cat([batch["tokens"], batch["tokens"].new_zeros(len(batch["tokens"]), pad)], 1)
     img = model.encode_images(batch["images"], batch["image_lengths"])
     txt = model.encode_texts(tokens, batch["token_lengths"])
-    loss, _ = loss_fn(model.similarity(img, txt).float(), image_ids=batch["ids"], warmup=False, image_emb=img,
-                      text_emb=txt)  # fmt: skip
+    loss, _ = loss_fn(
+        model.similarity(img, txt).float(), image_ids=batch["ids"], warmup=False, image_emb=img, text_emb=txt
+    )
     loss.backward()
     # every parameter but the transformer's unused pooler head gets a gradient
     grads = [(n, p.grad) for n, p in model.named_parameters() if p.requires_grad]
@@ -121,7 +127,11 @@ TEXT_KINDS = [
 ]
 
 
-@pytest.mark.parametrize("recipe,sets,gru", TEXT_KINDS, ids=[f"{r}-{s[0].split('=')[1] if s else ''}-{g}" for r, s, g in TEXT_KINDS])
+@pytest.mark.parametrize(
+    "recipe,sets,gru",
+    TEXT_KINDS,
+    ids=[f"{r}-{s[0].split('=')[1] if s else ''}-{g}" for r, s, g in TEXT_KINDS],
+)
 def test_a_wider_caption_bucket_gives_the_same_loss_and_gradients(recipe, sets, gru, tiny_bert, monkeypatch):
     """The batch at its own width (9) and cut into buckets 4 and 13 wider (as the data path pads): the same
     loss, caption embeddings and gradients of every parameter (running statistics too)."""
@@ -156,8 +166,13 @@ def _trainer(data, run, *sets: str, recipe: str = "vse_infty") -> Trainer:
 def test_device_batches_are_cut_at_the_bucket_after_augmenting_at_full_width(synthetic_dir, tmp_path):
     """With augmentation on, a bucketed batch is the full-width batch of the same (seed, epoch, step) cut to
     its bucket: the same draws, and nothing but padding lies past the cut."""
-    t = _trainer(synthetic_dir, tmp_path / "r", "train.batch_size=16", "train.data_on_device=true",
-                 "train.length_bucketing=true")  # fmt: skip
+    t = _trainer(
+        synthetic_dir,
+        tmp_path / "r",
+        "train.batch_size=16",
+        "train.data_on_device=true",
+        "train.length_bucketing=true",
+    )
     loader = t.data.loader
     widths, full = loader.widths, loader.data.tokens.shape[1]
     assert len(widths) > 1 and widths[-1] == full == int(loader.data.caption_lengths.max())
@@ -184,8 +199,16 @@ class _NoReadTensor(torch.Tensor):
     zero just the padding slots; on CUDA the padding slots read a zero row.)"""
 
     reads = 0
-    _READS = {torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.item,
-              torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__format__, torch.Tensor.__index__}  # fmt: skip
+    _READS = {
+        torch.Tensor.__float__,
+        torch.Tensor.__int__,
+        torch.Tensor.__bool__,
+        torch.Tensor.item,
+        torch.Tensor.tolist,
+        torch.Tensor.numpy,
+        torch.Tensor.__format__,
+        torch.Tensor.__index__,
+    }
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -197,8 +220,13 @@ class _NoReadTensor(torch.Tensor):
 def test_the_bucket_is_chosen_without_reading_the_device(synthetic_dir, tmp_path):
     """Every tensor the device path holds is replaced by one that counts host reads: iterating an epoch with
     buckets (and augmentation) reads none of them; the widths come from the host copy of the lengths."""
-    t = _trainer(synthetic_dir, tmp_path / "r", "train.batch_size=16", "train.data_on_device=true",
-                 "train.length_bucketing=true")  # fmt: skip
+    t = _trainer(
+        synthetic_dir,
+        tmp_path / "r",
+        "train.batch_size=16",
+        "train.data_on_device=true",
+        "train.length_bucketing=true",
+    )
     loader, d = t.data.loader, t.data.loader.data
     for name in ("tokens", "token_lengths", "sizes", "starts", "flat"):
         setattr(d, name, getattr(d, name).as_subclass(_NoReadTensor))
@@ -216,8 +244,13 @@ def test_length_bucketing_puts_batches_in_small_buckets(synthetic_dir, tmp_path)
     longest caption; without it a random batch of 16 nearly always holds a caption of the top bucket."""
     mean = {}
     for lb in (True, False):
-        t = _trainer(synthetic_dir, tmp_path / str(lb), "train.batch_size=16", "train.data_on_device=true",
-                     f"train.length_bucketing={str(lb).lower()}")  # fmt: skip
+        t = _trainer(
+            synthetic_dir,
+            tmp_path / str(lb),
+            "train.batch_size=16",
+            "train.data_on_device=true",
+            f"train.length_bucketing={str(lb).lower()}",
+        )
         mean[lb] = np.mean([b["tokens"].shape[1] for b in t.data.epoch(0)])
         full = t.data.caption_widths[-1]
     assert mean[True] < mean[False] <= full
@@ -238,7 +271,9 @@ def test_train_step_bench_times_variants_in_one_run(monkeypatch):
     # calls: warm-up A, warm-up B, then per round A, A, B, B. A: 100, 300, 500, 100 ms (median 200);
     # B: 100, 100, 100, 300 ms (median 100): B is 2x faster
     clock = StepClock([9.0, 9.0, 0.1, 0.3, 0.1, 0.1, 0.5, 0.1, 0.1, 0.3]).install(monkeypatch, module)
-    rows = module.bench_train_step_variants("vse_infty", batch=8, overrides=sets, variants=variants, rounds=2, **tiny)
+    rows = module.bench_train_step_variants(
+        "vse_infty", batch=8, overrides=sets, variants=variants, rounds=2, **tiny
+    )
     assert clock.calls == 20
     a, b = rows
     assert (a["variant"], b["variant"]) == ("train.caption_buckets=1", "train.caption_buckets=4")
@@ -255,19 +290,67 @@ def test_bench_commands_write_their_rows(tmp_path, capsys, monkeypatch):
 
     from vsekit.cli import main
 
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the synthetic set is written there (and removed)
+    monkeypatch.setattr(
+        tempfile, "tempdir", str(tmp_path)
+    )  # the synthetic set is written there (and removed)
     out = tmp_path / "step.json"
-    args = ["bench", "train-step", "--batch", "6", "--regions", "4", "--img-dim", "8", "--embed-dim", "16", "--vocab",
-            "60", "--steps", "1", "--warmup", "1", "--length-bucketing", "--caption-buckets", "1", "3", "--json-out",
-            str(out), "--set", "model.text.word_dim=8"]  # fmt: skip
+    args = [
+        "bench",
+        "train-step",
+        "--batch",
+        "6",
+        "--regions",
+        "4",
+        "--img-dim",
+        "8",
+        "--embed-dim",
+        "16",
+        "--vocab",
+        "60",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--length-bucketing",
+        "--caption-buckets",
+        "1",
+        "3",
+        "--json-out",
+        str(out),
+        "--set",
+        "model.text.word_dim=8",
+    ]
     assert main(args) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["caption_buckets"] for r in rows] == [1, 3] and all(r["length_bucketing"] for r in rows)
     assert "| speed-up vs first row |" in capsys.readouterr().out
     amp = tmp_path / "amp.json"
-    assert main(["bench", "amp", "--recipe", "vsepp", "--batch", "8", "--img-dim", "16", "--embed-dim", "16",
-                 "--vocab", "50", "--seeds", "1", "--json-out", str(amp)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "bench",
+                "amp",
+                "--recipe",
+                "vsepp",
+                "--batch",
+                "8",
+                "--img-dim",
+                "16",
+                "--embed-dim",
+                "16",
+                "--vocab",
+                "50",
+                "--seeds",
+                "1",
+                "--json-out",
+                str(amp),
+            ]
+        )
+        == 0
+    )
     kinds = [r["loss_kind"] for r in json.loads(amp.read_text())["rows"]]
     assert len(kinds) == 2 and kinds[0] != kinds[1]  # the recipe's loss, then the warm-up's sum
     assert "vsepp: bf16 outputs:" in capsys.readouterr().out
-    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("vsekit-")]  # the synthetic set is gone
+    assert not [
+        p.name for p in tmp_path.iterdir() if p.name.startswith("vsekit-")
+    ]  # the synthetic set is gone

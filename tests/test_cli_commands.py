@@ -17,9 +17,26 @@ from vsekit.training.trainer import Trainer
 from vsekit.utils.io import sha256_file
 from vsekit_lab.bench.eval import reference_loop_metrics
 
-SMALL = ["model.embed_dim=32", "model.text.word_dim=16", "train.batch_size=32", "train.log_every=0", "train.epochs=1"]
-KEYS = ("i2t_r1", "i2t_r5", "i2t_r10", "i2t_medr", "i2t_meanr", "t2i_r1", "t2i_r5", "t2i_r10", "t2i_medr",
-        "t2i_meanr", "rsum")  # fmt: skip
+SMALL = [
+    "model.embed_dim=32",
+    "model.text.word_dim=16",
+    "train.batch_size=32",
+    "train.log_every=0",
+    "train.epochs=1",
+]
+KEYS = (
+    "i2t_r1",
+    "i2t_r5",
+    "i2t_r10",
+    "i2t_medr",
+    "i2t_meanr",
+    "t2i_r1",
+    "t2i_r5",
+    "t2i_r10",
+    "t2i_medr",
+    "t2i_meanr",
+    "rsum",
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +59,23 @@ def _assert_metrics(got: dict, expect: dict) -> None:
 
 def test_eval_one_run_saves_its_similarities(two_runs, tmp_path, capsys):
     sims_file, out = tmp_path / "a.npy", tmp_path / "a.json"
-    assert main(["eval", str(two_runs[0]), "--split", "test", "--device", "cpu", "--save-sims", str(sims_file),
-                 "--json", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                str(two_runs[0]),
+                "--split",
+                "test",
+                "--device",
+                "cpu",
+                "--save-sims",
+                str(sims_file),
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     sims = np.load(sims_file)
     assert sims.shape == (50, 250) and sims.dtype == np.float32
     metrics = json.loads(out.read_text())
@@ -56,13 +88,42 @@ def test_eval_one_run_saves_its_similarities(two_runs, tmp_path, capsys):
 def test_eval_ensemble_averages_the_runs_similarities(two_runs, tmp_path, capsys):
     singles = []
     for i, run in enumerate(two_runs):
-        assert main(["eval", str(run), "--split", "test", "--device", "cpu", "--save-sims", str(tmp_path / f"{i}.npy")]) == 0
+        assert (
+            main(
+                [
+                    "eval",
+                    str(run),
+                    "--split",
+                    "test",
+                    "--device",
+                    "cpu",
+                    "--save-sims",
+                    str(tmp_path / f"{i}.npy"),
+                ]
+            )
+            == 0
+        )
         singles.append(np.load(tmp_path / f"{i}.npy"))
     assert not np.allclose(singles[0], singles[1])  # two different models
     capsys.readouterr()
     out, ens_file = tmp_path / "ens.json", tmp_path / "ens.npy"
-    assert main(["eval", *map(str, two_runs), "--split", "test", "--device", "cpu", "--save-sims", str(ens_file),
-                 "--json", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                *map(str, two_runs),
+                "--split",
+                "test",
+                "--device",
+                "cpu",
+                "--save-sims",
+                str(ens_file),
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert printed.count("seed0: i2t R@1") == 1 and printed.count("seed1: i2t R@1") == 1
     assert "ensemble (mean similarity):" in printed
@@ -76,11 +137,28 @@ def test_eval_ensemble_averages_the_runs_similarities(two_runs, tmp_path, capsys
 
 
 def test_eval_fold5_is_the_mean_over_five_image_blocks(two_runs, tmp_path, capsys):
-    assert main(["eval", str(two_runs[0]), "--split", "test", "--device", "cpu", "--save-sims", str(tmp_path / "s.npy")]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(two_runs[0]),
+                "--split",
+                "test",
+                "--device",
+                "cpu",
+                "--save-sims",
+                str(tmp_path / "s.npy"),
+            ]
+        )
+        == 0
+    )
     sims = np.load(tmp_path / "s.npy")
     out = tmp_path / "f.json"
     capsys.readouterr()
-    assert main(["eval", str(two_runs[0]), "--split", "test", "--device", "cpu", "--fold5", "--json", str(out)]) == 0
+    assert (
+        main(["eval", str(two_runs[0]), "--split", "test", "--device", "cpu", "--fold5", "--json", str(out)])
+        == 0
+    )
     metrics = json.loads(out.read_text())
     # 50 test images: folds of 10 images and their 50 captions, scored on their own
     folds = [reference_loop_metrics(sims[10 * f : 10 * f + 10, 50 * f : 50 * f + 50], 5) for f in range(5)]
@@ -90,14 +168,21 @@ def test_eval_fold5_is_the_mean_over_five_image_blocks(two_runs, tmp_path, capsy
     _assert_metrics(metrics, {k: float(np.mean([f[k] for f in folds])) for k in KEYS})
     assert capsys.readouterr().out.count("  fold ") == 5
     # an ensemble with --fold5 folds the mean matrix
-    assert main(["eval", *map(str, two_runs), "--split", "test", "--device", "cpu", "--fold5", "--json", str(out)]) == 0
+    assert (
+        main(
+            ["eval", *map(str, two_runs), "--split", "test", "--device", "cpu", "--fold5", "--json", str(out)]
+        )
+        == 0
+    )
     assert len(json.loads(out.read_text())["folds"]) == 5
 
 
 def test_recipes_lists_and_resolves(tmp_path, capsys):
     assert main(["recipes"]) == 0
     listed = capsys.readouterr().out.split("\n\n")[0].split()  # the recipes, then the parts a recipe names
-    shipped = sorted(p.stem for p in (Path(__file__).parents[1] / "src" / "vsekit" / "recipes").glob("*.yaml"))
+    shipped = sorted(
+        p.stem for p in (Path(__file__).parents[1] / "src" / "vsekit" / "recipes").glob("*.yaml")
+    )
     assert listed == shipped and {"vsepp", "vse_infty", "avse"} <= set(listed)
 
     assert main(["recipes", "vsepp"]) == 0
@@ -105,7 +190,10 @@ def test_recipes_lists_and_resolves(tmp_path, capsys):
     resolved = yaml.safe_load(printed)
     assert "base" not in resolved  # fully resolved: the inherited keys are written out
     # vsepp.yaml's own settings over vse_infty's (see the recipe files and docs/training.md)
-    assert resolved["model"]["image"]["pooling"]["name"] == "avg" and resolved["model"]["text"]["pooling"]["name"] == "avg"
+    assert (
+        resolved["model"]["image"]["pooling"]["name"] == "avg"
+        and resolved["model"]["text"]["pooling"]["name"] == "avg"
+    )
     assert resolved["optim"]["lr"] == 5e-4 and resolved["train"]["epochs"] == 25
     assert resolved["model"]["embed_dim"] == 1024  # inherited from vse_infty
     copy = tmp_path / "copy.yaml"

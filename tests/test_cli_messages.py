@@ -20,7 +20,13 @@ from vsekit.metrics.retrieval import ranks_both, ranks_i2t, ranks_t2i
 from vsekit.training.trainer import Trainer
 from vsekit_lab.datasets.synthetic import make_synthetic_precomp
 
-TINY = ["model.embed_dim=16", "model.text.word_dim=8", "train.batch_size=16", "train.log_every=0", "train.epochs=1"]
+TINY = [
+    "model.embed_dim=16",
+    "model.text.word_dim=8",
+    "train.batch_size=16",
+    "train.log_every=0",
+    "train.epochs=1",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -31,7 +37,9 @@ def _one_thread(_threads):
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     """8-wide features, no `{split}_images.txt` (features only)."""
-    return make_synthetic_precomp(tmp_path_factory.mktemp("d8"), n_train=40, n_dev=10, n_test=10, regions=4, dim=8)
+    return make_synthetic_precomp(
+        tmp_path_factory.mktemp("d8"), n_train=40, n_dev=10, n_test=10, regions=4, dim=8
+    )
 
 
 @pytest.fixture(scope="module")
@@ -68,18 +76,26 @@ def test_feature_width_mismatch_names_the_file_and_the_width(run, narrow, tmp_pa
     ims = str(narrow / "test_ims.npy")
     err = one_line_error(capsys, ["eval", str(run), "--data", str(narrow), "--device", "cpu"], "eval")
     assert ims in err and "6 wide" in err and "expects 8-wide" in err and "mat1" not in err
-    err = one_line_error(capsys, ["index", str(run), f"{narrow}:test", "--out", str(tmp_path / "i"), "--quiet"], "index")
+    err = one_line_error(
+        capsys, ["index", str(run), f"{narrow}:test", "--out", str(tmp_path / "i"), "--quiet"], "index"
+    )
     assert ims in err and "expects 8-wide" in err
     resumed = shutil.copytree(run, tmp_path / "resumed")
-    err = one_line_error(capsys, ["train", "--resume", str(resumed), "--data", str(narrow), "--epochs", "2",
-                                  "--no-progress"], "train")  # fmt: skip
+    err = one_line_error(
+        capsys,
+        ["train", "--resume", str(resumed), "--data", str(narrow), "--epochs", "2", "--no-progress"],
+        "train",
+    )
     assert str(narrow / "train_ims.npy") in err and "expects 8-wide" in err
 
 
 @pytest.mark.parametrize("verb", ["eval", "train", "index"])
 def test_unknown_device_names_the_valid_choices(verb, run, data, tmp_path, capsys):
-    argv = {"eval": ["eval", str(run)], "index": ["index", str(run), f"{data}:test", "--out", str(tmp_path / "i")],
-            "train": ["train", "--data", str(data), "--out", str(tmp_path / "t"), "--no-progress"]}[verb]  # fmt: skip
+    argv = {
+        "eval": ["eval", str(run)],
+        "index": ["index", str(run), f"{data}:test", "--out", str(tmp_path / "i")],
+        "train": ["train", "--data", str(data), "--out", str(tmp_path / "t"), "--no-progress"],
+    }[verb]
     err = one_line_error(capsys, [*argv, "--device", "gpu"], verb)
     assert "'gpu' is not a device" in err and "cpu, cuda, cuda:N, mps, auto" in err
     assert not (tmp_path / "t").exists() and not (tmp_path / "i").exists()
@@ -87,9 +103,25 @@ def test_unknown_device_names_the_valid_choices(verb, run, data, tmp_path, capsy
 
 @pytest.mark.parametrize("lr", ["0", "-1", "-1e-4", "nan", "inf"])
 def test_learning_rate_must_be_positive(lr, data, tmp_path, capsys):
-    err = one_line_error(capsys, ["train", "--data", str(data), "--out", str(tmp_path / "r"), "--no-progress",
-                                  "--set", f"optim.lr={lr}"], "train")  # fmt: skip
-    assert "optim.lr=" in err and "must be a positive finite number" in err and "Invalid learning rate" not in err
+    err = one_line_error(
+        capsys,
+        [
+            "train",
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path / "r"),
+            "--no-progress",
+            "--set",
+            f"optim.lr={lr}",
+        ],
+        "train",
+    )
+    assert (
+        "optim.lr=" in err
+        and "must be a positive finite number" in err
+        and "Invalid learning rate" not in err
+    )
     assert not (tmp_path / "r").exists()
 
 
@@ -113,7 +145,9 @@ def test_nan_test_features_name_the_file_and_row(run, data, tmp_path, capsys):
     np.save(bad / "test_ims.npy", feats)
     err = one_line_error(capsys, ["eval", str(run), "--data", str(bad), "--device", "cpu"], "eval")
     assert str(bad / "test_ims.npy") in err and "row 7" in err and "NaN" in err
-    err = one_line_error(capsys, ["index", str(run), f"{bad}:test", "--out", str(tmp_path / "i"), "--quiet"], "index")
+    err = one_line_error(
+        capsys, ["index", str(run), f"{bad}:test", "--out", str(tmp_path / "i"), "--quiet"], "index"
+    )
     assert str(bad / "test_ims.npy") in err and "row 7" in err
 
 
@@ -173,14 +207,34 @@ def test_split_without_pictures_is_indexed_from_its_features(run, data, tmp_path
     assert main(["search", str(out), caption, "-k", "10", "--json", "--device", "cpu"]) == 0
     hits = json.loads(capsys.readouterr().out)
     assert sorted(h["path"] for h in hits) == [f"test:{i}" for i in range(10)]  # rows of the split, each once
-    assert main(["search", str(out), caption, "-k", "3", "--json-out", str(tmp_path / "h.json"), "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "search",
+                str(out),
+                caption,
+                "-k",
+                "3",
+                "--json-out",
+                str(tmp_path / "h.json"),
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     assert [h["path"] for h in json.loads((tmp_path / "h.json").read_text())] == [h["path"] for h in hits[:3]]
     # --pixels has nothing to read; a picture query is refused before the picture is opened
-    err = one_line_error(capsys, ["index", str(run), f"{data}:test", "--out", str(tmp_path / "p"), "--pixels"], "index")
+    err = one_line_error(
+        capsys, ["index", str(run), f"{data}:test", "--out", str(tmp_path / "p"), "--pixels"], "index"
+    )
     assert "test_images.txt: missing" in err and "--pixels" in err
-    err = one_line_error(capsys, ["search", str(out), "--image", str(tmp_path / "absent.png"), "--device", "cpu"],
-                         "search")  # fmt: skip
-    assert "cannot answer picture queries" in err and "precomputed features" in err and "absent.png" not in err
+    err = one_line_error(
+        capsys, ["search", str(out), "--image", str(tmp_path / "absent.png"), "--device", "cpu"], "search"
+    )
+    assert (
+        "cannot answer picture queries" in err and "precomputed features" in err and "absent.png" not in err
+    )
 
 
 # ------------------------------------------------------------------------------------------- 4. start-up
@@ -270,7 +324,15 @@ def test_every_input_error_type_is_a_vse_input_error_and_still_a_value_error():
     from vsekit.search.index import IndexFormatError
 
     assert ValueError not in EXPECTED_ERRORS and RuntimeError not in EXPECTED_ERRORS
-    for cls in (ConfigError, DataFormatError, MetricsInputError, CheckpointError, ReleasedCheckpointError,
-                IndexFormatError, SetupError, MissingPackageError):  # fmt: skip
+    for cls in (
+        ConfigError,
+        DataFormatError,
+        MetricsInputError,
+        CheckpointError,
+        ReleasedCheckpointError,
+        IndexFormatError,
+        SetupError,
+        MissingPackageError,
+    ):
         assert issubclass(cls, VseInputError) and issubclass(cls, ValueError), cls
     assert issubclass(SetupError, RuntimeError) and issubclass(MissingPackageError, ImportError)

@@ -19,8 +19,13 @@ from vsekit.config import ConfigError, load_recipe
 from vsekit.search.index import IndexFormatError, writer_lock
 from vsekit.training.trainer import Trainer
 
-TINY = ["model.embed_dim=32", "model.text.word_dim=16", "train.batch_size=16", "train.log_every=1",
-        "optim.lr_decay_epochs=[1]"]  # fmt: skip
+TINY = [
+    "model.embed_dim=32",
+    "model.text.word_dim=16",
+    "train.batch_size=16",
+    "train.log_every=1",
+    "optim.lr_decay_epochs=[1]",
+]
 TINY_ARGS = ["--recipe", "vsepp", "--no-progress", *[x for s in TINY for x in ("--set", s)]]
 
 
@@ -38,7 +43,9 @@ def tiny_run(tiny_data, tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        Trainer(load_recipe("vsepp", TINY + ["train.epochs=1"]), tiny_data, run, progress=False, log=logs.append).fit()
+        Trainer(
+            load_recipe("vsepp", TINY + ["train.epochs=1"]), tiny_data, run, progress=False, log=logs.append
+        ).fit()
     finally:
         torch.set_num_threads(threads)
     return run, logs
@@ -71,30 +78,56 @@ def _records(run: Path, kind: str) -> list[dict]:
 # ------------------------------------------------------------------------------------ 1. float literals
 
 
-@pytest.mark.parametrize("literal,value", [("2e-4", 2e-4), ("1E-3", 1e-3), ("5", 5.0), (".5", 0.5), ("1e3", 1000.0),
-                                           ("3.0e-2", 0.03)])  # fmt: skip
+@pytest.mark.parametrize(
+    "literal,value",
+    [("2e-4", 2e-4), ("1E-3", 1e-3), ("5", 5.0), (".5", 0.5), ("1e3", 1000.0), ("3.0e-2", 0.03)],
+)
 def test_float_fields_take_every_float_literal(literal, value, tmp_path):
     assert load_recipe("vsepp", [f"optim.lr={literal}"]).optim.lr == value
     assert load_recipe("vsepp", [f"loss.ladder_thresholds=[{literal}]"]).loss.ladder_thresholds == [value]
-    assert load_recipe("vsepp", [f"loss.ladder_percentile={literal}"]).loss.ladder_percentile == value  # float | None
+    assert (
+        load_recipe("vsepp", [f"loss.ladder_percentile={literal}"]).loss.ladder_percentile == value
+    )  # float | None
     user = tmp_path / "r.yaml"
     user.write_text(f"base: vsepp\noptim:\n  lr: {literal}\n")
     assert load_recipe(str(user)).optim.lr == value
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("train.epochs=nan", "expected an integer"), ("train.epochs=.nan", "expected an integer"),
-    ("train.epochs=1e3", "expected an integer"), ("train.batch_size=16.0", "expected an integer"),
-    ("optim.lr=abc", "expected a number"), ("optim.lr=true", "expected a number"), ("optim.lr=[1]", "expected a number"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("train.epochs=nan", "expected an integer"),
+        ("train.epochs=.nan", "expected an integer"),
+        ("train.epochs=1e3", "expected an integer"),
+        ("train.batch_size=16.0", "expected an integer"),
+        ("optim.lr=abc", "expected a number"),
+        ("optim.lr=true", "expected a number"),
+        ("optim.lr=[1]", "expected a number"),
+    ],
+)
 def test_ints_stay_strict_and_garbage_is_not_a_float(override, needle):
     with pytest.raises(ConfigError, match=needle):
         load_recipe("vsepp", [override])
 
 
 def test_docs_example_lr_override_trains(tiny_data, tmp_path):
-    assert main(["train", "--data", str(tiny_data), "--out", str(tmp_path / "r"), "--epochs", "1", *TINY_ARGS,
-                 "--set", "optim.lr=2e-4"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                "--data",
+                str(tiny_data),
+                "--out",
+                str(tmp_path / "r"),
+                "--epochs",
+                "1",
+                *TINY_ARGS,
+                "--set",
+                "optim.lr=2e-4",
+            ]
+        )
+        == 0
+    )
     assert json.loads((tmp_path / "r" / "config.json").read_text())["recipe"]["optim"]["lr"] == 2e-4
 
 
@@ -103,20 +136,28 @@ def test_docs_example_lr_override_trains(tiny_data, tmp_path):
 
 def test_resume_with_epochs_extends_the_run_like_a_longer_run(tiny_data, tiny_run, tmp_path, capsys):
     ref = tmp_path / "two"
-    Trainer(load_recipe("vsepp", TINY + ["train.epochs=2"]), tiny_data, ref, progress=False, log=lambda *_: None).fit()
+    Trainer(
+        load_recipe("vsepp", TINY + ["train.epochs=2"]), tiny_data, ref, progress=False, log=lambda *_: None
+    ).fit()
     run = _copy(tiny_run[0], tmp_path / "extended")
     assert main(["train", "--resume", str(run), "--epochs", "2", "--no-progress"]) == 0
     _same_weights(ref / "last.safetensors", run / "last.safetensors")  # same lr schedule, same batches
     assert [r["rsum"] for r in _records(run, "val")] == [r["rsum"] for r in _records(ref, "val")]
     assert [r["epoch"] for r in _records(run, "val")] == [1, 2]
-    assert json.loads((run / "config.json").read_text())["recipe"]["train"]["epochs"] == 2  # a later --resume keeps it
+    assert (
+        json.loads((run / "config.json").read_text())["recipe"]["train"]["epochs"] == 2
+    )  # a later --resume keeps it
     capsys.readouterr()
     assert main(["train", "--resume", str(run), "--no-progress"]) == 0
     assert "all 2 epochs are trained" in capsys.readouterr().out
     before = _snapshot(run)
     assert main(["train", "--resume", str(run), "--epochs", "1"]) == 2
     err = capsys.readouterr().err
-    assert "already trained 2 epoch(s)" in err and "--epochs 2 or more" in err and len(err.strip().splitlines()) == 1
+    assert (
+        "already trained 2 epoch(s)" in err
+        and "--epochs 2 or more" in err
+        and len(err.strip().splitlines()) == 1
+    )
     assert _snapshot(run) == before
 
 
@@ -127,7 +168,21 @@ def test_resume_takes_a_new_lr_schedule_and_records_it(tiny_data, tiny_run, tmp_
     recipe = load_recipe("vsepp", TINY + ["train.epochs=2", "optim.lr_decay_epochs=[]"])
     Trainer(recipe, tiny_data, ref, progress=False, log=lambda *_: None).fit()
     run = _copy(tiny_run[0], tmp_path / "extended")
-    assert main(["train", "--resume", str(run), "--epochs", "2", "--set", "optim.lr_decay_epochs=[]", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--resume",
+                str(run),
+                "--epochs",
+                "2",
+                "--set",
+                "optim.lr_decay_epochs=[]",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert "optim.lr_decay_epochs [1] -> []" in capsys.readouterr().out
     _same_weights(ref / "last.safetensors", run / "last.safetensors")
     lrs = {r["lr"] for r in _records(run, "train") if r["epoch"] == 2}
@@ -146,9 +201,16 @@ def test_resume_refuses_recipe_changes_other_than_the_schedule(tiny_run, item, c
     assert _snapshot(tiny_run[0]) == before
 
 
-@pytest.mark.parametrize("extra,flag", [(["--recipe", "vsepp"], "--recipe"),
-                                        (["--out", "elsewhere"], "--out"), (["--batch-size", "8"], "--batch-size"),
-                                        (["--seed", "0"], "--seed"), (["--overwrite"], "--overwrite")])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra,flag",
+    [
+        (["--recipe", "vsepp"], "--recipe"),
+        (["--out", "elsewhere"], "--out"),
+        (["--batch-size", "8"], "--batch-size"),
+        (["--seed", "0"], "--seed"),
+        (["--overwrite"], "--overwrite"),
+    ],
+)
 def test_resume_refuses_flags_it_would_ignore(tiny_run, extra, flag, capsys):
     before = _snapshot(tiny_run[0])
     assert main(["train", "--resume", str(tiny_run[0]), "--epochs", "3", *extra]) == 2
@@ -186,25 +248,36 @@ def test_out_at_an_existing_file_is_a_clear_error(tiny_data, tmp_path, capsys):
 def test_out_at_a_folder_that_is_not_a_run_is_refused(tiny_data, tmp_path, overwrite, capsys):
     data = Path(shutil.copytree(tiny_data, tmp_path / "data"))
     before = _snapshot(data)
-    assert main(["train", "--data", str(data), "--out", str(data), "--epochs", "1", *TINY_ARGS, *overwrite]) == 2
+    assert (
+        main(["train", "--data", str(data), "--out", str(data), "--epochs", "1", *TINY_ARGS, *overwrite]) == 2
+    )
     assert "is not a vsekit run" in capsys.readouterr().err
     assert _snapshot(data) == before  # the dataset folder got nothing written into it
     hf = tmp_path / "hf_model"  # a config.json alone does not make a folder a run
     hf.mkdir()
     (hf / "config.json").write_text('{"model_type": "bert"}')
-    assert main(["train", "--data", str(data), "--out", str(hf), "--epochs", "1", *TINY_ARGS, *overwrite]) == 2
+    assert (
+        main(["train", "--data", str(data), "--out", str(hf), "--epochs", "1", *TINY_ARGS, *overwrite]) == 2
+    )
     assert (hf / "config.json").read_text() == '{"model_type": "bert"}'
 
 
 # ----------------------------------------------------------------------------------------- 6. --overwrite
 
 
-def test_overwrite_clears_the_previous_runs_files_and_keeps_foreign_ones(tiny_data, tiny_run, tmp_path, capsys):
+def test_overwrite_clears_the_previous_runs_files_and_keeps_foreign_ones(
+    tiny_data, tiny_run, tmp_path, capsys
+):
     run = _copy(tiny_run[0], tmp_path / "run")
     (run / "tb" / "events.out.tfevents.old").write_bytes(b"old events")
     (run / "ckpt" / "last-000099.safetensors").write_bytes(b"stale")
     (run / "notes.txt").write_text("mine\n")
-    assert main(["train", "--data", str(tiny_data), "--out", str(run), "--epochs", "1", *TINY_ARGS, "--overwrite"]) == 0
+    assert (
+        main(
+            ["train", "--data", str(tiny_data), "--out", str(run), "--epochs", "1", *TINY_ARGS, "--overwrite"]
+        )
+        == 0
+    )
     assert not (run / "tb" / "events.out.tfevents.old").exists()
     assert not (run / "ckpt" / "last-000099.safetensors").exists()
     assert (run / "notes.txt").read_text() == "mine\n"
@@ -215,7 +288,9 @@ def test_overwrite_clears_the_previous_runs_files_and_keeps_foreign_ones(tiny_da
 # ------------------------------------------------------------------------------------------ 7. Ctrl-C
 
 
-def test_ctrl_c_before_the_run_is_set_up_leaves_nothing_and_says_how_to_restart(tiny_data, tmp_path, monkeypatch, capsys):
+def test_ctrl_c_before_the_run_is_set_up_leaves_nothing_and_says_how_to_restart(
+    tiny_data, tmp_path, monkeypatch, capsys
+):
     def interrupted(*_a, **_k):
         raise KeyboardInterrupt
 
@@ -223,12 +298,16 @@ def test_ctrl_c_before_the_run_is_set_up_leaves_nothing_and_says_how_to_restart(
     out = tmp_path / "run"
     assert main(["train", "--data", str(tiny_data), "--out", str(out), "--epochs", "1", *TINY_ARGS]) == 130
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "nothing was saved; start again with: vse train --recipe vsepp" in err
+    assert (
+        len(err.splitlines()) == 1 and "nothing was saved; start again with: vse train --recipe vsepp" in err
+    )
     assert f"--out {out}" in err and "--set 'optim.lr_decay_epochs=[1]'" in err  # quoted for the shell
     assert not out.exists()
 
 
-def test_ctrl_c_with_overwrite_before_setup_keeps_the_old_run(tiny_data, tiny_run, tmp_path, monkeypatch, capsys):
+def test_ctrl_c_with_overwrite_before_setup_keeps_the_old_run(
+    tiny_data, tiny_run, tmp_path, monkeypatch, capsys
+):
     run = _copy(tiny_run[0], tmp_path / "run")
     before = _snapshot(run)
 
@@ -236,20 +315,29 @@ def test_ctrl_c_with_overwrite_before_setup_keeps_the_old_run(tiny_data, tiny_ru
         raise KeyboardInterrupt
 
     monkeypatch.setattr(trainer_mod, "create_loss", interrupted)
-    assert main(["train", "--data", str(tiny_data), "--out", str(run), "--epochs", "1", *TINY_ARGS, "--overwrite"]) == 130
+    assert (
+        main(
+            ["train", "--data", str(tiny_data), "--out", str(run), "--epochs", "1", *TINY_ARGS, "--overwrite"]
+        )
+        == 130
+    )
     err = capsys.readouterr().err
     assert "the run already there is untouched" in err and "--overwrite" in err
     assert _snapshot(run) == before
 
 
-def test_ctrl_c_before_the_first_checkpoint_resumes_with_the_printed_command(tiny_data, tiny_run, tmp_path, monkeypatch, capsys):
+def test_ctrl_c_before_the_first_checkpoint_resumes_with_the_printed_command(
+    tiny_data, tiny_run, tmp_path, monkeypatch, capsys
+):
     def interrupted(self, *_a, **_k):
         raise KeyboardInterrupt
 
     out = tmp_path / "run"
     with monkeypatch.context() as m:
         m.setattr(Trainer, "fit", interrupted)
-        assert main(["train", "--data", str(tiny_data), "--out", str(out), "--epochs", "1", *TINY_ARGS]) == 130
+        assert (
+            main(["train", "--data", str(tiny_data), "--out", str(out), "--epochs", "1", *TINY_ARGS]) == 130
+        )
     err = capsys.readouterr().err
     assert f"continue with: vse train --resume {out} --no-progress" in err
     assert main(["train", "--resume", str(out), "--no-progress"]) == 0
@@ -264,13 +352,16 @@ def test_epochs_are_one_based_in_logs_metrics_and_best(tiny_run):
     assert {r["epoch"] for r in _records(run, "train")} == {1}
     assert [r["epoch"] for r in _records(run, "val")] == [1]
     assert json.loads((run / "best.json").read_text())["epoch"] == 1
-    assert any(line.startswith("epoch 1 step 1 ") for line in logs) and not any(line.startswith("epoch 0") for line in logs)
+    assert any(line.startswith("epoch 1 step 1 ") for line in logs) and not any(
+        line.startswith("epoch 0") for line in logs
+    )
 
 
 def test_fit_reports_the_best_epoch_as_best_json_does(tiny_data, tmp_path, capsys):
     run = tmp_path / "two"
-    result = Trainer(load_recipe("vsepp", TINY + ["train.epochs=2"]), tiny_data, run, progress=False,
-                     log=lambda *_: None).fit()  # fmt: skip
+    result = Trainer(
+        load_recipe("vsepp", TINY + ["train.epochs=2"]), tiny_data, run, progress=False, log=lambda *_: None
+    ).fit()
     best = json.loads((run / "best.json").read_text())
     assert result["best_epoch"] == best["epoch"] in (1, 2)
     assert max(_records(run, "val"), key=lambda r: r["rsum"])["epoch"] == best["epoch"]
@@ -287,7 +378,9 @@ def test_synthetic_refuses_to_overwrite_a_dataset_without_overwrite(tmp_path, ca
     assert "--overwrite" in capsys.readouterr().err
     assert _snapshot(out) == before
     (out / "notes.txt").write_text("mine\n")
-    assert main(["data", "synthetic", "--out", str(out), "--n-train", "30", "--seed", "1", "--overwrite"]) == 0
+    assert (
+        main(["data", "synthetic", "--out", str(out), "--n-train", "30", "--seed", "1", "--overwrite"]) == 0
+    )
     assert not (out / "train_cap2img.txt").exists()  # the old set's file would pair the new captions wrongly
     assert len((out / "train_caps.txt").read_text().splitlines()) == 150
     assert (out / "notes.txt").read_text() == "mine\n"
@@ -298,7 +391,9 @@ def test_synthetic_refuses_to_overwrite_a_dataset_without_overwrite(tmp_path, ca
 
 
 def _dead_pid() -> int:
-    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     return int(proc.stdout)
 
 
@@ -325,13 +420,24 @@ def test_lock_of_a_dead_writer_is_taken_over_and_a_live_one_is_named(tmp_path):
         pass
     assert any("stopped without finishing; taking it over" in n for n in notes)
     assert not (out / ".lock").exists()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys; from vsekit.search.index import writer_lock\n"
-                               f"with writer_lock(__import__('pathlib').Path({str(out)!r})):\n"
-                               "    print('held', flush=True); sys.stdin.read()"],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from vsekit.search.index import writer_lock\n"
+            f"with writer_lock(__import__('pathlib').Path({str(out)!r})):\n"
+            "    print('held', flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(IndexFormatError, match=rf"another `vse index` is writing to this index right now \(pid {holder.pid}\)"):
+        with pytest.raises(
+            IndexFormatError,
+            match=rf"another `vse index` is writing to this index right now \(pid {holder.pid}\)",
+        ):
             with writer_lock(out):
                 pass
     finally:

@@ -72,7 +72,9 @@ def test_wrapper_embeds_like_vse_eval(scored):
     assert wrapped.shape == sims.shape == (24, 48)
     # two float32 evaluations of cosines of 64-d unit embeddings (other batching): <= 2 (64 + 2) eps = 1.6e-5
     # apart (measured 0); a wrong picture or caption order moves them by O(0.1)
-    np.testing.assert_allclose(wrapped, sims[:, order], atol=2e-5)  # pictures via the extractor = stored features
+    np.testing.assert_allclose(
+        wrapped, sims[:, order], atol=2e-5
+    )  # pictures via the extractor = stored features
 
 
 def test_clip_benchmark_recalls_equal_vse_eval_up_to_ties(scored):
@@ -92,11 +94,16 @@ def test_clip_benchmark_recalls_equal_vse_eval_up_to_ties(scored):
     # picture scores never tie (every t2i key is compared exactly); caption scores tie only among the twins'
     # shared captions, which leaves i2t R@10 tie-free on this set (R@1 and R@5 are checked within the bounds)
     assert {"t2i_r1", "t2i_r5", "t2i_r10", "i2t_r10"} <= set(exact), exact
-    assert converted["t2i_r1"] == pytest.approx(50.0) and ours["i2t_r1"] == 0.0  # twins: half of t2i, ties at i2t@1
+    assert (
+        converted["t2i_r1"] == pytest.approx(50.0) and ours["i2t_r1"] == 0.0
+    )  # twins: half of t2i, ties at i2t@1
 
 
 def test_key_map_and_units():
-    assert CLIP_BENCHMARK_KEYS == {"image_retrieval_recall@{k}": "t2i_r{k}", "text_retrieval_recall@{k}": "i2t_r{k}"}
+    assert CLIP_BENCHMARK_KEYS == {
+        "image_retrieval_recall@{k}": "t2i_r{k}",
+        "text_retrieval_recall@{k}": "i2t_r{k}",
+    }
     got = to_vsekit_keys({"image_retrieval_recall@5": 0.25, "text_retrieval_recall@10": 1.0, "other@5": 0.3})
     assert got == {"t2i_r5": 25.0, "i2t_r10": 100.0}
 
@@ -114,7 +121,11 @@ def test_tokenizer_pads_with_the_runs_pad_id_and_lengths_come_back(shapes_model)
     one = model.encode_text(tokenizer(["blue"]))  # alone, without padding: the same vector
     # ids and strings give the same tokens (bit-identical); alone, the caption goes through batch-1 GEMMs without
     # padding: O(0.1) entries of a 64-d unit vector, rtol 1e-5 + atol 1e-6 ~ 20 eps of them (measured 4% of it)
-    assert by_ids.shape == (3, 64) and torch.allclose(by_ids, by_text) and torch.allclose(by_ids[2:], one, atol=1e-6)
+    assert (
+        by_ids.shape == (3, 64)
+        and torch.allclose(by_ids, by_text)
+        and torch.allclose(by_ids[2:], one, atol=1e-6)
+    )
 
 
 def test_feature_run_without_extractor_cannot_take_pictures(shapes_model, tmp_path):
@@ -149,7 +160,9 @@ def test_pixel_run_takes_pictures_with_its_backbone_transform(tmp_path):
     from vsekit_lab.datasets.shapes import draw_shape
 
     torch.manual_seed(0)
-    recipe = load_recipe("vse_infty_grid_e2e", ["model.embed_dim=32", "model.text.word_dim=16", "model.image.image_size=64"])
+    recipe = load_recipe(
+        "vse_infty_grid_e2e", ["model.embed_dim=32", "model.text.word_dim=16", "model.image.image_size=64"]
+    )
     vse = VSEModel(recipe, DataSpec(vocab_words=list(SPECIALS) + ["a", "red", "circle"])).eval()
     model = ClipBenchmarkModel(vse, {})
     rng = np.random.default_rng(0)
@@ -158,7 +171,9 @@ def test_pixel_run_takes_pictures_with_its_backbone_transform(tmp_path):
     pictures[0].save(path)
     pixels = torch.stack([model.transform(p) for p in pictures])
     assert pixels.shape == (2, 3, 64, 64)
-    assert torch.equal(pixels[1], preprocess(vse, pictures[1])) and torch.equal(model.transform(path), pixels[0])
+    assert torch.equal(pixels[1], preprocess(vse, pictures[1])) and torch.equal(
+        model.transform(path), pixels[0]
+    )
     with torch.autocast("cpu", enabled=True):  # CLIP_benchmark's amp=True: the wrapper stays in float32
         emb = model.encode_image(pixels)
     with torch.no_grad():

@@ -69,7 +69,9 @@ def test_image_caption_relevance_combines_captions():
     cap2img = np.array([0, 0, 1, 2])
     mx = image_caption_relevance(rel, cap2img, "max")
     # float32 results: the inputs rounded to float32, then one sum and one division, 1/2 ulp (6e-8) each: 3e-7
-    np.testing.assert_allclose(mx, [[1.0, 1.0, 0.5, 0.3], [0.2, 0.5, 1.0, 0.4], [0.1, 0.3, 0.4, 1.0]], rtol=3e-7)
+    np.testing.assert_allclose(
+        mx, [[1.0, 1.0, 0.5, 0.3], [0.2, 0.5, 1.0, 0.4], [0.1, 0.3, 0.4, 1.0]], rtol=3e-7
+    )
     mean = image_caption_relevance(rel, cap2img, "mean")
     np.testing.assert_allclose(mean[0], [0.9, 0.9, 0.35, 0.2], rtol=3e-7)
     asym = rel.copy()
@@ -137,8 +139,10 @@ def test_paper_protocol_is_the_released_dotau(rng):
             kendalltau(s[i, np.argsort(-s[i])[:k]], capsts[i, np.argsort(-s[i])[:k]]).statistic
             for i in range(n_img)
         ]
-        t2i = [kendalltau(s[np.argsort(-s[:, i])[:k], i], capsts[i, np.argsort(-s[:, i])[:k]]).statistic
-               for i in range(n_img)]  # fmt: skip
+        t2i = [
+            kendalltau(s[np.argsort(-s[:, i])[:k], i], capsts[i, np.argsort(-s[:, i])[:k]]).statistic
+            for i in range(n_img)
+        ]
         out = coherence_metrics(sims, cap2img, rel, ks=[k])
         assert out[f"i2t_cs@{k}"] == pytest.approx(np.mean(i2t))
         assert out[f"t2i_cs@{k}"] == pytest.approx(np.mean(t2i))
@@ -203,8 +207,21 @@ def test_eval_sims_fold5_prints_the_fold_mean_cs(tmp_path, rng, capsys):
     np.save(tmp_path / "sims.npy", sims.astype(np.float32))
     np.save(tmp_path / "rel.npy", rel.astype(np.float32))
     out = tmp_path / "m.json"
-    rc = main(["eval-sims", str(tmp_path / "sims.npy"), "--captions-per-image", "1", "--fold5", "--relevance",
-               str(tmp_path / "rel.npy"), "--cs-k", "5", "--json", str(out)])  # fmt: skip
+    rc = main(
+        [
+            "eval-sims",
+            str(tmp_path / "sims.npy"),
+            "--captions-per-image",
+            "1",
+            "--fold5",
+            "--relevance",
+            str(tmp_path / "rel.npy"),
+            "--cs-k",
+            "5",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     metrics = json.loads(out.read_text())
     assert metrics["i2t_cs@5"] == pytest.approx(1.0) and len(metrics["folds"]) == 5
@@ -268,8 +285,21 @@ def test_eval_sims_cli_reports_coherence(tmp_path, rng, capsys):
     np.save(tmp_path / "sims.npy", sims)
     np.save(tmp_path / "rel.npy", rel)
     out = tmp_path / "m.json"
-    rc = main(["eval-sims", str(tmp_path / "sims.npy"), "--captions-per-image", "2", "--relevance",
-               str(tmp_path / "rel.npy"), "--cs-k", "10", "50", "--json", str(out)])  # fmt: skip
+    rc = main(
+        [
+            "eval-sims",
+            str(tmp_path / "sims.npy"),
+            "--captions-per-image",
+            "2",
+            "--relevance",
+            str(tmp_path / "rel.npy"),
+            "--cs-k",
+            "10",
+            "50",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     metrics = json.loads(out.read_text())
     expected = coherence_metrics(sims, cap2img, rel, ks=[10, 50])
@@ -296,8 +326,16 @@ def test_evaluate_sims_adds_coherence_and_names_a_bad_relevance_file(tmp_path, r
     )
     assert rc != 0 and "nope.npy" in capsys.readouterr().err
     np.save(tmp_path / "rel.npy", np.ones((19, 19)))
-    rc = main(["eval-sims", str(tmp_path / "sims.npy"), "--captions-per-image", "2", "--relevance",
-               str(tmp_path / "rel.npy")])  # fmt: skip
+    rc = main(
+        [
+            "eval-sims",
+            str(tmp_path / "sims.npy"),
+            "--captions-per-image",
+            "2",
+            "--relevance",
+            str(tmp_path / "rel.npy"),
+        ]
+    )
     assert rc != 0 and "rel.npy: 19 captions but the similarity matrix has 20" in capsys.readouterr().err
 
 
@@ -307,7 +345,9 @@ def test_metrics_import_no_dataset_or_model_code():
     import subprocess
     import sys
 
-    code = ("import sys, vsekit.metrics, vsekit.metrics.coherence\n"
-            "print(sorted(m for m in sys.modules if m.startswith('vsekit')))")  # fmt: skip
+    code = (
+        "import sys, vsekit.metrics, vsekit.metrics.coherence\n"
+        "print(sorted(m for m in sys.modules if m.startswith('vsekit')))"
+    )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "vsekit.data" not in loaded and "vsekit.models" not in loaded and "vsekit.relevance" not in loaded

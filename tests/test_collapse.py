@@ -46,16 +46,22 @@ def test_collapse_values_by_hand():
     assert float(collapse_value(ref, n, k=2.0)) == pytest.approx(4.702264, abs=1e-6)
     assert collapse_value(LossConfig(name="ladder"), n) is None  # depends on relevance: spread only
     # the rule of thumb, distinct images: 2 B m for B = 128, m = 0.2
-    assert float(collapse_value(cfg, negatives_per_row(torch.arange(128), 128))) == pytest.approx(51.2, abs=1e-9)
+    assert float(collapse_value(cfg, negatives_per_row(torch.arange(128), 128))) == pytest.approx(
+        51.2, abs=1e-9
+    )
 
 
 @pytest.mark.parametrize("name", ["triplet", "triplet-all", "infonce", "adopt-paper", "adopt-reference"])
 def test_collapse_values_are_what_the_losses_give_on_a_constant_matrix(name):
     """The loss modules themselves, on a batch whose similarities are all equal (any value), give the value."""
     ids = torch.tensor([0, 0, 1, 2, 3, 3, 3, 4])
-    cfg = {"triplet": LossConfig(name="triplet"), "triplet-all": LossConfig(name="triplet", max_violation=False),
-           "infonce": LossConfig(name="infonce"), "adopt-paper": LossConfig(name="adopt", adopt_variant="paper"),
-           "adopt-reference": LossConfig(name="adopt", adopt_variant="reference")}[name]  # fmt: skip
+    cfg = {
+        "triplet": LossConfig(name="triplet"),
+        "triplet-all": LossConfig(name="triplet", max_violation=False),
+        "infonce": LossConfig(name="infonce"),
+        "adopt-paper": LossConfig(name="adopt", adopt_variant="paper"),
+        "adopt-reference": LossConfig(name="adopt", adopt_variant="reference"),
+    }[name]
     loss_fn = create_loss(cfg)
     for s in (0.3, 0.9):
         sims = torch.full((8, 8), s, dtype=torch.float64)
@@ -91,7 +97,9 @@ def test_monitor_counts_consecutive_steps_and_reports_once():
     # the spread criterion: below a tenth of the highest spread seen
     mon = CollapseMonitor(LossConfig(name="ladder"), steps=2)
     for i, spread in enumerate((0.3, 0.5, 0.049, 0.04)):
-        mon.update({"loss": torch.tensor(9.0), "spread": torch.tensor(spread)}, ids, 4, hardest=True, step=i + 1)
+        mon.update(
+            {"loss": torch.tensor(9.0), "spread": torch.tensor(spread)}, ids, 4, hardest=True, step=i + 1
+        )
     report = mon.poll()
     assert report.step == 4 and report.by_spread and not report.by_loss and math.isnan(report.collapse_value)
 
@@ -104,12 +112,23 @@ def run_records(run_dir):
 @pytest.mark.slow
 def test_fires_once_on_a_run_collapsed_by_a_huge_learning_rate(synthetic_dir, tmp_path):
     """Hardest negatives from the first step at lr 1: the embeddings fall to a point (dev rsum near chance)."""
-    r = load_recipe("vsepp", [*SMALL, "optim.lr=1.0", "loss.warmup_epochs=0", "train.epochs=2", "train.log_every=2",
-                              "train.collapse_steps=20"])  # fmt: skip
+    r = load_recipe(
+        "vsepp",
+        [
+            *SMALL,
+            "optim.lr=1.0",
+            "loss.warmup_epochs=0",
+            "train.epochs=2",
+            "train.log_every=2",
+            "train.collapse_steps=20",
+        ],
+    )
     messages = []
     Trainer(r, synthetic_dir, tmp_path / "run", progress=False, log=messages.append).fit()
     warned = [m for m in messages if "collapsed" in m]
-    assert len(warned) == 1 and "lower learning rate" in warned[0] and "warm-up with all negatives" in warned[0]
+    assert (
+        len(warned) == 1 and "lower learning rate" in warned[0] and "warm-up with all negatives" in warned[0]
+    )
     alarms = [rec for rec in run_records(tmp_path / "run") if rec["kind"] == "collapse"]
     assert len(alarms) == 1 and alarms[0]["by_spread"] and alarms[0]["step"] < 60
     top = max(rec["spread"] for rec in run_records(tmp_path / "run") if rec["kind"] == "train")
@@ -130,9 +149,20 @@ def constant_dataset(src, dst):
 
 def test_fires_on_constant_embeddings_at_the_collapse_value(tiny_data, tmp_path):
     data = constant_dataset(tiny_data, tmp_path / "data")
-    r = load_recipe("vsepp", ["model.embed_dim=16", "model.text.word_dim=8", "model.image.mlp_hidden=16",
-                              "train.batch_size=16", "train.epochs=1", "train.log_every=1", "loss.warmup_epochs=0",
-                              "data.text_augment_prob=0", "train.collapse_steps=5"])  # fmt: skip
+    r = load_recipe(
+        "vsepp",
+        [
+            "model.embed_dim=16",
+            "model.text.word_dim=8",
+            "model.image.mlp_hidden=16",
+            "train.batch_size=16",
+            "train.epochs=1",
+            "train.log_every=1",
+            "loss.warmup_epochs=0",
+            "data.text_augment_prob=0",
+            "train.collapse_steps=5",
+        ],
+    )
     messages = []
     Trainer(r, data, tmp_path / "run", progress=False, log=messages.append).fit()
     alarms = [rec for rec in run_records(tmp_path / "run") if rec["kind"] == "collapse"]
@@ -147,10 +177,36 @@ def test_fires_on_constant_embeddings_at_the_collapse_value(tiny_data, tmp_path)
 def test_stop_on_collapse_stops_cleanly_with_a_nonzero_exit(tiny_data, tmp_path, capsys):
     data = constant_dataset(tiny_data, tmp_path / "data")
     run = tmp_path / "run"
-    code = main(["train", "--recipe", "vsepp", "--data", str(data), "--out", str(run), "--no-progress",
-                 "--batch-size", "16", "--epochs", "3", "--set", "model.embed_dim=16", "--set", "model.text.word_dim=8",
-                 "--set", "loss.warmup_epochs=0", "--set", "train.log_every=4", "--set", "train.collapse_steps=6",
-                 "--set", "train.stop_on_collapse=true", "--set", "data.text_augment_prob=0"])  # fmt: skip
+    code = main(
+        [
+            "train",
+            "--recipe",
+            "vsepp",
+            "--data",
+            str(data),
+            "--out",
+            str(run),
+            "--no-progress",
+            "--batch-size",
+            "16",
+            "--epochs",
+            "3",
+            "--set",
+            "model.embed_dim=16",
+            "--set",
+            "model.text.word_dim=8",
+            "--set",
+            "loss.warmup_epochs=0",
+            "--set",
+            "train.log_every=4",
+            "--set",
+            "train.collapse_steps=6",
+            "--set",
+            "train.stop_on_collapse=true",
+            "--set",
+            "data.text_augment_prob=0",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2
     assert "collapsed at step 6" in err and "stop_on_collapse" in err and str(run) in err
@@ -159,15 +215,28 @@ def test_stop_on_collapse_stops_cleanly_with_a_nonzero_exit(tiny_data, tmp_path,
     assert state["epoch"] == 0  # before the end of the first epoch (15 steps)
     # the saved run resumes
     code = main(["train", "--resume", str(run), "--no-progress"])
-    assert code == 2  # and, still collapsed, stops again after 6 more steps: the counters restart with the process
+    assert (
+        code == 2
+    )  # and, still collapsed, stops again after 6 more steps: the counters restart with the process
     assert "stop_on_collapse" in capsys.readouterr().err
 
 
 def test_trainer_api_raises_training_collapsed(tiny_data, tmp_path):
     data = constant_dataset(tiny_data, tmp_path / "data")
-    r = load_recipe("vsepp", ["model.embed_dim=16", "model.text.word_dim=8", "train.batch_size=16",
-                              "train.epochs=1", "train.log_every=0", "loss.warmup_epochs=0", "train.collapse_steps=3",
-                              "data.text_augment_prob=0", "train.stop_on_collapse=true"])  # fmt: skip
+    r = load_recipe(
+        "vsepp",
+        [
+            "model.embed_dim=16",
+            "model.text.word_dim=8",
+            "train.batch_size=16",
+            "train.epochs=1",
+            "train.log_every=0",
+            "loss.warmup_epochs=0",
+            "train.collapse_steps=3",
+            "data.text_augment_prob=0",
+            "train.stop_on_collapse=true",
+        ],
+    )
     with pytest.raises(TrainingCollapsed, match="collapsed at step 3"):
         Trainer(r, data, tmp_path / "run", progress=False, log=lambda *_: None).fit()
     # log_every=0: read at the end of the epoch, where the state is saved (15 steps)

@@ -17,17 +17,22 @@ def test_vsepp_inherits_vse_infty_but_pools_with_avg():
 
 
 def test_overrides_are_typed():
-    r = load_recipe("vse_infty", ["model.embed_dim=256", "optim.lr_decay_epochs=[3, 5]", "loss.max_violation=false"])
+    r = load_recipe(
+        "vse_infty", ["model.embed_dim=256", "optim.lr_decay_epochs=[3, 5]", "loss.max_violation=false"]
+    )
     assert r.model.embed_dim == 256 and r.optim.lr_decay_epochs == [3, 5] and r.loss.max_violation is False
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("model.embed_dimm=3", "model.embed_dimm"),
-    ("model.embed_dim=abc", "expected an integer"),
-    ("loss.name=nope", "loss.name"),
-    ("model.image.pooling.name=median", "pooling.name"),
-    ("noequals", "key.path=value"),
-])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("model.embed_dimm=3", "model.embed_dimm"),
+        ("model.embed_dim=abc", "expected an integer"),
+        ("loss.name=nope", "loss.name"),
+        ("model.image.pooling.name=median", "pooling.name"),
+        ("noequals", "key.path=value"),
+    ],
+)
 def test_bad_overrides_name_the_problem(override, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.") if "=" not in needle else "key"):
         load_recipe("vse_infty", [override])

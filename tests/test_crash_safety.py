@@ -20,8 +20,14 @@ from vsekit.runs import CheckpointError, load_run, read_checkpoint_set
 from vsekit.training.trainer import Trainer
 from vsekit_lab.datasets.synthetic import make_synthetic_precomp
 
-TINY = ["model.embed_dim=32", "model.text.word_dim=16", "train.batch_size=16", "train.log_every=1",
-        "train.checkpoint_every=4", "optim.lr_decay_epochs=[1]"]  # fmt: skip
+TINY = [
+    "model.embed_dim=32",
+    "model.text.word_dim=16",
+    "train.batch_size=16",
+    "train.log_every=1",
+    "train.checkpoint_every=4",
+    "optim.lr_decay_epochs=[1]",
+]
 SET = (".safetensors", "_optim.safetensors", "_state.json")
 QUIET = {"progress": False, "log": lambda *_: None}
 
@@ -30,9 +36,12 @@ QUIET = {"progress": False, "log": lambda *_: None}
 def _one_thread(_threads):
     torch.set_num_threads(1)  # tiny models: a second thread only adds spin-waiting on a shared CPU
 
+
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
-    return make_synthetic_precomp(tmp_path_factory.mktemp("tiny"), n_train=48, n_dev=12, n_test=12, regions=4, dim=8)
+    return make_synthetic_precomp(
+        tmp_path_factory.mktemp("tiny"), n_train=48, n_dev=12, n_test=12, regions=4, dim=8
+    )
 
 
 def _vse(*args: str) -> list[str]:
@@ -68,11 +77,17 @@ def _same_weights(a: Path, b: Path) -> None:
 def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(tiny_data, tmp_path):
     common = ["--recipe", "vsepp", "--data", str(tiny_data), "--epochs", "2", "--no-progress"]
     common += [x for s in TINY for x in ("--set", s)]
-    ref = subprocess.run(_vse("train", "--out", str(tmp_path / "ref"), *common), env=_env(), capture_output=True, text=True)
+    ref = subprocess.run(
+        _vse("train", "--out", str(tmp_path / "ref"), *common), env=_env(), capture_output=True, text=True
+    )
     assert ref.returncode == 0, ref.stderr
     run = tmp_path / "killed"
-    proc = subprocess.Popen(_vse("train", "--out", str(run), *common), env=_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        _vse("train", "--out", str(run), *common),
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     manifest = run / "last.manifest.json"
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:  # wait for a checkpoint inside epoch 1 (0-based)
@@ -88,15 +103,23 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted_run(tiny_data, tmp_
     proc.wait()
     killed_at = json.loads(manifest.read_text())
     assert killed_at["epoch"] == 1 and 0 < killed_at["step_in_epoch"]
-    res = subprocess.run(_vse("train", "--resume", str(run), "--no-progress"), env=_env(), capture_output=True, text=True)
+    res = subprocess.run(
+        _vse("train", "--resume", str(run), "--no-progress"), env=_env(), capture_output=True, text=True
+    )
     assert res.returncode == 0, res.stderr
     assert "resumed" in res.stdout + res.stderr
     _same_weights(tmp_path / "ref" / "last.safetensors", run / "last.safetensors")
     _same_weights(tmp_path / "ref" / "best.safetensors", run / "best.safetensors")
     assert _val_records(run) == _val_records(tmp_path / "ref")  # identical dev metrics, no duplicated lines
-    assert _train_records(run) == _train_records(tmp_path / "ref")  # lines after the checkpoint were replayed once
-    assert json.loads((run / "best.json").read_text()) == json.loads((tmp_path / "ref" / "best.json").read_text())
-    assert sorted(p.name for p in (run / "ckpt").iterdir()) == sorted(p.name for p in (tmp_path / "ref" / "ckpt").iterdir())
+    assert _train_records(run) == _train_records(
+        tmp_path / "ref"
+    )  # lines after the checkpoint were replayed once
+    assert json.loads((run / "best.json").read_text()) == json.loads(
+        (tmp_path / "ref" / "best.json").read_text()
+    )
+    assert sorted(p.name for p in (run / "ckpt").iterdir()) == sorted(
+        p.name for p in (tmp_path / "ref" / "ckpt").iterdir()
+    )
 
 
 class _Killed(BaseException):
@@ -105,7 +128,11 @@ class _Killed(BaseException):
 
 def _killing_writes(monkeypatch, kill_at: int, events: list[str]) -> None:
     """Make the n-th write/link of a checkpoint set die; a file write dies after half of its temp file."""
-    real_write, real_json, real_publish = ckpt_mod.atomic_write_bytes, ckpt_mod.atomic_write_json, ckpt_mod._publish
+    real_write, real_json, real_publish = (
+        ckpt_mod.atomic_write_bytes,
+        ckpt_mod.atomic_write_json,
+        ckpt_mod._publish,
+    )
 
     def step(kind: str) -> None:
         events.append(kind)
@@ -186,9 +213,13 @@ def test_corrupt_checkpoint_is_refused_and_best_copy_survives(tiny_data, tmp_pat
     best_before = (run / "best.safetensors").read_bytes()
     committed = read_checkpoint_set(run, "last", SET)[".safetensors"]
     raw = bytearray(committed.read_bytes())
-    raw[-5] ^= 0xFF  # one flipped bit inside a tensor: still parses as safetensors, so only the sha256 can tell
+    raw[-5] ^= (
+        0xFF  # one flipped bit inside a tensor: still parses as safetensors, so only the sha256 can tell
+    )
     committed.write_bytes(bytes(raw))
-    with pytest.raises(CheckpointError, match=r"last-\d+\.safetensors: size or sha256 differs from last\.manifest\.json"):
+    with pytest.raises(
+        CheckpointError, match=r"last-\d+\.safetensors: size or sha256 differs from last\.manifest\.json"
+    ):
         Trainer(r, tiny_data, run, resume=True, **QUIET)
     with pytest.raises(CheckpointError, match="corrupt or truncated"):
         load_run(run, "last")
@@ -198,7 +229,9 @@ def test_corrupt_checkpoint_is_refused_and_best_copy_survives(tiny_data, tmp_pat
     with pytest.raises(CheckpointError, match="last.manifest.json: not a readable checkpoint manifest"):
         Trainer(r, tiny_data, run, resume=True, **QUIET)
     (run / "best.manifest.json").write_text(json.dumps({"format": "vsekit-checkpoint/99", "files": {}}))
-    with pytest.raises(CheckpointError, match="format 'vsekit-checkpoint/99'; this vsekit reads vsekit-checkpoint/1"):
+    with pytest.raises(
+        CheckpointError, match="format 'vsekit-checkpoint/99'; this vsekit reads vsekit-checkpoint/1"
+    ):
         load_run(run, "best")
 
 
@@ -231,7 +264,10 @@ def test_corrupt_index_file_is_refused_and_good_copy_still_opens(tmp_path_factor
     faiss_files = [p for p in good.rglob("*") if p.is_file() and p.suffix in (".faiss", ".index")]
     npy_files = [p for p in good.rglob("*.npy")]
     assert faiss_files and npy_files
-    for victim, expect in ((faiss_files[0], "not a readable FAISS index"), (npy_files[0], "not a readable .npy array")):
+    for victim, expect in (
+        (faiss_files[0], "not a readable FAISS index"),
+        (npy_files[0], "not a readable .npy array"),
+    ):
         bad = good.parent / f"bad_{victim.name}"
         shutil.copytree(good, bad)
         target = bad / victim.relative_to(good)

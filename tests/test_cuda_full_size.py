@@ -72,8 +72,9 @@ def _full_step(graph: str | None) -> TrainStep:
     # the graph step makes its AdamW fused and capturable itself; the eager step is given the fused one
     groups, o = model.parameter_groups(r.optim.lr), r.optim
     opt = torch.optim.AdamW(groups, lr=o.lr, weight_decay=o.weight_decay, fused=graph is None)
-    return TrainStep(r, model, create_loss(r.loss, r.model.image.views).to("cuda"), opt, torch.device("cuda"),
-                     graph=graph)  # fmt: skip
+    return TrainStep(
+        r, model, create_loss(r.loss, r.model.image.views).to("cuda"), opt, torch.device("cuda"), graph=graph
+    )
 
 
 def _full_batch(seed: int = 0, device: str = "cuda") -> dict:
@@ -86,8 +87,14 @@ def _full_batch(seed: int = 0, device: str = "cuda") -> dict:
     tok_len = torch.randint(8, WIDTH + 1, (BATCH,), generator=g)
     tok_len[0] = WIDTH
     tokens = torch.randint(5, VOCAB, (BATCH, WIDTH), generator=g).masked_fill(~length_mask(tok_len, WIDTH), 0)
-    out = {"images": images, "image_lengths": img_len, "tokens": tokens, "token_lengths": tok_len,
-           "image_index": torch.arange(BATCH) // 2, "caption_index": torch.arange(BATCH)}  # fmt: skip
+    out = {
+        "images": images,
+        "image_lengths": img_len,
+        "tokens": tokens,
+        "token_lengths": tok_len,
+        "image_index": torch.arange(BATCH) // 2,
+        "caption_index": torch.arange(BATCH),
+    }
     return {k: v.to(device) for k, v in out.items()}
 
 
@@ -136,10 +143,12 @@ def test_full_size_graph_step_equals_the_eager_step(no_tf32):
             name, g = names[id(p)], p.grad.double()
             state = graphed.optimizer.state[p]
             assert float(state["step"]) == 1.0, name
-            torch.testing.assert_close(state["exp_avg"].double(), (1 - beta1) * g, rtol=1e-6, atol=0.0,
-                                       msg=name)  # fmt: skip
-            torch.testing.assert_close(state["exp_avg_sq"].double(), (1 - beta2) * g * g, rtol=1e-5,
-                                       atol=1e-30, msg=name)  # fmt: skip
+            torch.testing.assert_close(
+                state["exp_avg"].double(), (1 - beta1) * g, rtol=1e-6, atol=0.0, msg=name
+            )
+            torch.testing.assert_close(
+                state["exp_avg_sq"].double(), (1 - beta2) * g * g, rtol=1e-5, atol=1e-30, msg=name
+            )
             expected = before[name].double() * (1 - lr * wd) - lr * g / (g.abs() + eps)
             torch.testing.assert_close(p.detach().double(), expected, rtol=1e-6, atol=1e-7, msg=name)
 
@@ -203,8 +212,9 @@ def test_gpo_gathers_its_weights_without_an_atomic_index_add():
         out.sum().backward()
     assert log.ops and not [op for op in log.ops if "index_add" in op]
     table = pool.weights_for_lengths(torch.arange(1, 13), 12).detach()
-    torch.testing.assert_close(pool(x, lengths, return_weights=True)[1], table.index_select(0, lengths - 1),
-                               rtol=0, atol=0)  # fmt: skip
+    torch.testing.assert_close(
+        pool(x, lengths, return_weights=True)[1], table.index_select(0, lengths - 1), rtol=0, atol=0
+    )
 
 
 def test_the_gru_runs_in_its_weights_precision_with_autocast_off(monkeypatch):

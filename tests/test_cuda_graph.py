@@ -47,8 +47,13 @@ from vsekit.runs import optimizer_from_files, optimizer_to_files
 from vsekit.training.cuda_graph import StepGraphs, cuda_graph_blockers, make_capturable, shape_key
 from vsekit.training.trainer import Trainer, TrainStep
 
-SMALL = ["model.embed_dim=32", "model.text.word_dim=16", "model.image.mlp_hidden=16", "loss.warmup_epochs=1",
-         "optim.lr=0.002"]  # fmt: skip
+SMALL = [
+    "model.embed_dim=32",
+    "model.text.word_dim=16",
+    "model.image.mlp_hidden=16",
+    "loss.warmup_epochs=1",
+    "optim.lr=0.002",
+]
 IMG_DIM, VOCAB = 12, 40
 WEIGHTS = {"rtol": 1e-5, "atol": 1e-7}
 NOISE_DRIVEN = ("mlp.fc1.bias", "mlp.bn.running_mean", "pool.balance.bias")  # see the module docstring
@@ -61,18 +66,26 @@ def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, **tol) -> None:
             torch.testing.assert_close(x, y, **(tol or WEIGHTS), msg=name)
             compared += 1
     assert compared > 20
+
+
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _step(recipe: str, graph: str | None = None, device: str = "cpu", fused: bool | None = None,
-          sets: tuple[str, ...] = ()) -> TrainStep:  # fmt: skip
+def _step(
+    recipe: str,
+    graph: str | None = None,
+    device: str = "cpu",
+    fused: bool | None = None,
+    sets: tuple[str, ...] = (),
+) -> TrainStep:
     extra = ["model.similarity.block_dim=16"] if recipe == "avse" else []
     r = load_recipe(recipe, SMALL + extra + list(sets))
     dev = torch.device(device)
     torch.manual_seed(0)
     model = VSEModel(r, DataSpec(img_dim=IMG_DIM, vocab_words=[f"w{i}" for i in range(VOCAB)])).to(dev)
-    opt = torch.optim.AdamW(model.parameter_groups(r.optim.lr), lr=r.optim.lr, weight_decay=r.optim.weight_decay,
-                            fused=fused)  # fmt: skip
+    opt = torch.optim.AdamW(
+        model.parameter_groups(r.optim.lr), lr=r.optim.lr, weight_decay=r.optim.weight_decay, fused=fused
+    )
     return TrainStep(r, model, create_loss(r.loss, r.model.image.views).to(dev), opt, dev, graph=graph)
 
 
@@ -83,8 +96,14 @@ def _batch(b: int, width: int, seed: int, device: str = "cpu") -> dict:
     images = torch.randn(b, 6, IMG_DIM, generator=g).masked_fill(~length_mask(img_len, 6).unsqueeze(-1), 0.0)
     tok_len = torch.randint(3, width + 1, (b,), generator=g)
     tokens = torch.randint(5, VOCAB, (b, width), generator=g).masked_fill(~length_mask(tok_len, width), 0)
-    out = {"images": images, "image_lengths": img_len, "tokens": tokens, "token_lengths": tok_len,
-           "image_index": torch.arange(b) // 2, "caption_index": torch.arange(b)}  # fmt: skip
+    out = {
+        "images": images,
+        "image_lengths": img_len,
+        "tokens": tokens,
+        "token_lengths": tok_len,
+        "image_index": torch.arange(b) // 2,
+        "caption_index": torch.arange(b),
+    }
     return {k: v.to(device) for k, v in out.items()}
 
 
@@ -189,11 +208,17 @@ def test_the_optimizer_is_checkpointed_as_built_and_resumes_without_graphs():
     tensors, meta = optimizer_to_files(graphed.optimizer)
     json.dumps(meta)  # float lrs, no tensors
     for g in meta["param_groups"]:
-        assert (g["fused"], g["capturable"], g["foreach"]) == (built.defaults["fused"], False, built.defaults["foreach"])
+        assert (g["fused"], g["capturable"], g["foreach"]) == (
+            built.defaults["fused"],
+            False,
+            built.defaults["foreach"],
+        )
     assert all(g["fused"] and g["capturable"] for g in graphed.optimizer.param_groups)  # as it runs
     plain = _step("vse_infty")
     plain.model.load_state_dict(graphed.model.state_dict())
-    optimizer_from_files(plain.optimizer, {k: v.clone() for k, v in tensors.items()}, json.loads(json.dumps(meta)))
+    optimizer_from_files(
+        plain.optimizer, {k: v.clone() for k, v in tensors.items()}, json.loads(json.dumps(meta))
+    )
     assert not any(g["fused"] for g in plain.optimizer.param_groups)
     batch = _batch(10, 9, seed=20)
     a, b = plain(batch, epoch=1, step=20), graphed(batch, epoch=1, step=20)
@@ -212,8 +237,9 @@ def test_what_cannot_be_captured_is_named():
     assert "model.text.kind=transformer" in _blockers("vse_infty", "model.text.kind=transformer")
     assert "loss.name=ladder" in _blockers("cvsepp")
     assert "model.image.kind=backbone" in _blockers("vse_infty_grid_e2e")
-    assert "adopt_zero_fill_negatives" in _blockers("vse_2ad", "loss.adopt_variant=reference",
-                                                    "loss.adopt_zero_fill_negatives=true")  # fmt: skip
+    assert "adopt_zero_fill_negatives" in _blockers(
+        "vse_2ad", "loss.adopt_variant=reference", "loss.adopt_zero_fill_negatives=true"
+    )
     assert "train.compile=true" in _blockers("vse_infty", "train.compile=true")
     both = _blockers("vse_infty", "model.text.kind=transformer", "train.compile=true")
     assert "transformer" in both and "compile" in both  # every part is named at once
@@ -232,8 +258,24 @@ def test_dataloader_workers_are_refused_with_graphs(tiny_data, tmp_path, capsys)
     assert _blockers("vse_infty", "data.num_workers=2", "train.data_on_device=true") == ""
     assert _blockers("vse_infty", "data.num_workers=0", "train.data_on_device=false") == ""
     out = tmp_path / "run"
-    assert main(["train", "--data", str(tiny_data), "--out", str(out), "--device", "cpu",
-                 "--set", "train.cuda_graph=true", "--set", "data.num_workers=2"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                "--data",
+                str(tiny_data),
+                "--out",
+                str(out),
+                "--device",
+                "cpu",
+                "--set",
+                "train.cuda_graph=true",
+                "--set",
+                "data.num_workers=2",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "data.num_workers=2 with train.data_on_device=auto" in err and "the run is on cpu" in err
     assert not out.exists()
@@ -242,11 +284,30 @@ def test_dataloader_workers_are_refused_with_graphs(tiny_data, tmp_path, capsys)
 def test_vse_train_refuses_a_graph_on_the_cpu_before_writing_anything(tiny_data, tmp_path, capsys):
     out = tmp_path / "run"
     with pytest.raises(ConfigError, match="the run is on cpu"):
-        Trainer(load_recipe("vse_infty", ["train.cuda_graph=true", "train.device=cpu"]), tiny_data, out,
-                progress=False, log=lambda *_: None)  # fmt: skip
+        Trainer(
+            load_recipe("vse_infty", ["train.cuda_graph=true", "train.device=cpu"]),
+            tiny_data,
+            out,
+            progress=False,
+            log=lambda *_: None,
+        )
     assert not out.exists()
-    assert main(["train", "--data", str(tiny_data), "--out", str(out), "--device", "cpu",
-                 "--set", "train.cuda_graph=true"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                "--data",
+                str(tiny_data),
+                "--out",
+                str(out),
+                "--device",
+                "cpu",
+                "--set",
+                "train.cuda_graph=true",
+            ]
+        )
+        == 2
+    )
     assert "train.cuda_graph=true cannot capture" in capsys.readouterr().err and not out.exists()
 
 
@@ -285,14 +346,32 @@ def test_vse_train_with_cuda_graphs_trains_and_resumes(tiny_data, tmp_path):
     """Two epochs with graphs (several caption widths, the warm-up flag), then the same run stopped after 4
     steps and resumed (its graphs captured anew): the same weights, within the optimizer tolerance of the
     module docstring (the step is deterministic on CUDA, see there). The regex tokenizer: no nltk needed."""
-    sets = ["model.embed_dim=32", "model.text.word_dim=16", "model.text.tokenizer=regex", "train.batch_size=16",
-            "train.epochs=2", "train.device=cuda", "train.cuda_graph=true", "train.length_bucketing=true",
-            "train.log_every=2"]  # fmt: skip
-    ref = Trainer(load_recipe("vse_infty", sets), tiny_data, tmp_path / "ref", progress=False, log=lambda *_: None)
+    sets = [
+        "model.embed_dim=32",
+        "model.text.word_dim=16",
+        "model.text.tokenizer=regex",
+        "train.batch_size=16",
+        "train.epochs=2",
+        "train.device=cuda",
+        "train.cuda_graph=true",
+        "train.length_bucketing=true",
+        "train.log_every=2",
+    ]
+    ref = Trainer(
+        load_recipe("vse_infty", sets), tiny_data, tmp_path / "ref", progress=False, log=lambda *_: None
+    )
     assert math.isfinite(ref.fit()["best_rsum"])
-    stopped = Trainer(load_recipe("vse_infty", sets), tiny_data, tmp_path / "run", progress=False, log=lambda *_: None)
+    stopped = Trainer(
+        load_recipe("vse_infty", sets), tiny_data, tmp_path / "run", progress=False, log=lambda *_: None
+    )
     stopped.fit(max_steps=4)
-    resumed = Trainer(load_recipe("vse_infty", sets), tiny_data, tmp_path / "run", resume=True, progress=False,
-                      log=lambda *_: None)  # fmt: skip
+    resumed = Trainer(
+        load_recipe("vse_infty", sets),
+        tiny_data,
+        tmp_path / "run",
+        resume=True,
+        progress=False,
+        log=lambda *_: None,
+    )
     resumed.fit()
     _assert_same_weights(ref.model, resumed.model, rtol=1e-5, atol=1e-6)

@@ -35,7 +35,9 @@ SMALL = ["model.embed_dim=32", "model.text.word_dim=16", "model.image.mlp_hidden
 @pytest.fixture(scope="module")
 def ragged_data(tmp_path_factory):
     """Synthetic precomp whose training images hold 1..10 regions (`train_ims_lengths.txt`, zeros after)."""
-    root = make_synthetic_precomp(tmp_path_factory.mktemp("ragged"), n_train=60, n_dev=12, n_test=12, regions=10, dim=16)
+    root = make_synthetic_precomp(
+        tmp_path_factory.mktemp("ragged"), n_train=60, n_dev=12, n_test=12, regions=10, dim=16
+    )
     feats = np.load(root / "train_ims.npy")
     sizes = np.random.default_rng(5).integers(1, 11, size=len(feats))
     sizes[0] = 10
@@ -60,24 +62,32 @@ def _first(trainer: Trainer, epoch: int, n: int) -> list[dict]:
 
 # ----------------------------------------------------------------------------- the same batches, the same loss
 @pytest.mark.parametrize("buckets", [4, 1, 0])
-def test_device_and_loader_paths_give_the_same_batches_and_losses_without_augmentation(ragged_data, tmp_path, buckets):
+def test_device_and_loader_paths_give_the_same_batches_and_losses_without_augmentation(
+    ragged_data, tmp_path, buckets
+):
     """With the size augmentation off, both paths give batch for batch the same captions, images and values.
     With caption buckets (N >= 1) both pad to the same fixed widths: feature sets to the set's largest (10),
     captions to the same bucket; with 0 each DataLoader batch is padded to its own longest set and caption, the
     device path's feature sets to 10 and its captions to the batch's longest (chosen from host lengths)."""
     sets = ("train.batch_size=4", "data.size_augment=false", f"train.caption_buckets={buckets}")
-    dev, ldr = _trainer(ragged_data, tmp_path / "d", *sets, "train.data_on_device=true"), _trainer(
-        ragged_data, tmp_path / "l", *sets, "train.data_on_device=false")
+    dev, ldr = (
+        _trainer(ragged_data, tmp_path / "d", *sets, "train.data_on_device=true"),
+        _trainer(ragged_data, tmp_path / "l", *sets, "train.data_on_device=false"),
+    )
     assert dev.data.path == "device:cpu" and ldr.data.path == "loader"
     longest = int(dev.data.loader.data.caption_lengths.max())
     assert dev.data.caption_widths == ldr.data.caption_widths
-    assert len(dev.data.caption_widths) == min(buckets, 3 if buckets else 0)  # repeats dropped (few distinct lengths)
+    assert len(dev.data.caption_widths) == min(
+        buckets, 3 if buckets else 0
+    )  # repeats dropped (few distinct lengths)
     assert dev.data.caption_widths[-1:] == ((longest,) if buckets else ())
     for a, b in zip(_first(dev, 0, 8), _first(ldr, 0, 8)):
         for key in ("caption_index", "image_index", "image_lengths", "token_lengths"):
             assert torch.equal(a[key].cpu(), b[key]), key
         assert a["images"].dtype == b["images"].dtype == torch.float32
-        own = int(b["token_lengths"].max())  # no augmentation: the un-augmented longest is the batch's longest
+        own = int(
+            b["token_lengths"].max()
+        )  # no augmentation: the un-augmented longest is the batch's longest
         want = min(w for w in dev.data.caption_widths if w >= own) if buckets else own
         assert a["tokens"].shape[1] == b["tokens"].shape[1] == want
         assert torch.equal(a["tokens"], b["tokens"])
@@ -95,15 +105,22 @@ def test_device_and_loader_paths_give_the_same_batches_and_losses_without_augmen
     assert all(torch.equal(v, ldr.model.state_dict()[k]) for k, v in dev.model.state_dict().items())
     losses = {}
     for name, t in (("device", dev), ("loader", ldr)):
-        losses[name] = [float(t.train_step(batch, 1, i, 15, False)["loss"]) for i, batch in enumerate(_first(t, 1, 8))]
+        losses[name] = [
+            float(t.train_step(batch, 1, i, 15, False)["loss"]) for i, batch in enumerate(_first(t, 1, 8))
+        ]
     np.testing.assert_allclose(losses["device"], losses["loader"], rtol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------ augmentation
 @pytest.mark.parametrize("feature_type", ["region", "grid"])
 def test_device_augmentation_keeps_a_subset_in_order_padded_with_zeros(ragged_data, tmp_path, feature_type):
-    t = _trainer(ragged_data, tmp_path / "r", "train.batch_size=16", "train.data_on_device=true",
-                 f"model.image.feature_type={feature_type}")  # fmt: skip
+    t = _trainer(
+        ragged_data,
+        tmp_path / "r",
+        "train.batch_size=16",
+        "train.data_on_device=true",
+        f"model.image.feature_type={feature_type}",
+    )
     split = load_precomp_split(ragged_data, "train")
     sizes = np.loadtxt(ragged_data / "train_ims_lengths.txt", dtype=np.int64)
     kept = total = 0
@@ -114,7 +131,9 @@ def test_device_augmentation_keeps_a_subset_in_order_padded_with_zeros(ragged_da
             src = torch.from_numpy(np.asarray(split.features[img][: sizes[img]], dtype=np.float32))
             k = int(n[b])
             assert 1 <= k <= sizes[img]  # at least one region kept, never more than the image has
-            match = (images[b, :k, None, :] == src[None]).all(-1)  # [kept, size]: which stored row each one is
+            match = (images[b, :k, None, :] == src[None]).all(
+                -1
+            )  # [kept, size]: which stored row each one is
             assert (match.sum(1) == 1).all()
             pos = match.float().argmax(1)
             assert (pos[1:] > pos[:-1]).all()  # a subset of the image's rows, in their order
@@ -136,7 +155,10 @@ def test_device_augmentation_is_a_function_of_seed_epoch_and_step(tiny_data, tmp
     for key in a:
         assert torch.equal(a[key], again[key]), key
     for other in (batch(0, 4), batch(1, 3)):
-        assert not (torch.equal(a["image_lengths"], other["image_lengths"]) and torch.equal(a["tokens"], other["tokens"]))
+        assert not (
+            torch.equal(a["image_lengths"], other["image_lengths"])
+            and torch.equal(a["tokens"], other["tokens"])
+        )
     # the epoch as the trainer iterates it: batch k of epoch e is batch(e, k) of the sampler's order
     t.data.sampler.epoch = 2
     order = t.data.sampler.batches()
@@ -155,25 +177,33 @@ def test_token_augmentation_rules():
     tokens[:, 0] = start
     tokens[torch.arange(4000), lengths - 1] = end
     tokens[torch.arange(width)[None, :] >= lengths[:, None]] = 0
-    out, n = augment_token_batch(tokens, lengths, torch.Generator().manual_seed(1), 0.2, mask, (lo, hi), start, end)
+    out, n = augment_token_batch(
+        tokens, lengths, torch.Generator().manual_seed(1), 0.2, mask, (lo, hi), start, end
+    )
     assert out.shape == tokens.shape and (n >= 1).all() and (n <= lengths).all()
     assert not out[torch.arange(width)[None, :] >= n[:, None]].any()  # pad after each caption
     assert ((out >= 0) & (out < hi)).all()
     # the released rule's rates: 20 % of tokens picked, 40 % of those deleted, 50 % masked
     assert abs(float(n.sum() / lengths.sum()) - 0.92) < 0.01
     assert abs(float((out == mask).sum() / lengths.sum()) - 0.10) < 0.01
-    same, again = (augment_token_batch(tokens, lengths, torch.Generator().manual_seed(1), 0.2, mask, (lo, hi), start, end)
-                   for _ in range(2))  # fmt: skip
+    same, again = (
+        augment_token_batch(
+            tokens, lengths, torch.Generator().manual_seed(1), 0.2, mask, (lo, hi), start, end
+        )
+        for _ in range(2)
+    )
     assert torch.equal(same[0], out) and torch.equal(again[1], n)
     # keep_ends: only the words are augmented, so every caption keeps <start> ... <end> (at least 2 tokens)
-    out, n = augment_token_batch(tokens, lengths, torch.Generator().manual_seed(1), 0.9, mask, (lo, hi), start, end,
-                                 keep_ends=True)  # fmt: skip
+    out, n = augment_token_batch(
+        tokens, lengths, torch.Generator().manual_seed(1), 0.9, mask, (lo, hi), start, end, keep_ends=True
+    )
     assert (n >= 2).all() and (out[:, 0] == start).all() and (out[torch.arange(4000), n - 1] == end).all()
     # everything deleted: <start> <end>, as Vocabulary.encode
     short = torch.tensor([[start, 7, end]])
     for seed in range(200):
-        o, k = augment_token_batch(short, torch.tensor([3]), torch.Generator().manual_seed(seed), 1.0, mask, (lo, hi),
-                                   start, end)  # fmt: skip
+        o, k = augment_token_batch(
+            short, torch.tensor([3]), torch.Generator().manual_seed(seed), 1.0, mask, (lo, hi), start, end
+        )
         if int(k) == 2 and o[0, :2].tolist() == [start, end] and o[0, 2] == 0:
             break
     else:
@@ -212,9 +242,18 @@ def test_shards_of_a_device_batch_are_the_single_process_batch(tiny_data, tmp_pa
     captions = torch.arange(20, 36)
     full = whole.batch(captions, 1, 5)
     for world in (2, 3):
-        parts = [DeviceBatches(whole.data, whole.sampler, t.train_split.cap2img, t.recipe.train.seed, whole.image_aug,
-                               whole.text_prob, DistContext(rank=r, world_size=world)).batch(captions, 1, 5)
-                 for r in range(world)]  # fmt: skip
+        parts = [
+            DeviceBatches(
+                whole.data,
+                whole.sampler,
+                t.train_split.cap2img,
+                t.recipe.train.seed,
+                whole.image_aug,
+                whole.text_prob,
+                DistContext(rank=r, world_size=world),
+            ).batch(captions, 1, 5)
+            for r in range(world)
+        ]
         for key in full:
             assert torch.equal(torch.cat([p[key] for p in parts]), full[key]), (world, key)
 
@@ -227,13 +266,17 @@ def test_vse_train_stopped_mid_epoch_and_resumed_on_the_device_path_is_bit_exact
     assert main(["train", "--out", str(tmp_path / "ref"), *args]) == 0
     out = capsys.readouterr().out
     assert out.count("samples/s]") == 2  # the epoch lines say the epoch's training throughput
-    stopped = Trainer(load_recipe("vse_infty", sets + ["train.epochs=2"]), tiny_data, tmp_path / "run", **QUIET)
+    stopped = Trainer(
+        load_recipe("vse_infty", sets + ["train.epochs=2"]), tiny_data, tmp_path / "run", **QUIET
+    )
     assert stopped.fit(max_steps=20) == {"stopped_at_step": 20}  # 15 steps an epoch: 5 into the second
     state = json.loads((tmp_path / "run" / "last_state.json").read_text())["train_state"]
     assert state["data_path"] == "device:cpu" and state["step_in_epoch"] == 5
     assert main(["train", "--resume", str(tmp_path / "run"), "--no-progress"]) == 0
     a, b = load_file(tmp_path / "ref" / "last.safetensors"), load_file(tmp_path / "run" / "last.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # same ops, shapes, threads: bit-exact
+    assert a.keys() == b.keys() and all(
+        torch.equal(a[k], b[k]) for k in a
+    )  # same ops, shapes, threads: bit-exact
 
     def records(run: Path, kind: str) -> list[dict]:  # without the timings
         recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -241,28 +284,47 @@ def test_vse_train_stopped_mid_epoch_and_resumed_on_the_device_path_is_bit_exact
         return [{k: v for k, v in r.items() if k not in timings} for r in recs if r["kind"] == kind]
 
     assert records(tmp_path / "run", "val") == records(tmp_path / "ref", "val")
-    assert records(tmp_path / "run", "train") == records(tmp_path / "ref", "train")  # the same losses, replayed once
+    assert records(tmp_path / "run", "train") == records(
+        tmp_path / "ref", "train"
+    )  # the same losses, replayed once
     epochs = records(tmp_path / "ref", "epoch")
-    assert [(r["epoch"], r["samples"], r["data_path"]) for r in epochs] == [(1, 240, "device:cpu"), (2, 240, "device:cpu")]
+    assert [(r["epoch"], r["samples"], r["data_path"]) for r in epochs] == [
+        (1, 240, "device:cpu"),
+        (2, 240, "device:cpu"),
+    ]
     full = [json.loads(x) for x in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["samples_per_s"] > 0 for r in full if r["kind"] == "epoch")
     resumed = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["samples"] for r in resumed if r["kind"] == "epoch"] == [240, 160]  # counted from the resume on
 
 
-def test_data_on_device_true_with_a_set_too_large_is_an_error(tiny_data, tmp_path, monkeypatch, capsys, caplog):
+def test_data_on_device_true_with_a_set_too_large_is_an_error(
+    tiny_data, tmp_path, monkeypatch, capsys, caplog
+):
     monkeypatch.setattr(data_path, "free_memory", lambda device: 1000)
-    with pytest.raises(SetupError, match=r"train.data_on_device=true: the training set needs .* but only 0.0 MiB is free"):
+    with pytest.raises(
+        SetupError, match=r"train.data_on_device=true: the training set needs .* but only 0.0 MiB is free"
+    ):
         _trainer(tiny_data, tmp_path / "a", "train.data_on_device=true")
     assert not (tmp_path / "a").exists()  # refused before the run folder was made
-    args = ["train", "--data", str(tiny_data), "--out", str(tmp_path / "b"), "--set", "train.data_on_device=true"]
+    args = [
+        "train",
+        "--data",
+        str(tiny_data),
+        "--out",
+        str(tmp_path / "b"),
+        "--set",
+        "train.data_on_device=true",
+    ]
     assert main(args) == 2
     assert "train.data_on_device=auto" in capsys.readouterr().err
     # auto: the DataLoader, and the log says why
     with caplog.at_level(logging.INFO, logger="vsekit"):
         t = _trainer(tiny_data, tmp_path / "c")
     assert t.data.path == "loader" and "of the free memory" in t.data.reason
-    assert any("training batches: DataLoader" in r.getMessage() and "free" in r.getMessage() for r in caplog.records)
+    assert any(
+        "training batches: DataLoader" in r.getMessage() and "free" in r.getMessage() for r in caplog.records
+    )
 
 
 def test_a_resumed_auto_run_keeps_the_path_it_was_trained_with(tiny_data, tmp_path, monkeypatch):
@@ -298,7 +360,9 @@ def test_persistent_workers_draw_each_epochs_augmentation(tiny_data, tmp_path):
     """`persistent_workers` keeps the dataset copy a worker started with: the epoch travels with each index, so a
     worker gives epoch 1 the augmentation of epoch 1 (the batches of 0 workers)."""
     ref = _trainer(tiny_data, tmp_path / "a", "train.batch_size=16", "train.data_on_device=false")
-    pw = _trainer(tiny_data, tmp_path / "b", "train.batch_size=16", "train.data_on_device=false", "data.num_workers=1")
+    pw = _trainer(
+        tiny_data, tmp_path / "b", "train.batch_size=16", "train.data_on_device=false", "data.num_workers=1"
+    )
     assert pw.data.loader.persistent_workers and not ref.data.loader.persistent_workers
     for epoch in (0, 1):
         for a, b in zip(_first(ref, epoch, 3), _first(pw, epoch, 3)):
@@ -324,10 +388,33 @@ def test_float16_sets_stay_float16_until_the_device(tmp_path):
 def test_bench_data_writes_its_json(tmp_path, capsys, monkeypatch):
     import tempfile
 
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the synthetic set is written (and removed)
+    monkeypatch.setattr(
+        tempfile, "tempdir", str(tmp_path)
+    )  # where the synthetic set is written (and removed)
     out = tmp_path / "data.json"
-    args = ["bench", "data", "--n", "40", "--regions", "4", "--img-dim", "8", "--batch", "8", "--steps", "2",
-            "--rounds", "1", "--warmup", "1", "--paths", "auto", "false", "--json-out", str(out)]  # fmt: skip
+    args = [
+        "bench",
+        "data",
+        "--n",
+        "40",
+        "--regions",
+        "4",
+        "--img-dim",
+        "8",
+        "--batch",
+        "8",
+        "--steps",
+        "2",
+        "--rounds",
+        "1",
+        "--warmup",
+        "1",
+        "--paths",
+        "auto",
+        "false",
+        "--json-out",
+        str(out),
+    ]
     assert main(args) == 0
     res = json.loads(out.read_text())
     assert res["samples_per_s"] > 0 and res["bare_gather_samples_per_s"] > 0 and res["ratio"] > 0

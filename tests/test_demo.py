@@ -24,8 +24,10 @@ def test_outdated_set_is_named_with_its_manifest(tmp_path):
 
 
 def test_results_table_means_and_stds_over_seeds():
-    run = lambda rsum, t: {"metrics": {k: rsum / 6 for k in ("i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5",  # noqa: E731
-                                                                "t2i_r10")} | {"rsum": rsum}, "train_time_s": t}
+    def run(rsum: float, t: float) -> dict:
+        keys = ("i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10")
+        return {"metrics": {k: rsum / 6 for k in keys} | {"rsum": rsum}, "train_time_s": t}
+
     table = results_table({"vsepp_bigru": [run(200, 10), run(210, 30)]}, seeds=2)
     row = table.splitlines()[2]
     assert row.startswith("| VSE++ (avg pool), BiGRU |") and "205.0 ± 7.1" in row and row.endswith("| 20 |")
@@ -40,7 +42,10 @@ def test_demo_recipes_differ_only_in_pooling_and_decay_late():
     avg.model.image.pooling = gpo.model.image.pooling
     avg.model.text.pooling = gpo.model.text.pooling
     assert avg.model == gpo.model and avg.loss == gpo.loss and avg.optim == gpo.optim
-    assert recipes["vse_infty_minilm"].model.text.freeze and recipes["vse_infty_minilm"].model.text.kind == "transformer"
+    assert (
+        recipes["vse_infty_minilm"].model.text.freeze
+        and recipes["vse_infty_minilm"].model.text.kind == "transformer"
+    )
 
 
 @pytest.mark.slow

@@ -87,10 +87,13 @@ def _global_batch(seed: int) -> dict:
     images = torch.randn(GLOBAL_B, 6, 16, generator=g)
     images[torch.arange(6)[None, :] >= img_len[:, None]] = 0
     return {
-        "images": images, "image_lengths": img_len, "tokens": tokens, "token_lengths": tok_len,
+        "images": images,
+        "image_lengths": img_len,
+        "tokens": tokens,
+        "token_lengths": tok_len,
         "image_index": torch.tensor([0, 0, 1, 2, 3, 3, 4, 5, 6, 7, 8]) + seed,  # same-image captions
         "caption_index": (torch.arange(GLOBAL_B) * 3 + seed) % 40,
-    }  # fmt: skip
+    }
 
 
 def _shard(batch: dict, rank: int) -> dict:
@@ -108,7 +111,9 @@ def _run(step_fn: TrainStep, rank: int | None) -> dict:
         batch = _global_batch(s)
         if rank is not None:
             batch = _shard(batch, rank)
-        out = step_fn(batch, epoch=0, step=s, shard_sizes=shard_sizes(GLOBAL_B, WORLD) if rank is not None else None)
+        out = step_fn(
+            batch, epoch=0, step=s, shard_sizes=shard_sizes(GLOBAL_B, WORLD) if rank is not None else None
+        )
         losses.append(float(out["loss"]))
     model = step_fn.model
     return {
@@ -119,8 +124,13 @@ def _run(step_fn: TrainStep, rank: int | None) -> dict:
 
 
 def _worker(rank: int, port: int, out_dir: str, variants: list[str]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank))  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     ctx = init_from_env("cpu")
     assert ctx.world_size == WORLD and ctx.rank == rank
@@ -144,7 +154,9 @@ def _record_dustbin_abs_grads(monkeypatch) -> list[float]:
         p, q = scores.shape[-2:]
         out = augment(scores, dustbin)
         if out.requires_grad:
-            out.register_hook(lambda g: sums.append(float(g[..., :p, q].abs().sum() + g[..., p, :].abs().sum())))
+            out.register_hook(
+                lambda g: sums.append(float(g[..., :p, q].abs().sum() + g[..., p, :].abs().sum()))
+            )
         return out
 
     monkeypatch.setattr(aeom, "augment_with_dustbin", recording)
@@ -201,17 +213,24 @@ def test_two_process_step_equals_single_process_on_global_batch(tmp_path, monkey
             np.testing.assert_allclose(got["loss"], single["loss"], rtol=1e-5, err_msg=f"{v} rank {r}")
             assert got["grads"].keys() == single["grads"].keys()
             for name, g in single["grads"].items():
-                torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=grad_atol[name],
-                                           msg=f"{v} rank {r} grad {name}")  # fmt: skip
+                torch.testing.assert_close(
+                    got["grads"][name], g, rtol=1e-4, atol=grad_atol[name], msg=f"{v} rank {r} grad {name}"
+                )
             # weights after two SGD steps, w0 - LR (g1 + g2): they inherit 2 LR x the gradient tolerance;
             # BatchNorm running stats are means/variances of nearly equal activations (rtol 1e-4 = 840 eps)
             for name, t in single["state"].items():
                 atol = 1e-6 + 2 * LR * grad_atol.get(name, 0.0)
-                torch.testing.assert_close(got["state"][name], t, rtol=1e-4, atol=atol, msg=f"{v} rank {r} {name}")
+                torch.testing.assert_close(
+                    got["state"][name], t, rtol=1e-4, atol=atol, msg=f"{v} rank {r} {name}"
+                )
 
 
 def test_shards_cover_the_global_batch_in_order():
-    assert shard_sizes(11, 2) == [6, 5] and shard_sizes(8, 4) == [2, 2, 2, 2] and shard_sizes(3, 4) == [1, 1, 1, 0]
+    assert (
+        shard_sizes(11, 2) == [6, 5]
+        and shard_sizes(8, 4) == [2, 2, 2, 2]
+        and shard_sizes(3, 4) == [1, 1, 1, 0]
+    )
     for n, w in ((11, 2), (7, 3), (128, 8)):
         idx = list(range(n))
         assert sum((idx[shard_slice(n, r, w)] for r in range(w)), []) == idx
@@ -227,8 +246,15 @@ def test_global_batchnorm_is_plain_batchnorm_outside_distributed():
     assert convert_batchnorm(bn, DistContext()) is bn and type(bn[1]) is torch.nn.BatchNorm1d
     conv = convert_batchnorm(bn, DistContext(rank=0, world_size=2))
     assert isinstance(conv[1], GlobalBatchNorm1d) and conv[1].weight is bn[1].weight
-    assert set(conv.state_dict()) == {"0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var",
-                                      "1.num_batches_tracked"}  # fmt: skip
+    assert set(conv.state_dict()) == {
+        "0.weight",
+        "0.bias",
+        "1.weight",
+        "1.bias",
+        "1.running_mean",
+        "1.running_var",
+        "1.num_batches_tracked",
+    }
 
 
 @pytest.mark.slow
@@ -239,12 +265,28 @@ def test_vse_train_under_torchrun_matches_single_process(synthetic_dir, tmp_path
     for s in sets:
         args += ["--set", s]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-           "-m", "vsekit.cli", "train", "--out", str(tmp_path / "ddp"), *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={WORLD}",
+        "-m",
+        "vsekit.cli",
+        "train",
+        "--out",
+        str(tmp_path / "ddp"),
+        *args,
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    single = Trainer(load_recipe("vse_infty", sets + ["train.device=cpu"]), synthetic_dir, tmp_path / "one",
-                     progress=False, log=lambda *_: None)  # fmt: skip
+    single = Trainer(
+        load_recipe("vse_infty", sets + ["train.device=cpu"]),
+        synthetic_dir,
+        tmp_path / "one",
+        progress=False,
+        log=lambda *_: None,
+    )
     single.fit()
     a, b = load_file(tmp_path / "ddp" / "last.safetensors"), load_file(tmp_path / "one" / "last.safetensors")
     assert a.keys() == b.keys()
@@ -261,5 +303,8 @@ def test_vse_train_under_torchrun_matches_single_process(synthetic_dir, tmp_path
     rb = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in ra] == [r["step"] for r in rb]  # one writer: no duplicated records
     # the logged losses of the same steps (measured <= 0.2% of rtol 1e-4 apart)
-    np.testing.assert_allclose([r["loss"] for r in ra if r["kind"] == "train"],
-                               [r["loss"] for r in rb if r["kind"] == "train"], rtol=1e-4)  # fmt: skip
+    np.testing.assert_allclose(
+        [r["loss"] for r in ra if r["kind"] == "train"],
+        [r["loss"] for r in rb if r["kind"] == "train"],
+        rtol=1e-4,
+    )

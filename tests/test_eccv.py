@@ -25,7 +25,9 @@ import pytest
 
 with warnings.catch_warnings():  # eccv_caption warns on import when ujson is missing
     warnings.simplefilter("ignore")
-    eccv_caption = pytest.importorskip("eccv_caption", reason="the eccv extra is not installed: pip install 'vsekit[eccv]'")
+    eccv_caption = pytest.importorskip(
+        "eccv_caption", reason="the eccv extra is not installed: pip install 'vsekit[eccv]'"
+    )
 
 from vsekit.cli import main  # noqa: E402
 from vsekit.errors import MissingPackageError, VseInputError  # noqa: E402
@@ -47,8 +49,9 @@ def package():
 
 
 # ------------------------------------------------------------------------------------ the reference
-def full_ranking_lists(rows: np.ndarray, query_fold: np.ndarray, item_fold: np.ndarray, item_ids: np.ndarray,
-                       k: int) -> list[list[int]]:  # fmt: skip
+def full_ranking_lists(
+    rows: np.ndarray, query_fold: np.ndarray, item_fold: np.ndarray, item_ids: np.ndarray, k: int
+) -> list[list[int]]:
     """Every row sorted whole (score descending, equal scores in index order), as item ids.
 
     Each list stops where compute_all_metrics stops reading (a full 25,000-id list per query would be 30,000
@@ -102,7 +105,14 @@ def reference_scores(sims: np.ndarray, package) -> dict[str, float]:
         cols = np.ascontiguousarray(sims[:, c0 : c0 + 1250].T)
         lists = full_ranking_lists(cols, cap_fold[c0 : c0 + 1250], img_fold, image_ids, k_t2i)
         t2i.update(zip(caption_ids[c0 : c0 + 1250].tolist(), lists))
-    targets = ["coco_1k_recalls", "coco_5k_recalls", "cxc_recalls", "eccv_map_at_r", "eccv_rprecision", "eccv_r1"]
+    targets = [
+        "coco_1k_recalls",
+        "coco_5k_recalls",
+        "cxc_recalls",
+        "eccv_map_at_r",
+        "eccv_rprecision",
+        "eccv_r1",
+    ]
     raw = metrics.compute_all_metrics(i2t, t2i, target_metrics=targets, Ks=[1, 5, 10])
     out = {}
     for d in ("i2t", "t2i"):
@@ -231,7 +241,9 @@ def test_eval_sims_eccv_json_out_end_to_end(planted, tmp_path, capsys):
     got = json.loads(out.read_text())
     expected = E.eccv_metrics(planted)
     assert {k: got[k] for k in E.ECCV_KEYS} == expected
-    assert "rsum" in got and got["coco_5k_i2t_r1"] == got["i2t_r1"]  # no ties: the same number as the main key
+    assert (
+        "rsum" in got and got["coco_5k_i2t_r1"] == got["i2t_r1"]
+    )  # no ties: the same number as the main key
     assert "ECCV    i2t mAP@R" in printed and "COCO 1K i2t R@1" in printed and "CxC" in printed
     # a caption -> image map other than 5 per image in order is refused, naming the file
     c2i = tmp_path / "c2i.txt"
@@ -242,7 +254,10 @@ def test_eval_sims_eccv_json_out_end_to_end(planted, tmp_path, capsys):
     # `vse bench eccv` on the same file (its full-sort reference is what the tests above do)
     assert main(["bench", "eccv", "--sims", str(path), "--repeats", "1", "--no-reference"]) == 0
     row = capsys.readouterr().out
-    assert "| 5,000 x 25,000 (s.npy) | 48 / 19 |" in row and f"`vse bench eccv --repeats 1 --no-reference --sims {path}`" in row
+    assert (
+        "| 5,000 x 25,000 (s.npy) | 48 / 19 |" in row
+        and f"`vse bench eccv --repeats 1 --no-reference --sims {path}`" in row
+    )
 
 
 def test_eval_checks_the_split_before_encoding(tmp_path, package):
@@ -255,8 +270,9 @@ def test_eval_checks_the_split_before_encoding(tmp_path, package):
     caps = ["a cat"] * N_CAP
     write_precomp_split(tmp_path, "testall", feats, caps, image_ids=[str(i) for i in image_ids])
     check_eccv_split(str(tmp_path), "testall")
-    write_precomp_split(tmp_path, "testall", feats, caps, image_ids=[str(i) for i in image_ids],
-                        ids_per_caption=True)  # fmt: skip
+    write_precomp_split(
+        tmp_path, "testall", feats, caps, image_ids=[str(i) for i in image_ids], ids_per_caption=True
+    )
     check_eccv_split(str(tmp_path), "testall")
     swapped = [str(i) for i in image_ids]
     swapped[10], swapped[11] = swapped[11], swapped[10]
@@ -284,7 +300,13 @@ def test_eval_run_eccv_end_to_end(tmp_path, capsys, package):
     torch.set_num_threads(1)
     data = make_synthetic_precomp(tmp_path / "d", n_train=40, n_dev=10, n_test=N_IMG, regions=2, dim=8)
     run = tmp_path / "run"
-    tiny = ["model.embed_dim=16", "model.text.word_dim=8", "train.batch_size=16", "train.log_every=0", "train.epochs=1"]
+    tiny = [
+        "model.embed_dim=16",
+        "model.text.word_dim=8",
+        "train.batch_size=16",
+        "train.log_every=0",
+        "train.epochs=1",
+    ]
     Trainer(load_recipe("vsepp", tiny), data, run, progress=False, log=lambda *_: None).fit()
     argv = ["eval", str(run), "--data", str(data), "--split", "test", "--device", "cpu", "--eccv"]
     assert main(argv) == 2

@@ -25,13 +25,18 @@ def quiet(*_):
 
 
 def embed(run, source, out, *extra):
-    return main(["embed", str(run), str(source), "--out", str(out), "--device", "cpu", "--no-progress", *extra])
+    return main(
+        ["embed", str(run), str(source), "--out", str(out), "--device", "cpu", "--no-progress", *extra]
+    )
 
 
 def folder_bytes(root):
     """Every data file of an embeddings folder (manifest excluded), by relative path."""
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and p.parent.name in ("img_emb", "text_emb", "metadata")}  # fmt: skip
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.parent.name in ("img_emb", "text_emb", "metadata")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +52,9 @@ def split_embeddings(shapes_model, tmp_path_factory):
 def test_split_embeds_into_the_clip_retrieval_layout(shapes_model, split_embeddings, tmp_path):
     data, run = shapes_model
     out = split_embeddings
-    names = [f"{i}" for i in range(5)]  # 24 rows / 5 per chunk; one digit for 5 chunks, as clip-retrieval pads
+    names = [
+        f"{i}" for i in range(5)
+    ]  # 24 rows / 5 per chunk; one digit for 5 chunks, as clip-retrieval pads
     assert sorted(p.name for p in (out / "img_emb").iterdir()) == [f"img_emb_{n}.npy" for n in names]
     assert sorted(p.name for p in (out / "text_emb").iterdir()) == [f"text_emb_{n}.npy" for n in names]
     assert sorted(p.name for p in (out / "metadata").iterdir()) == [f"metadata_{n}.parquet" for n in names]
@@ -62,7 +69,12 @@ def test_split_embeds_into_the_clip_retrieval_layout(shapes_model, split_embeddi
     d = json.loads((out / "embed.json").read_text())["model"]["embed_dim"]
     assert img.dtype == np.float32 and img.shape == (24, d) and txt.shape == (24, d)
     info = json.loads((out / "embed.json").read_text())
-    assert info["written_rows"] == 24 and info["chunks"] == 5 and info["with_text"] and info["format"] == "vsekit-embeddings/1"
+    assert (
+        info["written_rows"] == 24
+        and info["chunks"] == 5
+        and info["with_text"]
+        and info["format"] == "vsekit-embeddings/1"
+    )
     # the same embeddings `vse index` stores for the split
     build_index(run, f"{data}:test", tmp_path / "idx", progress=False, log=quiet)
     ref = SearchIndex(tmp_path / "idx")
@@ -85,7 +97,9 @@ def test_folder_of_pictures_with_workers_and_a_captions_file(shapes_model, tmp_p
     assert "broken.png" in info["skipped"][0]
     assert not (tmp_path / "out" / "text_emb").exists()  # no captions beside the pictures
     meta = pq.read_table(tmp_path / "out" / "metadata" / "metadata_0.parquet").to_pydict()
-    assert meta["image_path"] == [str((pics / "test_blue_square_1.png").resolve())]  # chunk 0: broken.png skipped
+    assert meta["image_path"] == [
+        str((pics / "test_blue_square_1.png").resolve())
+    ]  # chunk 0: broken.png skipped
     # picture -> same embedding as `vse index` of the folder
     build_index(run, pics, tmp_path / "idx", progress=False, log=quiet)
     img = np.concatenate([np.load(p) for p in sorted((tmp_path / "out" / "img_emb").glob("*.npy"))])
@@ -97,11 +111,15 @@ def test_folder_of_pictures_with_workers_and_a_captions_file(shapes_model, tmp_p
     assert not (tmp_path / "caps" / "img_emb").exists()
     assert np.load(tmp_path / "caps" / "text_emb" / "text_emb_0.npy").shape == (2, img.shape[1])
     assert pq.read_table(tmp_path / "caps" / "metadata" / "metadata_0.parquet").to_pydict()["caption"] == [
-        "a red circle", "a blue square"]  # fmt: skip
+        "a red circle",
+        "a blue square",
+    ]
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_without_recomputing_finished_chunks(shapes_model, split_embeddings, tmp_path, monkeypatch):
+def test_killed_run_resumes_without_recomputing_finished_chunks(
+    shapes_model, split_embeddings, tmp_path, monkeypatch
+):
     import vsekit.search.embed as embed_mod
 
     data, run = shapes_model
@@ -129,7 +147,9 @@ def test_killed_run_resumes_without_recomputing_finished_chunks(shapes_model, sp
     # a half-written chunk: its files are there but its manifest entry is not -> redone
     shutil.copy(out / "img_emb" / "img_emb_0.npy", out / "img_emb" / "img_emb_2.npy")
     written.clear()
-    monkeypatch.setattr(embed_mod, "write_chunk", lambda o, n, *a, **k: (real(o, n, *a, **k), written.append(n)))
+    monkeypatch.setattr(
+        embed_mod, "write_chunk", lambda o, n, *a, **k: (real(o, n, *a, **k), written.append(n))
+    )
     rows = {"n": 0}
     import vsekit.search.encode as encode_mod
 
@@ -163,9 +183,26 @@ def _free_port() -> int:
 def test_torchrun_two_ranks_write_exactly_the_single_process_folder(shapes_model, split_embeddings, tmp_path):
     data, run = shapes_model
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", "-m", "vsekit.cli", "embed", str(run), f"{data}:test",
-           "--out", str(tmp_path / "ddp"), "--chunk-size", "5", "--device", "cpu", "--no-progress"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        "-m",
+        "vsekit.cli",
+        "embed",
+        str(run),
+        f"{data}:test",
+        "--out",
+        str(tmp_path / "ddp"),
+        "--chunk-size",
+        "5",
+        "--device",
+        "cpu",
+        "--no-progress",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ddp, one = folder_bytes(tmp_path / "ddp"), folder_bytes(split_embeddings)
@@ -190,7 +227,12 @@ def test_index_from_embeddings_searches_like_the_model(shapes_model, split_embed
     hits = json.loads(capsys.readouterr().out)
     assert all("red_circle" in h["path"] for h in hits)
     pq_index = tmp_path / "pq"
-    assert main(["index", "--from-embeddings", str(split_embeddings), "--out", str(pq_index), "--index", "ivfpq"]) == 0
+    assert (
+        main(
+            ["index", "--from-embeddings", str(split_embeddings), "--out", str(pq_index), "--index", "ivfpq"]
+        )
+        == 0
+    )
     assert type(SearchIndex(pq_index).image_faiss.base).__name__ == "IndexIVFPQ"  # re-scored by default
     capsys.readouterr()
     assert main(["search", str(pq_index), "a red circle", "-k", "1", "--json", "--device", "cpu"]) == 0
@@ -211,16 +253,24 @@ def test_bad_embedding_folders_are_named(shapes_model, split_embeddings, tmp_pat
         err = capsys.readouterr().err
         assert match in err and err.count("\n") == 1, err
 
-    fails(["index", "--from-embeddings", str(tmp_path / "nope"), "--out", str(tmp_path / "i0")], "nope: no such folder")
+    fails(
+        ["index", "--from-embeddings", str(tmp_path / "nope"), "--out", str(tmp_path / "i0")],
+        "nope: no such folder",
+    )
     bad = tmp_path / "bad"
     shutil.copytree(split_embeddings, bad)
     np.save(bad / "img_emb" / "img_emb_1.npy", np.load(bad / "img_emb" / "img_emb_1.npy")[:3])
-    fails(["index", "--from-embeddings", str(bad), "--out", str(tmp_path / "i1")],
-          "metadata_1.parquet: 5 metadata rows, but img_emb_1.npy holds 3 embeddings")  # fmt: skip
+    fails(
+        ["index", "--from-embeddings", str(bad), "--out", str(tmp_path / "i1")],
+        "metadata_1.parquet: 5 metadata rows, but img_emb_1.npy holds 3 embeddings",
+    )
     nan = np.load(split_embeddings / "img_emb" / "img_emb_1.npy")
     nan[2, 4] = np.nan
     np.save(bad / "img_emb" / "img_emb_1.npy", nan)
-    fails(["index", "--from-embeddings", str(bad), "--out", str(tmp_path / "i2")], "img_emb_1.npy: row 2 has NaN/inf")
+    fails(
+        ["index", "--from-embeddings", str(bad), "--out", str(tmp_path / "i2")],
+        "img_emb_1.npy: row 2 has NaN/inf",
+    )
     assert not (tmp_path / "i2").exists()  # a failed first build leaves no --out folder
     wide = tmp_path / "wide"
     shutil.copytree(split_embeddings, wide)
@@ -231,27 +281,56 @@ def test_bad_embedding_folders_are_named(shapes_model, split_embeddings, tmp_pat
     info["image_emb_shape"] = [2 * info["image_emb_shape"][0]]
     (wide / "embed.json").write_text(json.dumps(info))
     assert main(["index", "--from-embeddings", str(split_embeddings), "--out", str(tmp_path / "ok")]) == 0
-    fails(["index", "--from-embeddings", str(wide), "--out", str(tmp_path / "ok")], "image embeddings, but the index")
-    fails(["index", str(run), "x", "--from-embeddings", str(wide), "--out", str(tmp_path / "x")], "takes no SOURCE")
+    fails(
+        ["index", "--from-embeddings", str(wide), "--out", str(tmp_path / "ok")],
+        "image embeddings, but the index",
+    )
+    fails(
+        ["index", str(run), "x", "--from-embeddings", str(wide), "--out", str(tmp_path / "x")],
+        "takes no SOURCE",
+    )
     # a folder from another tool (no embed.json): RUN_DIR names its model, and the dimension must be the run's
     foreign = tmp_path / "foreign"
     shutil.copytree(split_embeddings, foreign, ignore=shutil.ignore_patterns("embed.json", ".manifest"))
-    fails(["index", "--from-embeddings", str(foreign), "--out", str(tmp_path / "f0")], "vse index RUN_DIR --from-embeddings")
+    fails(
+        ["index", "--from-embeddings", str(foreign), "--out", str(tmp_path / "f0")],
+        "vse index RUN_DIR --from-embeddings",
+    )
     assert main(["index", str(run), "--from-embeddings", str(foreign), "--out", str(tmp_path / "f1")]) == 0
     assert SearchIndex(tmp_path / "f1").n_pictures == 24
     shutil.rmtree(wide / ".manifest")
     (wide / "embed.json").unlink()
-    fails(["index", str(run), "--from-embeddings", str(wide), "--out", str(tmp_path / "f2")], "embeds to 64 dimensions")
+    fails(
+        ["index", str(run), "--from-embeddings", str(wide), "--out", str(tmp_path / "f2")],
+        "embeds to 64 dimensions",
+    )
     # vse embed: a folder holding another job, an unfinished folder read as embeddings
-    fails(["embed", str(run), f"{data}:test", "--out", str(split_embeddings), "--chunk-size", "7", "--device", "cpu"],
-          "holds embeddings of another job (differs in chunk_size)")  # fmt: skip
+    fails(
+        [
+            "embed",
+            str(run),
+            f"{data}:test",
+            "--out",
+            str(split_embeddings),
+            "--chunk-size",
+            "7",
+            "--device",
+            "cpu",
+        ],
+        "holds embeddings of another job (differs in chunk_size)",
+    )
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "x.txt").write_text("x")
-    fails(["embed", str(run), f"{data}:test", "--out", str(tmp_path / "junk"), "--device", "cpu"], "is not empty")
+    fails(
+        ["embed", str(run), f"{data}:test", "--out", str(tmp_path / "junk"), "--device", "cpu"],
+        "is not empty",
+    )
     half = tmp_path / "half"
     shutil.copytree(split_embeddings, half)
     (half / "embed.json").unlink()
-    fails(["index", "--from-embeddings", str(half), "--out", str(tmp_path / "i3")], "has not finished writing")
+    fails(
+        ["index", "--from-embeddings", str(half), "--out", str(tmp_path / "i3")], "has not finished writing"
+    )
     with pytest.raises(VseInputError, match="no captions"):
         (tmp_path / "empty.txt").write_text("\n\n")
         from vsekit.search.embed import resolve_input
@@ -266,27 +345,73 @@ def test_bench_search_ivfpq_from_an_embeddings_folder(tmp_path, monkeypatch):
     from vsekit_lab.bench.search import ClusteredVectors, bench_search
 
     seen = spy_search_ids(monkeypatch)
-    res = bench_search(n=3000, dim=32, queries=40, exact_queries=10, clusters=60, nlist=32, nprobes=(1, 32),
-                       sq8=False, ivfpq=True, ivf_flat=False, train_size=2000, chunk=1000,
-                       save_embeddings=tmp_path / "emb", log=quiet)  # fmt: skip
-    assert sorted(p.name for p in (tmp_path / "emb" / "img_emb").iterdir()) == ["img_emb_0.npy", "img_emb_1.npy",
-                                                                                 "img_emb_2.npy", "img_emb_3.npy"]
+    res = bench_search(
+        n=3000,
+        dim=32,
+        queries=40,
+        exact_queries=10,
+        clusters=60,
+        nlist=32,
+        nprobes=(1, 32),
+        sq8=False,
+        ivfpq=True,
+        ivf_flat=False,
+        train_size=2000,
+        chunk=1000,
+        save_embeddings=tmp_path / "emb",
+        log=quiet,
+    )
+    assert sorted(p.name for p in (tmp_path / "emb" / "img_emb").iterdir()) == [
+        "img_emb_0.npy",
+        "img_emb_1.npy",
+        "img_emb_2.npy",
+        "img_emb_3.npy",
+    ]
     x = np.concatenate([np.load(p) for p in sorted((tmp_path / "emb" / "img_emb").glob("*.npy"))])
-    np.testing.assert_array_equal(x, np.concatenate(list(ClusteredVectors(32, 60, 1.0, 0).chunks(3040, 1000))))
+    np.testing.assert_array_equal(
+        x, np.concatenate(list(ClusteredVectors(32, 60, 1.0, 0).chunks(3040, 1000)))
+    )
     truth = brute_force_topk(x[3000:], x[:3000], 10)
-    assert [r["index"] for r in res["rows"]] == ["flat (exact)", "IVF-PQ4", "IVF-PQ4"] and res["setup"]["pq"] == "m=4 nbits=6"
+    assert [r["index"] for r in res["rows"]] == ["flat (exact)", "IVF-PQ4", "IVF-PQ4"] and res["setup"][
+        "pq"
+    ] == "m=4 nbits=6"
     for row, ids in zip(res["rows"], seen):
         assert row["recall_at_k"] == pytest.approx(recall_vs(ids, truth[: len(ids)]), abs=1e-4), row
     assert res["rows"][0]["recall_at_k"] == 1.0 and res["rows"][1]["bytes_per_vector"] == 3 + 8  # 4 x 6 bits
     assert res["rows"][1]["recall_at_k"] < res["rows"][2]["recall_at_k"]  # nprobe 1 < nprobe 32
     seen.clear()
-    pq = bench_search(n=3000, queries=40, exact_queries=5, nlist=32, nprobes=(32,), sq8=False, ivf_flat=False,
-                      ivfpq=True, pq_ms=(8, 16), rerank=10, embeddings=tmp_path / "emb", log=quiet)  # fmt: skip
+    pq = bench_search(
+        n=3000,
+        queries=40,
+        exact_queries=5,
+        nlist=32,
+        nprobes=(32,),
+        sq8=False,
+        ivf_flat=False,
+        ivfpq=True,
+        pq_ms=(8, 16),
+        rerank=10,
+        embeddings=tmp_path / "emb",
+        log=quiet,
+    )
     assert [(r["index"], r["bytes_per_vector"]) for r in pq["rows"][1:]] == [
-        ("IVF-PQ8", 6 + 8), ("IVF-PQ8 + exact re-rank", 6 + 8), ("IVF-PQ16", 12 + 8), ("IVF-PQ16 + exact re-rank", 12 + 8)]
+        ("IVF-PQ8", 6 + 8),
+        ("IVF-PQ8 + exact re-rank", 6 + 8),
+        ("IVF-PQ16", 12 + 8),
+        ("IVF-PQ16 + exact re-rank", 12 + 8),
+    ]
     for row, ids in zip(pq["rows"][1:], seen[1:]):
         assert row["recall_at_k"] == pytest.approx(recall_vs(ids, truth), abs=1e-4), row
     assert pq["rows"][2]["recall_at_k"] > pq["rows"][1]["recall_at_k"]  # the exact re-rank recovers recall
-    again = bench_search(n=3000, queries=40, exact_queries=5, nlist=32, nprobes=(32,), sq8=False, ivf_flat=False,
-                         embeddings=tmp_path / "emb", log=quiet)  # fmt: skip
+    again = bench_search(
+        n=3000,
+        queries=40,
+        exact_queries=5,
+        nlist=32,
+        nprobes=(32,),
+        sq8=False,
+        ivf_flat=False,
+        embeddings=tmp_path / "emb",
+        log=quiet,
+    )
     assert again["setup"]["dim"] == 32 and again["rows"][0]["recall_at_k"] == 1.0

@@ -38,7 +38,9 @@ def names_used(path: Path) -> set[str]:
 
 def test_the_name_scan_sees_imports_and_attributes(tmp_path):
     sample = tmp_path / "m.py"
-    sample.write_text('"""GridFeatureExtractor"""\nfrom a import preprocess_image\nx = m.GridFeatureExtractor\n')
+    sample.write_text(
+        '"""GridFeatureExtractor"""\nfrom a import preprocess_image\nx = m.GridFeatureExtractor\n'
+    )
     assert NET_NAMES <= names_used(sample)
     sample.write_text('s = "GridFeatureExtractor preprocess_image"  # GridFeatureExtractor\n')
     assert not NET_NAMES & names_used(sample)
@@ -46,15 +48,21 @@ def test_the_name_scan_sees_imports_and_attributes(tmp_path):
 
 def test_only_the_contract_runs_the_grid_extractor():
     """Builders (library and lab) and search reach the Lite0 net only through `vsekit.features.extractor`."""
-    users = sorted(p.relative_to(SRC).as_posix() for pkg in ("vsekit", "vsekit_lab") for p in (SRC / pkg).rglob("*.py")
-                   if NET_NAMES & names_used(p))  # fmt: skip
+    users = sorted(
+        p.relative_to(SRC).as_posix()
+        for pkg in ("vsekit", "vsekit_lab")
+        for p in (SRC / pkg).rglob("*.py")
+        if NET_NAMES & names_used(p)
+    )
     assert set(users) <= ALLOWED, users
     assert "vsekit/features/extractor.py" in users  # the scan reads the real tree
 
 
 def pictures(n: int, size: int = 70) -> list[Image.Image]:
     rng = np.random.default_rng(3)
-    return [Image.fromarray((rng.random((size, size + 9, 4)) * 255).astype(np.uint8), "RGBA") for _ in range(n)]
+    return [
+        Image.fromarray((rng.random((size, size + 9, 4)) * 255).astype(np.uint8), "RGBA") for _ in range(n)
+    ]
 
 
 def test_stored_features_are_the_nets_grid_rounded_once_to_float16():
@@ -87,9 +95,11 @@ def test_a_builders_spec_makes_the_same_extractor_again():
 
 def test_a_spec_this_machine_cannot_reproduce_is_refused_in_one_line():
     spec = LiteGridExtractor(image_size=64).describe()
-    for bad, words in (({**spec, "weights_sha256": "0" * 16}, "features would not match training"),
-                       ({**spec, "name": "grid:torchvision:resnet18"}, "cannot be run on raw pictures"),
-                       ({"dim": 3}, "None")):  # fmt: skip
+    for bad, words in (
+        ({**spec, "weights_sha256": "0" * 16}, "features would not match training"),
+        ({**spec, "name": "grid:torchvision:resnet18"}, "cannot be run on raw pictures"),
+        ({"dim": 3}, "None"),
+    ):
         with pytest.raises(VseInputError) as info:
             extractor_from_spec(bad)
         assert words in str(info.value) and len(str(info.value).splitlines()) == 1

@@ -63,7 +63,9 @@ class BooleanIndexResidualMLP(nn.Module):
         return out
 
 
-def previous_gpo(gpo: GPO, features: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def previous_gpo(
+    gpo: GPO, features: torch.Tensor, lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The previous GPO forward: cut to the batch's longest set, the reference's packed-BiGRU weights per
     sample (`weights_packed`), weights [B, lengths.max()]."""
     max_len = int(lengths.max())
@@ -190,7 +192,9 @@ def test_masked_batchnorm_under_bf16_autocast_follows_fp32():
 # ---- GPO ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("batch", [4, 12])  # fewer samples than the width (per-sample weights), and more (table)
+@pytest.mark.parametrize(
+    "batch", [4, 12]
+)  # fewer samples than the width (per-sample weights), and more (table)
 @pytest.mark.parametrize("train", [True, False])
 def test_gpo_one_table_equals_the_previous_per_sample_weights(batch, train):
     torch.manual_seed(0)
@@ -204,7 +208,10 @@ def test_gpo_one_table_equals_the_previous_per_sample_weights(batch, train):
     ref_pooled, ref_weights = previous_gpo(gpo, feats, lengths)
     torch.testing.assert_close(pooled, ref_pooled, **VALUES)
     torch.testing.assert_close(weights, ref_weights, **VALUES)
-    for a, b in zip(_grads(pooled, probe, [feats, *gpo.parameters()]), _grads(ref_pooled, probe, [feats, *gpo.parameters()])):
+    for a, b in zip(
+        _grads(pooled, probe, [feats, *gpo.parameters()]),
+        _grads(ref_pooled, probe, [feats, *gpo.parameters()]),
+    ):
         torch.testing.assert_close(a, b, **GRADS)
     # padded 5 wider: the same pooling, the extra columns weigh 0
     wide = torch.cat([feats.detach(), torch.full((batch, 5, 6), 1e3)], dim=1)
@@ -263,7 +270,9 @@ def test_grid_size_augment_draws_and_keeps_as_before():
     lengths = torch.randint(1, 11, (64,), generator=torch.Generator().manual_seed(1))
     for drop_max in (0.2, 1.0):  # 1.0: some sets lose every cell and keep their first one
         got, got_len = grid_size_augment(feats, lengths, torch.Generator().manual_seed(7), drop_max)
-        want, want_len = previous_grid_size_augment(feats, lengths, torch.Generator().manual_seed(7), drop_max)
+        want, want_len = previous_grid_size_augment(
+            feats, lengths, torch.Generator().manual_seed(7), drop_max
+        )
         assert torch.equal(got_len, want_len) and got.shape == feats.shape
         assert torch.equal(got[:, : want.shape[1]], want)
         assert torch.equal(got[:, want.shape[1] :], torch.zeros_like(got[:, want.shape[1] :]))
@@ -308,10 +317,12 @@ def _batch(b: int = 10, seed: int = 5, pad: int = 0) -> dict:
     images = torch.randn(b, 6, IMG_DIM, generator=g).masked_fill(~length_mask(img_len, 6).unsqueeze(-1), 0.0)
     tokens, tok_len = _captions(b, 9, seed + 1)
     return {
-        "images": torch.cat([images, images.new_zeros(b, pad, IMG_DIM)], 1), "image_lengths": img_len,
-        "tokens": torch.cat([tokens, tokens.new_zeros(b, pad)], 1), "token_lengths": tok_len,
+        "images": torch.cat([images, images.new_zeros(b, pad, IMG_DIM)], 1),
+        "image_lengths": img_len,
+        "tokens": torch.cat([tokens, tokens.new_zeros(b, pad)], 1),
+        "token_lengths": tok_len,
         "ids": torch.arange(b) // 2,  # two captions per image
-    }  # fmt: skip
+    }
 
 
 @pytest.mark.parametrize("train", [True, False])
@@ -344,7 +355,9 @@ def _step_fn(model: VSEModel, loss_fn: nn.Module, generator: torch.Generator | N
 
 def _loss_and_grads(model: VSEModel, fn, batch: dict) -> tuple[torch.Tensor, ...]:
     model.zero_grad(set_to_none=True)
-    loss, img, txt = fn(batch["images"], batch["image_lengths"], batch["tokens"], batch["token_lengths"], batch["ids"])
+    loss, img, txt = fn(
+        batch["images"], batch["image_lengths"], batch["tokens"], batch["token_lengths"], batch["ids"]
+    )
     loss.backward()
     params = [p for p in model.parameters() if p.requires_grad]
     assert all(p.grad is not None for p in params)
@@ -401,7 +414,9 @@ def test_cuda_steps_have_no_host_sync(name):
         for s, batch in enumerate(batches[1:]):
             gen.manual_seed(s + 1)
             model.zero_grad(set_to_none=True)
-            loss, _, _ = fn(batch["images"], batch["image_lengths"], batch["tokens"], batch["token_lengths"], batch["ids"])
+            loss, _, _ = fn(
+                batch["images"], batch["image_lengths"], batch["tokens"], batch["token_lengths"], batch["ids"]
+            )
             loss.backward()
             losses.append(loss.detach())
     finally:

@@ -60,7 +60,9 @@ def test_train_fraction_outside_0_1_is_refused(bad):
 
 def test_bow_recipe_trains_far_above_chance_on_a_share_of_the_data(synthetic_dir, tmp_path):
     logs = []
-    r = load_recipe("bow", ["train.epochs=6", "train.batch_size=64", "data.train_fraction=0.5", "train.log_every=0"])
+    r = load_recipe(
+        "bow", ["train.epochs=6", "train.batch_size=64", "data.train_fraction=0.5", "train.log_every=0"]
+    )
     Trainer(r, synthetic_dir, tmp_path / "run", progress=False, log=logs.append).fit()
     assert any("training on 120 of 240 training images" in line for line in logs)
     assert main(["eval", str(tmp_path / "run"), "--split", "test", "--json", str(tmp_path / "m.json")]) == 0
@@ -81,7 +83,9 @@ def test_coco_scale_recipe_on_a_small_split_names_the_best_measured_recipe(synth
     for name in ("bow", "small_data"):
         load_recipe(name)  # both recipes the advice names exist
     logs = []
-    r = load_recipe("vsepp", ["train.epochs=1", "model.embed_dim=32", "model.text.word_dim=16", "train.log_every=0"])
+    r = load_recipe(
+        "vsepp", ["train.epochs=1", "model.embed_dim=32", "model.text.word_dim=16", "train.log_every=0"]
+    )
     Trainer(r, synthetic_dir, tmp_path / "run", progress=False, log=logs.append)
     assert any(line.startswith("note: recipe 'vsepp'") and "--recipe bow" in line for line in logs)
 

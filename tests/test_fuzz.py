@@ -20,11 +20,33 @@ from vsekit.data.validate import check_dataset
 from vsekit.metrics import evaluate_sims
 from vsekit_lab.datasets.synthetic import make_synthetic_precomp
 
-FUZZ = settings(max_examples=40, deadline=None, database=None, derandomize=True,
-                suppress_health_check=[HealthCheck.function_scoped_fixture])
-TEXTISH = st.lists(st.sampled_from([b"a dog", b"", b" ", b"\r", b"\xff\xfe", b"\x00", b"-1", b"7", b"x", b"3 4",
-                                    "caf\u00e9".encode(), b"\t", b"999999999999999999999"]),
-                   max_size=40).map(lambda parts: b"\n".join(parts))  # fmt: skip
+FUZZ = settings(
+    max_examples=40,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+TEXTISH = st.lists(
+    st.sampled_from(
+        [
+            b"a dog",
+            b"",
+            b" ",
+            b"\r",
+            b"\xff\xfe",
+            b"\x00",
+            b"-1",
+            b"7",
+            b"x",
+            b"3 4",
+            "caf\u00e9".encode(),
+            b"\t",
+            b"999999999999999999999",
+        ]
+    ),
+    max_size=40,
+).map(lambda parts: b"\n".join(parts))
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +56,9 @@ def _one_thread(_threads):
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
-    return make_synthetic_precomp(tmp_path_factory.mktemp("fz"), n_train=8, n_dev=4, n_test=4, regions=3, dim=4)
+    return make_synthetic_precomp(
+        tmp_path_factory.mktemp("fz"), n_train=8, n_dev=4, n_test=4, regions=3, dim=4
+    )
 
 
 def _copy(clean: Path) -> Path:
@@ -61,7 +85,10 @@ def _load_or_clear_error(root: Path, split: str) -> None:
 
 
 @FUZZ
-@given(name=st.sampled_from(["train_caps.txt", "train_cap2img.txt", "train_ids.txt", "dev_images.txt"]), raw=TEXTISH)
+@given(
+    name=st.sampled_from(["train_caps.txt", "train_cap2img.txt", "train_ids.txt", "dev_images.txt"]),
+    raw=TEXTISH,
+)
 def test_malformed_text_files(clean, name, raw):
     root = _copy(clean)
     try:
@@ -77,9 +104,11 @@ def test_malformed_text_files(clean, name, raw):
 
 
 @FUZZ
-@given(shape=st.lists(st.integers(0, 5), min_size=0, max_size=4),
-       dtype=st.sampled_from(["float16", "float32", "float64", "int8", "bool", "complex64"]),
-       truncate=st.booleans())  # fmt: skip
+@given(
+    shape=st.lists(st.integers(0, 5), min_size=0, max_size=4),
+    dtype=st.sampled_from(["float16", "float32", "float64", "int8", "bool", "complex64"]),
+    truncate=st.booleans(),
+)
 def test_wrong_feature_shapes_and_dtypes(clean, shape, dtype, truncate):
     root = _copy(clean)
     try:
@@ -96,7 +125,10 @@ def test_wrong_feature_shapes_and_dtypes(clean, shape, dtype, truncate):
 
 
 @FUZZ
-@given(rows=st.lists(st.integers(0, 7), min_size=1, max_size=4, unique=True), value=st.sampled_from([np.nan, np.inf, -np.inf]))
+@given(
+    rows=st.lists(st.integers(0, 7), min_size=1, max_size=4, unique=True),
+    value=st.sampled_from([np.nan, np.inf, -np.inf]),
+)
 def test_nan_features_reported_at_first_bad_row(clean, rows, value):
     root = _copy(clean)
     try:
@@ -106,19 +138,43 @@ def test_nan_features_reported_at_first_bad_row(clean, rows, value):
         np.save(root / "train_ims.npy", feats)
         report = check_dataset(root, chunk_rows=3)  # several chunks: the first bad row is found across them
         bad = [p for p in report.errors if "NaN or inf" in p.message]
-        assert len(bad) == 1 and bad[0].where == f" row {min(rows)}" and f"({len(rows)} bad row(s)" in bad[0].message
+        assert (
+            len(bad) == 1
+            and bad[0].where == f" row {min(rows)}"
+            and f"({len(rows)} bad row(s)" in bad[0].message
+        )
     finally:
         shutil.rmtree(root)
 
 
 JSONISH = st.recursive(
     st.none() | st.booleans() | st.integers(-3, 3) | st.floats(allow_nan=True) | st.text(max_size=5),
-    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3)
+    ),
     max_leaves=8,
 )
-KEYS = ["model", "loss", "train", "optim", "data", "name", "model.embed_dim", "model.image", "model.image.pooling",
-        "model.image.pooling.name", "train.batch_size", "train.epochs", "optim.lr_decay_epochs", "loss.margin",
-        "loss.name", "model.text.kind", "bogus", "model.bogus", "train.amp"]  # fmt: skip
+KEYS = [
+    "model",
+    "loss",
+    "train",
+    "optim",
+    "data",
+    "name",
+    "model.embed_dim",
+    "model.image",
+    "model.image.pooling",
+    "model.image.pooling.name",
+    "train.batch_size",
+    "train.epochs",
+    "optim.lr_decay_epochs",
+    "loss.margin",
+    "loss.name",
+    "model.text.kind",
+    "bogus",
+    "model.bogus",
+    "train.amp",
+]
 
 
 @FUZZ
@@ -138,10 +194,34 @@ def test_ill_typed_and_unknown_config_keys(key, value):
 
 OVERRIDE = st.one_of(
     st.text(max_size=30),
-    st.builds(lambda k, v: f"{k}={v}", st.sampled_from(KEYS + ["", ".", "a..b", "train..epochs"]),
-              st.sampled_from(["", "1", "-1", "0", "x", "[", "]", "{a: 1}", "[1, 2]", "true", "1e9", "nan", ": :", "'",
-                               "!!python/object:os.system", "&a [*a]", "null", "0x10", "[[1]]"])),
-)  # fmt: skip
+    st.builds(
+        lambda k, v: f"{k}={v}",
+        st.sampled_from(KEYS + ["", ".", "a..b", "train..epochs"]),
+        st.sampled_from(
+            [
+                "",
+                "1",
+                "-1",
+                "0",
+                "x",
+                "[",
+                "]",
+                "{a: 1}",
+                "[1, 2]",
+                "true",
+                "1e9",
+                "nan",
+                ": :",
+                "'",
+                "!!python/object:os.system",
+                "&a [*a]",
+                "null",
+                "0x10",
+                "[[1]]",
+            ]
+        ),
+    ),
+)
 
 
 @FUZZ
@@ -167,8 +247,11 @@ def test_cli_set_values_give_one_line_errors(tmp_path, item):
 
 
 @FUZZ
-@given(shape=st.lists(st.integers(0, 12), min_size=0, max_size=3),
-       fill=st.sampled_from(["normal", "ties", "nan", "inf", "int", "bool", "text"]), k=st.integers(-1, 6))  # fmt: skip
+@given(
+    shape=st.lists(st.integers(0, 12), min_size=0, max_size=3),
+    fill=st.sampled_from(["normal", "ties", "nan", "inf", "int", "bool", "text"]),
+    k=st.integers(-1, 6),
+)
 def test_eval_sims_inputs(tmp_path, shape, fill, k):
     rng = np.random.default_rng(len(shape))
     if fill == "text":
@@ -220,7 +303,12 @@ def test_vse_debug_switch_shows_full_tracebacks(tmp_path, monkeypatch):
     missing = str(tmp_path / "missing.npy")
     monkeypatch.delenv("VSE_DEBUG", raising=False)
     rc, err = _cli(["eval-sims", missing])
-    assert rc == 2 and err.startswith("vse eval-sims: error: ") and "missing.npy" in err and "Traceback" not in err
+    assert (
+        rc == 2
+        and err.startswith("vse eval-sims: error: ")
+        and "missing.npy" in err
+        and "Traceback" not in err
+    )
     import vsekit.commands.evaluate as ev
 
     def buggy(_args):

@@ -74,7 +74,10 @@ def test_rmse_is_zero_for_the_truth_and_matches_a_hand_computation():
             self.pattern = pattern
 
         def forward(self, sizes, max_len):
-            rows = [torch.nn.functional.pad(true_weights(self.pattern, int(n)), (0, max_len - int(n))) for n in sizes]
+            rows = [
+                torch.nn.functional.pad(true_weights(self.pattern, int(n)), (0, max_len - int(n)))
+                for n in sizes
+            ]
             return torch.stack(rows)
 
     assert coefficient_rmse(Fixed("M-10"), "M-10") == {"seen": 0.0, "smaller": 0.0, "larger": 0.0}
@@ -86,7 +89,11 @@ def test_rmse_is_zero_for_the_truth_and_matches_a_hand_computation():
 
 
 def test_interp_at_initialisation_is_exact_average_pooling():
-    assert coefficient_rmse(make_generator("Index+Interp."), "A") == {"seen": 0.0, "smaller": 0.0, "larger": 0.0}
+    assert coefficient_rmse(make_generator("Index+Interp."), "A") == {
+        "seen": 0.0,
+        "smaller": 0.0,
+        "larger": 0.0,
+    }
 
 
 @pytest.fixture
@@ -105,7 +112,9 @@ def test_training_learns_the_pattern(design, one_thread):
     def err(gen):
         with torch.no_grad():
             theta = gen(torch.arange(4, 13), 12)
-        return float(sum(((theta[i, : n] - true_weights("M-1", n)) ** 2).sum() for i, n in enumerate(range(4, 13))))
+        return float(
+            sum(((theta[i, :n] - true_weights("M-1", n)) ** 2).sum() for i, n in enumerate(range(4, 13)))
+        )
 
     torch.manual_seed(0)
     before = err(make_generator(design))
@@ -114,8 +123,10 @@ def test_training_learns_the_pattern(design, one_thread):
 
 
 def test_table_and_summary_put_ours_next_to_the_paper():
-    res = {d: {p: {"seen": 0.01 * (i + 1), "smaller": 0.03, "larger": 0.02} for p in ("A", "M-1")}
-           for i, d in enumerate(DESIGNS)}  # fmt: skip
+    res = {
+        d: {p: {"seen": 0.01 * (i + 1), "smaller": 0.03, "larger": 0.02} for p in ("A", "M-1")}
+        for i, d in enumerate(DESIGNS)
+    }
     result = {"results": res}
     table = format_table(result)
     assert table.count("| paper |") == 4 and table.count("| vsekit |") == 4
@@ -131,8 +142,21 @@ def _f(x: float) -> str:
 
 def test_cli_runs_and_writes_json(tmp_path, capsys):
     out = tmp_path / "gpo.json"
-    args = ["experiment", "gpo-synthetic", "--steps", "2", "--designs", "Index+Interp.", "Cos/Sin+MLP",
-            "--patterns", "A", "L", "--json", str(out), "--quiet"]  # fmt: skip
+    args = [
+        "experiment",
+        "gpo-synthetic",
+        "--steps",
+        "2",
+        "--designs",
+        "Index+Interp.",
+        "Cos/Sin+MLP",
+        "--patterns",
+        "A",
+        "L",
+        "--json",
+        str(out),
+        "--quiet",
+    ]
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "| Cos/Sin+MLP | paper |" in printed and "best overall" in printed
@@ -147,8 +171,19 @@ def test_cli_runs_and_writes_json(tmp_path, capsys):
 def test_worker_processes_give_the_same_numbers(tmp_path, one_thread):
     # Exact equality holds by construction only at one thread in both runs: each worker runs its training on one
     # thread, so the in-process run must too (at two threads, GEMMs and reductions may split and round otherwise).
-    base = ["experiment", "gpo-synthetic", "--steps", "2", "--designs", "Index+Interp.", "Cos/Sin+MLP",
-            "--patterns", "A", "L", "--quiet"]  # fmt: skip
+    base = [
+        "experiment",
+        "gpo-synthetic",
+        "--steps",
+        "2",
+        "--designs",
+        "Index+Interp.",
+        "Cos/Sin+MLP",
+        "--patterns",
+        "A",
+        "L",
+        "--quiet",
+    ]
     assert main([*base, "--json", str(tmp_path / "one.json")]) == 0
     assert main([*base, "--json", str(tmp_path / "two.json"), "--jobs", "2"]) == 0
     one, two = (json.loads((tmp_path / f).read_text())["results"] for f in ("one.json", "two.json"))

@@ -34,13 +34,17 @@ def twin_steps(recipe: str, chunk: int, batch: int = 12, overrides=()):
     r = copy.deepcopy(full.recipe)
     r.train.grad_cache_chunk = chunk
     model = copy.deepcopy(full.model)
-    opt = torch.optim.AdamW(model.parameter_groups(r.optim.lr), lr=r.optim.lr, weight_decay=r.optim.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameter_groups(r.optim.lr), lr=r.optim.lr, weight_decay=r.optim.weight_decay
+    )
     cached = TrainStep(r, model, copy.deepcopy(full.loss_fn), opt, torch.device("cpu"))
     return full, cached, data, epoch
 
 
 def assert_same_step(full: TrainStep, cached: TrainStep, out_full: dict, out_cached: dict) -> None:
-    assert abs(float(out_full["loss"]) - float(out_cached["loss"])) <= TOL * max(1.0, abs(float(out_full["loss"])))
+    assert abs(float(out_full["loss"]) - float(out_cached["loss"])) <= TOL * max(
+        1.0, abs(float(out_full["loss"]))
+    )
     n_grads = 0
     for (name, p), q in zip(full.model.named_parameters(), cached.model.parameters(), strict=True):
         assert (p.grad is None) == (q.grad is None), name
@@ -48,7 +52,9 @@ def assert_same_step(full: TrainStep, cached: TrainStep, out_full: dict, out_cac
             n_grads += 1
             assert (p.grad - q.grad).abs().max().item() <= TOL, name
     assert n_grads > 4
-    assert sum(p.grad.abs().sum().item() for p in full.model.parameters() if p.grad is not None) > 0.1  # not all zero
+    assert (
+        sum(p.grad.abs().sum().item() for p in full.model.parameters() if p.grad is not None) > 0.1
+    )  # not all zero
     # BatchNorm running statistics updated once, with the whole batch's statistics (not once per pass or chunk)
     for (name, a), b in zip(full.model.named_buffers(), cached.model.buffers(), strict=True):
         assert (a.double() - b.double()).abs().max().item() <= TOL, name
@@ -82,7 +88,10 @@ def test_cached_step_equals_the_full_batch_step(recipe, overrides, chunk, warmup
 @pytest.mark.parametrize(
     ("recipe", "overrides"),
     [
-        ("avse", ["model.similarity.block_dim=16"]),  # 2 random views (step generator), AEOM, view regulariser
+        (
+            "avse",
+            ["model.similarity.block_dim=16"],
+        ),  # 2 random views (step generator), AEOM, view regulariser
         ("cvsepp", []),  # ladder loss: relevance looked up by the full batch's caption ids
         ("vse_infty", ["model.image.feature_type=grid"]),  # no BatchNorm: the plain two-pass GradCache
     ],
@@ -107,8 +116,11 @@ def test_without_the_batchnorm_handling_the_gradients_differ(monkeypatch):
     monkeypatch.setattr(gc.FullBatchNorm, "__init__", without_modules)
     full(data, epoch=epoch, step=0)
     cached(data, epoch=epoch, step=0)
-    worst = max((p.grad - q.grad).abs().max().item()
-                for p, q in zip(full.model.parameters(), cached.model.parameters()) if p.grad is not None)  # fmt: skip
+    worst = max(
+        (p.grad - q.grad).abs().max().item()
+        for p, q in zip(full.model.parameters(), cached.model.parameters())
+        if p.grad is not None
+    )
     assert worst > 100 * TOL
 
 
@@ -116,8 +128,12 @@ def test_randomness_is_replayed_between_the_passes():
     """Dropout (2-layer BiGRU, global CPU generator) and the step's generator: the cached step's gradient is
     the gradient of the loss on the embeddings its first pass computed, i.e. autograd through the same chunks
     drawn in the same order. Without replaying the random state the re-encoded chunks draw other masks."""
-    full, data, epoch = build_train_step("vse_infty", batch=12, overrides=[*SMALL, "model.image.feature_type=grid",
-                                         "model.text.num_layers=2"], **SHAPES)  # fmt: skip
+    full, data, epoch = build_train_step(
+        "vse_infty",
+        batch=12,
+        overrides=[*SMALL, "model.image.feature_type=grid", "model.text.num_layers=2"],
+        **SHAPES,
+    )
     model = full.model
     model.text_encoder.gru.dropout = 0.5
     model.train()
@@ -149,8 +165,12 @@ def test_randomness_is_replayed_between_the_passes():
     # and dropout was live: the same chunks without replay (fresh draws) give another loss
     torch.manual_seed(999)
     with torch.no_grad():
-        other = torch.cat([model.encode_texts(data["tokens"][s:s + 5], data["token_lengths"][s:s + 5])
-                           for s in range(0, 12, 5)])  # fmt: skip
+        other = torch.cat(
+            [
+                model.encode_texts(data["tokens"][s : s + 5], data["token_lengths"][s : s + 5])
+                for s in range(0, 12, 5)
+            ]
+        )
     assert (other - txt.detach()).abs().max().item() > 1e-3
 
 
@@ -187,13 +207,22 @@ def test_trainer_runs_with_grad_cache(tiny_data, tmp_path):
 
     from vsekit.training.trainer import Trainer
 
-    base = ["model.embed_dim=16", "model.text.word_dim=8", "model.image.mlp_hidden=16", "train.batch_size=16",
-            "train.epochs=1", "train.log_every=1", "loss.warmup_epochs=0"]  # fmt: skip
+    base = [
+        "model.embed_dim=16",
+        "model.text.word_dim=8",
+        "model.image.mlp_hidden=16",
+        "train.batch_size=16",
+        "train.epochs=1",
+        "train.log_every=1",
+        "loss.warmup_epochs=0",
+    ]
     losses = {}
     for chunk in (0, 6):
         r = load_recipe("vse_infty", [*base, f"train.grad_cache_chunk={chunk}"])
         Trainer(r, tiny_data, tmp_path / f"run{chunk}", progress=False, log=lambda *_: None).fit()
-        recs = [json.loads(line) for line in (tmp_path / f"run{chunk}" / "metrics.jsonl").read_text().splitlines()]
+        recs = [
+            json.loads(line) for line in (tmp_path / f"run{chunk}" / "metrics.jsonl").read_text().splitlines()
+        ]
         losses[chunk] = [rec["loss"] for rec in recs if rec["kind"] == "train"]
     assert len(losses[0]) >= 10
     # AdamW turns the ~1e-7 gradient rounding into ~lr * 1e-7 relative weight differences per step: after a

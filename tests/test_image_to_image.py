@@ -66,7 +66,9 @@ def test_query_picture_comes_first_and_the_ranking_is_numpys(folder_index):
     paths, x = stored_unit_vectors(out)
     cos = x @ x.T  # [24, 24] float64: the score of every pair
     runner_up = np.sort(cos, axis=1)[:, -2]
-    assert runner_up.max() < 0.99, runner_up.max()  # no near-duplicate: "first" is decided well beyond tolerances
+    assert runner_up.max() < 0.99, (
+        runner_up.max()
+    )  # no near-duplicate: "first" is decided well beyond tolerances
     engine = SearchEngine.open(out)
     n = len(paths)
     for q, path in enumerate(paths):
@@ -75,13 +77,17 @@ def test_query_picture_comes_first_and_the_ranking_is_numpys(folder_index):
         ids = [paths.index(h.path) for h in hits]
         assert ids[0] == q and sorted(ids) == list(range(n))
         np.testing.assert_allclose([h.score for h in hits], np.sort(cos[q])[::-1], atol=1e-5)  # best first
-        np.testing.assert_allclose([h.score for h in hits], cos[q, ids], atol=1e-5)  # each id has its own score
+        np.testing.assert_allclose(
+            [h.score for h in hits], cos[q, ids], atol=1e-5
+        )  # each id has its own score
         if q % 4:
             continue
         # the picture file as the query (every fourth: each is a CNN forward): embedded again, alone
         by_file = engine.search_image_to_images(folder / path, 3)
         assert by_file[0].path == path and by_file[0].score == pytest.approx(1.0, abs=1e-4)
-        np.testing.assert_allclose([h.score for h in by_file], cos[q, [paths.index(h.path) for h in by_file]], atol=1e-4)
+        np.testing.assert_allclose(
+            [h.score for h in by_file], cos[q, [paths.index(h.path) for h in by_file]], atol=1e-4
+        )
 
 
 @pytest.mark.slow
@@ -100,7 +106,10 @@ def test_cli_images_json_and_errors(folder_index, capsys):
     folder, out = folder_index
     pic = folder / "test_green_square_1.png"
     capsys.readouterr()
-    assert main(["search", str(out), "--image", str(pic), "--images", "-k", "3", "--json", "--device", "cpu"]) == 0
+    assert (
+        main(["search", str(out), "--image", str(pic), "--images", "-k", "3", "--json", "--device", "cpu"])
+        == 0
+    )
     hits = json.loads(capsys.readouterr().out)
     assert [set(h) for h in hits] == [{"path", "score", "caption"}] * 3  # the shape of text -> picture hits
     assert hits[0]["path"] == str(pic.resolve()) and hits[0]["caption"] == "a green square"
@@ -125,7 +134,9 @@ def test_python_api_embedding_and_input_checks(folder_index):
     by_tensor = engine.search_image_to_images(emb, 5)
     by_path = engine.search_image_to_images(str(folder / "test_red_triangle_0.png"), 5)
     assert [(h.path, h.score) for h in by_tensor] == [(h.path, h.score) for h in by_path]
-    assert [(h.path, h.score) for h in engine.search_image_to_images(emb[0], 5)] == [(h.path, h.score) for h in by_tensor]
+    assert [(h.path, h.score) for h in engine.search_image_to_images(emb[0], 5)] == [
+        (h.path, h.score) for h in by_tensor
+    ]
     with pytest.raises(VseInputError, match=r"image embedding of shape \[5\]"):
         engine.search_image_to_images(torch.zeros(5))
     with pytest.raises(VseInputError, match="give one picture's"):
@@ -151,9 +162,20 @@ def _synthetic_engine(tmp_path: Path, emb: np.ndarray, shape: list[int], *, simi
     n = len(emb)
     pictures = [{"root": 0, "path": f"p{i}.png", "caption": None, "id": str(i)} for i in range(n)]
     proxies = proxy_vectors(model, torch.from_numpy(emb)).numpy()
-    append_segment(tmp_path, None, fingerprint={"similarity": similarity}, params=FaissParams("flat"),
-                   roots=[str(tmp_path)], pictures=pictures, image_emb=emb.reshape(n, -1), emb_shape=shape,
-                   proxies=proxies, captions=[], caption_emb=np.zeros((0, d), np.float32), segment={"source": "t"})  # fmt: skip
+    append_segment(
+        tmp_path,
+        None,
+        fingerprint={"similarity": similarity},
+        params=FaissParams("flat"),
+        roots=[str(tmp_path)],
+        pictures=pictures,
+        image_emb=emb.reshape(n, -1),
+        emb_shape=shape,
+        proxies=proxies,
+        captions=[],
+        caption_emb=np.zeros((0, d), np.float32),
+        segment={"source": "t"},
+    )
     return SearchEngine(SearchIndex(tmp_path), model, {})
 
 
@@ -174,13 +196,17 @@ def test_multi_view_pictures_compare_by_their_mean_view(tmp_path):
     m /= np.linalg.norm(m, axis=1, keepdims=True)
     for q in (0, 17, 299):
         truth = m @ m[q]
-        assert (-np.diff(np.sort(truth)[::-1][:11])).min() > 2e-5  # no near-tie in the top 10: ids compared exactly
+        assert (
+            -np.diff(np.sort(truth)[::-1][:11])
+        ).min() > 2e-5  # no near-tie in the top 10: ids compared exactly
         ids, scores = _ranked(engine, emb[q][None], 10)
         assert ids == list(np.argsort(-truth, kind="stable")[:10]) and ids[0] == q
         np.testing.assert_allclose(scores, truth[ids], atol=1e-5)
         assert _ranked(engine, emb[q][::-1].copy()[None], 10)[0] == ids  # views in another order: same answer
     flat_first = np.argsort(-(emb.reshape(n, -1) @ emb[5].reshape(-1)), kind="stable")[:10]
-    assert list(flat_first) != _ranked(engine, emb[5][None], 10)[0]  # the view-by-view score would rank otherwise
+    assert (
+        list(flat_first) != _ranked(engine, emb[5][None], 10)[0]
+    )  # the view-by-view score would rank otherwise
 
 
 def test_unnormalised_embeddings_are_ranked_by_cosine_not_inner_product(tmp_path):
@@ -192,7 +218,9 @@ def test_unnormalised_embeddings_are_ranked_by_cosine_not_inner_product(tmp_path
     engine = _synthetic_engine(tmp_path, emb, [d], similarity="cosine", normalize=False)
     assert not engine.unit_picture_vectors
     x = emb.astype(np.float64) / np.linalg.norm(emb, axis=1, keepdims=True)
-    for q in np.argsort(np.linalg.norm(emb, axis=1), kind="stable")[:2]:  # short queries: long vectors outrank them
+    for q in np.argsort(np.linalg.norm(emb, axis=1), kind="stable")[
+        :2
+    ]:  # short queries: long vectors outrank them
         truth = x @ x[q]
         assert (-np.diff(np.sort(truth)[::-1][:11])).min() > 2e-5  # no near-tie in the top 10
         ids, scores = _ranked(engine, emb[q][None], 10)
@@ -234,9 +262,13 @@ def test_endpoint_target_images(client, folder_index):
     assert captions["target"] == "captions" and captions["results"][0]["caption"] == "a yellow circle"
     r = client.post("/search/image?target=faces", content=png, headers={"content-type": "image/png"})
     assert r.status_code == 422 and "target must be 'captions' or 'images'" in r.json()["detail"]
-    r = client.post("/search/image?target=images", content=b"\x89PNG garbage", headers={"content-type": "image/png"})
+    r = client.post(
+        "/search/image?target=images", content=b"\x89PNG garbage", headers={"content-type": "image/png"}
+    )
     assert r.status_code == 400 and "not a readable picture" in r.json()["detail"]
-    r = client.post("/search/image?target=images", content=b"x" * 200_001, headers={"content-type": "image/png"})
+    r = client.post(
+        "/search/image?target=images", content=b"x" * 200_001, headers={"content-type": "image/png"}
+    )
     assert r.status_code == 413
 
 
@@ -289,7 +321,9 @@ def test_page_drop_a_picture_shows_similar_pictures(folder_index, tmp_path):
             errors = []
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(url)
-            page.wait_for_function("() => document.getElementById('info').textContent.includes('24 pictures')")
+            page.wait_for_function(
+                "() => document.getElementById('info').textContent.includes('24 pictures')"
+            )
             page.click("#image-search summary")
             page.select_option("#k", "5")
             dt = page.evaluate_handle(
@@ -334,21 +368,32 @@ def test_open_clip_style_encode_image_of_a_pixel_run(tmp_path, capsys):
 
     pics = tmp_path / "pics"
     data, run = tmp_path / "data", tmp_path / "run"
-    assert main(["data", "karpathy", str(_karpathy(tmp_path, pics)), "--images", str(pics), "--out", str(data)]) == 0
+    assert (
+        main(["data", "karpathy", str(_karpathy(tmp_path, pics)), "--images", str(pics), "--out", str(data)])
+        == 0
+    )
     assert main(["train", "--data", str(data), "--out", str(run), *TINY_E2E]) == 0, capsys.readouterr().err
     folder = tmp_path / "folder"
     folder.mkdir()
     rng = np.random.default_rng(7)
     for i in range(8):  # blocky random pictures, far apart from each other
-        Image.fromarray((rng.random((4, 4, 3)) * 255).astype(np.uint8)).resize((40, 40), Image.NEAREST).save(folder / f"p{i}.png")
+        Image.fromarray((rng.random((4, 4, 3)) * 255).astype(np.uint8)).resize((40, 40), Image.NEAREST).save(
+            folder / f"p{i}.png"
+        )
     build_index(run, str(folder), tmp_path / "idx", progress=False, log=quiet)
     engine = SearchEngine.open(tmp_path / "idx")
     assert engine.model.recipe.model.image.kind == "backbone"
     paths, x = stored_unit_vectors(tmp_path / "idx")
-    emb = engine.model.encode_image([str(folder / "p5.png")])  # the open_clip habit: pictures in, embeddings out
+    emb = engine.model.encode_image(
+        [str(folder / "p5.png")]
+    )  # the open_clip habit: pictures in, embeddings out
     # the run's own transform on the same picture: the stored embedding, up to the batch shape (8 vs 1: <= 1e-5)
-    np.testing.assert_allclose(emb.detach().numpy()[0], engine.index.image_emb([paths.index("p5.png")])[0], atol=1e-5)
+    np.testing.assert_allclose(
+        emb.detach().numpy()[0], engine.index.image_emb([paths.index("p5.png")])[0], atol=1e-5
+    )
     hits = engine.search_image_to_images(emb, 8)
     cos = x @ x[paths.index("p5.png")]
-    assert hits[0].path == "p5.png" and np.sort(cos)[-2] < 0.99  # itself first; the runner-up far below (0.84 measured)
+    assert (
+        hits[0].path == "p5.png" and np.sort(cos)[-2] < 0.99
+    )  # itself first; the runner-up far below (0.84 measured)
     np.testing.assert_allclose([h.score for h in hits], cos[[paths.index(h.path) for h in hits]], atol=1e-5)

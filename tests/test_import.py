@@ -76,8 +76,12 @@ def encode(model, item: str, inputs: dict, images: torch.Tensor | None = None):
 
 
 def close(actual: torch.Tensor, expected: np.ndarray, what: str) -> None:
-    torch.testing.assert_close(actual.detach().float(), torch.from_numpy(np.asarray(expected)).float(), **TOL,
-                               msg=lambda m: f"{what}: {m}")  # fmt: skip
+    torch.testing.assert_close(
+        actual.detach().float(),
+        torch.from_numpy(np.asarray(expected)).float(),
+        **TOL,
+        msg=lambda m: f"{what}: {m}",
+    )
 
 
 def test_embeddings_and_similarities(imported):
@@ -98,7 +102,11 @@ def test_caption_strings_embed_as_the_ids(imported):
     np.testing.assert_array_equal(lengths.numpy(), inputs["caption_lengths"])
     np.testing.assert_array_equal(ids.numpy(), inputs["captions"][:, : ids.shape[1]])
     with torch.no_grad():
-        close(model.encode_text([str(c) for c in inputs["caption_text"]]), outputs["cap_emb"], "cap_emb from text")
+        close(
+            model.encode_text([str(c) for c in inputs["caption_text"]]),
+            outputs["cap_emb"],
+            "cap_emb from text",
+        )
 
 
 def recipe_loss(model, sims: torch.Tensor, img: torch.Tensor, max_violation: bool):
@@ -172,7 +180,7 @@ def test_fixed_widths_give_the_releases_numbers(imported, extra):
     close(txt.grad, outputs[f"grad_cap_emb_{suffix}"], "grad cap_emb (wider)")
     if "grad_images_vsepp" in outputs:
         close(wide.grad[:, : images.shape[1]], outputs["grad_images_vsepp"], "grad images (wider)")
-    assert not wide.grad[:, images.shape[1]:].any()  # the padding never reaches the loss
+    assert not wide.grad[:, images.shape[1] :].any()  # the padding never reaches the loss
 
 
 def test_run_records_what_the_release_never_reads(imported):
@@ -207,11 +215,37 @@ def test_vse_eval_equals_eval_sims_on_the_reference_matrix(imported, tmp_path, c
     (data / "test_caps.txt").write_text("".join(f"{c}\n" for c in inputs["caption_text"]))
     (data / "test_cap2img.txt").write_text("".join(f"{i}\n" for i in range(len(inputs["caption_text"]))))
     # evaluate in one batch padded as the fixture's (the 2AD release's token softmax sees the padding)
-    assert main(["eval", str(out), "--data", str(data), "--split", "test", "--json", str(tmp_path / "a.json"),
-                 "--batch-size", str(len(inputs["images"]))]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                str(out),
+                "--data",
+                str(data),
+                "--split",
+                "test",
+                "--json",
+                str(tmp_path / "a.json"),
+                "--batch-size",
+                str(len(inputs["images"])),
+            ]
+        )
+        == 0
+    )
     np.save(tmp_path / "ref.npy", outputs["sims"])
-    assert main(["eval-sims", str(tmp_path / "ref.npy"), "--captions-per-image", "1",
-                 "--json", str(tmp_path / "b.json")]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval-sims",
+                str(tmp_path / "ref.npy"),
+                "--captions-per-image",
+                "1",
+                "--json",
+                str(tmp_path / "b.json"),
+            ]
+        )
+        == 0
+    )
     a = json.loads((tmp_path / "a.json").read_text())
     b = json.loads((tmp_path / "b.json").read_text())
     keys = [k for k in b if isinstance(b[k], (int, float))]
@@ -240,9 +274,14 @@ def bigru_args(ckpt_path: Path) -> list[str]:
     return ["import", "vse_infty", str(ckpt_path), "--vocab", str(vocab)]
 
 
-@pytest.mark.parametrize("damage,message", [
-    ("missing", "missing 1 key"), ("extra", "unexpected key"), ("shape", "mis-shaped"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        ("missing", "missing 1 key"),
+        ("extra", "unexpected key"),
+        ("shape", "mis-shaped"),
+    ],
+)
 def test_misfit_keys_are_refused_naming_them(tmp_path, capsys, damage, message):
     ckpt = released_ckpt("vse_infty_bigru")
     txt = ckpt["model"][1]
@@ -311,8 +350,15 @@ def test_out_must_be_new_or_empty(tmp_path, capsys):
 
 def test_wrong_vocabulary_is_refused(tmp_path, capsys):
     vocab = tmp_path / "vocab.json"
-    vocab.write_text(json.dumps({"idx2word": {"0": "<pad>", "1": "<start>", "2": "<end>", "3": "<unk>", "4": "a"},
-                                 "word2idx": {}, "idx": 5}))  # fmt: skip
+    vocab.write_text(
+        json.dumps(
+            {
+                "idx2word": {"0": "<pad>", "1": "<start>", "2": "<end>", "3": "<unk>", "4": "a"},
+                "word2idx": {},
+                "idx": 5,
+            }
+        )
+    )
     good = reference_fixture_dir("vse_infty_bigru") / "model_best.pth"
     err = refused(capsys, ["import", "vse_infty", str(good), "--vocab", str(vocab)], tmp_path / "o")
     assert "not this model's vocabulary" in err
@@ -333,8 +379,18 @@ def test_packaged_wordpiece_vocabulary_is_bert_base_uncased():
     from vsekit.interop.text_models import uncased_wordpiece_vocab
 
     words = uncased_wordpiece_vocab().decode().splitlines()
-    anchors = {0: "[PAD]", 1: "[unused0]", 100: "[UNK]", 101: "[CLS]", 102: "[SEP]", 103: "[MASK]",
-               1037: "a", 1996: "the", 2088: "world", 7592: "hello"}  # fmt: skip
+    anchors = {
+        0: "[PAD]",
+        1: "[unused0]",
+        100: "[UNK]",
+        101: "[CLS]",
+        102: "[SEP]",
+        103: "[MASK]",
+        1037: "a",
+        1996: "the",
+        2088: "world",
+        7592: "hello",
+    }
     assert len(words) == 30522 and {i: words[i] for i in anchors} == anchors
 
 

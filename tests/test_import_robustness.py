@@ -48,7 +48,9 @@ def one_line_refusal(capsys, args: list[str], out: Path) -> str:
 # ------------------------------------------------------------------------------ non-finite weights
 
 
-@pytest.mark.parametrize(("value", "word"), [(float("nan"), "NaN"), (float("inf"), "inf"), (-float("inf"), "inf")])
+@pytest.mark.parametrize(
+    ("value", "word"), [(float("nan"), "NaN"), (float("inf"), "inf"), (-float("inf"), "inf")]
+)
 def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path, capsys, value, word):
     ckpt = released("vse_infty_bigru", "model_best.pth")
     ckpt["model"][1]["rnn.weight_hh_l0"][2, 3] = value
@@ -72,18 +74,21 @@ def test_non_finite_weights_of_a_single_state_dict_are_named(tmp_path, capsys):
 # ------------------------------------------------------------------------------ wrong-typed options
 
 
-@pytest.mark.parametrize(("key", "value", "expected"), [
-    ("embed_size", "big", "an integer"),
-    ("embed_size", [1024], "an integer"),
-    ("embed_size", 32.5, "an integer"),
-    ("img_dim", {"w": 64}, "an integer"),
-    ("num_layers", "two", "an integer"),
-    ("margin", "wide", "a finite number"),
-    ("margin", float("nan"), "a finite number"),
-    ("vse_mean_warmup_epochs", [1], "an integer"),
-    ("no_imgnorm", torch.ones(3), "true or false"),
-    ("no_txtnorm", "yes", "true or false"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("embed_size", "big", "an integer"),
+        ("embed_size", [1024], "an integer"),
+        ("embed_size", 32.5, "an integer"),
+        ("img_dim", {"w": 64}, "an integer"),
+        ("num_layers", "two", "an integer"),
+        ("margin", "wide", "a finite number"),
+        ("margin", float("nan"), "a finite number"),
+        ("vse_mean_warmup_epochs", [1], "an integer"),
+        ("no_imgnorm", torch.ones(3), "true or false"),
+        ("no_txtnorm", "yes", "true or false"),
+    ],
+)
 def test_wrong_typed_options_name_the_file_and_key(tmp_path, capsys, key, value, expected):
     ckpt = released("vse_infty_bigru", "model_best.pth")
     setattr(ckpt["opt"], key, value)
@@ -112,22 +117,27 @@ def test_options_that_are_only_recorded_may_hold_anything(tmp_path):
     torch.save(ckpt, path)
     assert main(bigru_args(path) + ["--out", str(tmp_path / "run")]) == 0
     options = json.loads((tmp_path / "run" / "config.json").read_text())["imported_from"]["options"]
-    assert options["extra"] == ["tensor([1., 1.])", "nan", {"(1, 2)": "b'x'"}] and options["embed_size"] == "32"
+    assert (
+        options["extra"] == ["tensor([1., 1.])", "nan", {"(1, 2)": "b'x'"}] and options["embed_size"] == "32"
+    )
 
 
 # ------------------------------------------------------------------------------ vocabularies and configs
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    (b"\x7fELF\x02\x01\x01\x00\xd0\xff binary", "a binary file (not UTF-8 text)"),
-    (b"{not json", "not a vocabulary JSON (Expecting property name"),
-    (b"[1, 2, 3]", "found a JSON list"),
-    (b'{"idx2word": 5}', "'idx2word' must be an object of id -> word"),
-    (b'{"idx2word": {"0": "<pad>", "1": 1}}', "'idx2word' entry '1' is 1 (a JSON int), not a word"),
-    (b'{"idx2word": ["<pad>", null]}', "'idx2word' entry 1 is None"),
-    (b'{"words": "a b c"}', "'words' must be a list of words, got a JSON str"),
-    (b'{"idx2word": {"0": "<pad>"}}', "vocabulary must start with"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"\x7fELF\x02\x01\x01\x00\xd0\xff binary", "a binary file (not UTF-8 text)"),
+        (b"{not json", "not a vocabulary JSON (Expecting property name"),
+        (b"[1, 2, 3]", "found a JSON list"),
+        (b'{"idx2word": 5}', "'idx2word' must be an object of id -> word"),
+        (b'{"idx2word": {"0": "<pad>", "1": 1}}', "'idx2word' entry '1' is 1 (a JSON int), not a word"),
+        (b'{"idx2word": ["<pad>", null]}', "'idx2word' entry 1 is None"),
+        (b'{"words": "a b c"}', "'words' must be a list of words, got a JSON str"),
+        (b'{"idx2word": {"0": "<pad>"}}', "vocabulary must start with"),
+    ],
+)
 def test_bad_vocabularies_name_the_file_and_the_key(tmp_path, capsys, content, message):
     vocab = tmp_path / "vocab.json"
     vocab.write_bytes(content)
@@ -136,27 +146,35 @@ def test_bad_vocabularies_name_the_file_and_the_key(tmp_path, capsys, content, m
     assert err.startswith(f"vse import: error: {vocab}: ") and message in err
 
 
-@pytest.mark.parametrize(("config", "message"), [
-    ({"num_attention_heads": "four"}, "'num_attention_heads' is 'four', expected an integer"),
-    ({"hidden_size": [64]}, "'hidden_size' is [64], expected an integer"),
-    ({"layer_norm_eps": "small"}, "'layer_norm_eps' is 'small', expected a number"),
-    ({"hidden_act": 5}, "'hidden_act' is 5, expected a string"),
-    ({"hidden_act": "nope"}, "'hidden_act' is 'nope', not an activation transformers knows"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"num_attention_heads": "four"}, "'num_attention_heads' is 'four', expected an integer"),
+        ({"hidden_size": [64]}, "'hidden_size' is [64], expected an integer"),
+        ({"layer_norm_eps": "small"}, "'layer_norm_eps' is 'small', expected a number"),
+        ({"hidden_act": 5}, "'hidden_act' is 5, expected a string"),
+        ({"hidden_act": "nope"}, "'hidden_act' is 'nope', not an activation transformers knows"),
+    ],
+)
 def test_wrong_typed_text_config_names_the_file_and_the_field(tmp_path, capsys, config, message):
     meta = json.loads((reference_fixture_dir("vse_infty_bert") / "meta.json").read_text())
     path = tmp_path / "bert.json"
     path.write_text(json.dumps({**meta["bert_config"], **config}))
     ckpt = reference_fixture_dir("vse_infty_bert") / "model_best.pth"
-    err = one_line_refusal(capsys, ["import", "vse_infty", str(ckpt), "--text-config", str(path)], tmp_path / "run")
+    err = one_line_refusal(
+        capsys, ["import", "vse_infty", str(ckpt), "--text-config", str(path)], tmp_path / "run"
+    )
     assert err.startswith(f"vse import: error: {path}: BERT config field ") and message in err
 
 
-@pytest.mark.parametrize("block_dim, message", [
-    ("0", "--block-dim must be at least 1, got 0"),  # refused while the command line is parsed
-    ("-8", "--block-dim must be at least 1, got -8"),
-    ("7", "embed size 32 is not a multiple of --block-dim 7"),  # the importer's own rule
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "block_dim, message",
+    [
+        ("0", "--block-dim must be at least 1, got 0"),  # refused while the command line is parsed
+        ("-8", "--block-dim must be at least 1, got -8"),
+        ("7", "embed size 32 is not a multiple of --block-dim 7"),  # the importer's own rule
+    ],
+)
 def test_block_dim_must_be_positive(tmp_path, capsys, block_dim, message):
     folder = reference_fixture_dir("avse")
     meta = json.loads((folder / "meta.json").read_text())
@@ -183,7 +201,9 @@ def test_out_where_no_folder_can_be_made_says_so(capsys):
     good = reference_fixture_dir("vse_infty_bigru") / "model_best.pth"
     assert main(bigru_args(good) + ["--out", "/proc/vsekit-test-run"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("vse import: error: --out /proc/vsekit-test-run: cannot create the run folder in /proc")
+    assert err.startswith(
+        "vse import: error: --out /proc/vsekit-test-run: cannot create the run folder in /proc"
+    )
     assert len(err.splitlines()) == 1 and "Errno" not in err
 
 
@@ -207,7 +227,11 @@ def test_unsafe_globals_are_refused_by_their_python_name(tmp_path, capsys, proto
     `posix system`), refused for every protocol (4 and 5 were called corrupt), never run, and without torch's
     warning about the protocol."""
     marker = tmp_path / "ran"
-    call = (os.system, (f"touch {marker}",)) if target == "os.system" else (subprocess.Popen, (["touch", str(marker)],))
+    call = (
+        (os.system, (f"touch {marker}",))
+        if target == "os.system"
+        else (subprocess.Popen, (["touch", str(marker)],))
+    )
     path = tmp_path / "evil.pth"
     path.write_bytes(pickle.dumps({"model": Reduces(*call)}, protocol=protocol))
     with warnings.catch_warnings():

@@ -23,8 +23,16 @@ from vsekit.search.index import SearchIndex
 pytest.importorskip("faiss")
 pytest.importorskip("efficientnet_lite_pytorch")
 
-PICTURES = ["red_circle_0", "red_circle_1", "blue_square_0", "green_triangle_0", "yellow_circle_1",
-            "blue_triangle_0", "green_square_1", "yellow_square_0"]  # fmt: skip
+PICTURES = [
+    "red_circle_0",
+    "red_circle_1",
+    "blue_square_0",
+    "green_triangle_0",
+    "yellow_circle_1",
+    "blue_triangle_0",
+    "green_square_1",
+    "yellow_square_0",
+]
 
 
 def quiet(*_):
@@ -42,11 +50,25 @@ def make_folder(data: Path, folder: Path, names=PICTURES) -> Path:
 
 
 def index_argv(run, folder, out, *extra):
-    return ["index", str(run), str(folder), "--out", str(out), "--quiet", "--device", "cpu", "--batch-size", "1", *extra]
+    return [
+        "index",
+        str(run),
+        str(folder),
+        "--out",
+        str(out),
+        "--quiet",
+        "--device",
+        "cpu",
+        "--batch-size",
+        "1",
+        *extra,
+    ]
 
 
 def snapshot(folder: Path) -> dict:
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
 
 
 class Counter:
@@ -77,8 +99,9 @@ def assert_same_index(a_dir: Path, b_dir: Path, caption_atol: float = 1e-5) -> N
     assert a.pictures == b.pictures
     np.testing.assert_array_equal(a.all_image_emb(), b.all_image_emb())  # one picture per batch: same ops
     assert a.captions == b.captions
-    np.testing.assert_allclose(a.caption_emb(np.arange(a.n_captions)), b.caption_emb(np.arange(b.n_captions)),
-                               atol=caption_atol)  # fmt: skip
+    np.testing.assert_allclose(
+        a.caption_emb(np.arange(a.n_captions)), b.caption_emb(np.arange(b.n_captions)), atol=caption_atol
+    )
     assert a.image_faiss.ntotal == b.image_faiss.ntotal == a.n_pictures
     assert a.caption_faiss.ntotal == b.caption_faiss.ntotal == a.n_captions
     ea, eb = SearchEngine.open(a_dir), SearchEngine.open(b_dir)
@@ -89,7 +112,9 @@ def assert_same_index(a_dir: Path, b_dir: Path, caption_atol: float = 1e-5) -> N
         np.testing.assert_allclose([h.score for h in ha], [h.score for h in hb], atol=1e-5)
     for pid in range(n):
         emb = a.image_emb(np.array([pid]))
-        assert [h.path for h in ea.search_image_to_images(_t(emb), n)] == [h.path for h in eb.search_image_to_images(_t(emb), n)]
+        assert [h.path for h in ea.search_image_to_images(_t(emb), n)] == [
+            h.path for h in eb.search_image_to_images(_t(emb), n)
+        ]
 
 
 def _t(x):
@@ -106,8 +131,10 @@ def test_refresh_after_changes_equals_a_fresh_build(shapes_model, tmp_path, caps
     assert main(index_argv(run, folder, out)) == 0
     before = SearchIndex(out)
     recorded = {p["path"]: p["sha256"] for p in before.pictures}
-    assert recorded == {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-                        for p in folder.rglob("*.png")}  # fmt: skip
+    assert recorded == {
+        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in folder.rglob("*.png")
+    }
     old_blue = before.image_emb(np.array([[p["path"] for p in before.pictures].index("blue_square_0.png")]))
 
     # one picture changed (a yellow triangle's bytes at the blue square's path), one deleted, one new, one caption edited
@@ -117,7 +144,9 @@ def test_refresh_after_changes_equals_a_fresh_build(shapes_model, tmp_path, caps
     shutil.copy(data / "images" / "test_red_triangle_1.png", folder / "red_triangle_1.png")
     (folder / "red_triangle_1.txt").write_text("a red triangle\n")
     (folder / "red_circle_1.txt").write_text("a red disc\nround and red\n")
-    (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")  # skipped and named, as a fresh build does
+    (folder / "broken.png").write_bytes(
+        b"\x89PNG\r\n\x1a\n not really"
+    )  # skipped and named, as a fresh build does
     capsys.readouterr()
     assert main(index_argv(run, folder, out, "--refresh")) == 0
     err = capsys.readouterr().err
@@ -131,16 +160,22 @@ def test_refresh_after_changes_equals_a_fresh_build(shapes_model, tmp_path, caps
     assert "sub/green_triangle_0.png" not in paths and "red_triangle_1.png" in paths
     new_blue = idx.image_emb(np.array([paths.index("blue_square_0.png")]))
     assert np.abs(new_blue - old_blue).max() > 0.1  # the changed picture was re-embedded
-    assert idx.pictures[paths.index("blue_square_0.png")]["sha256"] == hashlib.sha256(
-        (folder / "blue_square_0.png").read_bytes()).hexdigest()  # fmt: skip
+    assert (
+        idx.pictures[paths.index("blue_square_0.png")]["sha256"]
+        == hashlib.sha256((folder / "blue_square_0.png").read_bytes()).hexdigest()
+    )
     assert [c["text"] for c in idx.captions if idx.pictures[c["image"]]["path"] == "red_circle_1.png"] == [
-        "a red disc", "round and red"]  # fmt: skip
+        "a red disc",
+        "round and red",
+    ]
     meta = json.loads((out / "index.json").read_text())
     assert meta["generation"] == 2 and meta["counts"] == {"pictures": 8, "captions": 9}
     assert meta["segments"][-1]["refresh"] == {"unchanged": 6, "changed": 1, "new": 2, "deleted": 1}
     assert any("broken.png" in m for m in meta["segments"][-1]["skipped"])
     listed = {s["dir"] for s in meta["segments"]}
-    assert {f"segments/{d.name}" for d in (out / "segments").iterdir()} == listed  # old segment folders removed
+    assert {
+        f"segments/{d.name}" for d in (out / "segments").iterdir()
+    } == listed  # old segment folders removed
     assert sorted(p.name for p in out.glob("*.faiss")) == ["captions.g2.faiss", "images.g2.faiss"]
     assert not (out / ".work").exists() and not (out / ".lock").exists()
 
@@ -189,7 +224,10 @@ def test_old_index_without_hashes_is_re_embedded_once(shapes_model, tmp_path, mo
     from vsekit.search.refresh import refresh_index
 
     refresh_index(run, str(folder), out, batch_size=1, progress=False, log=notes.append)
-    assert any(f"{len(PICTURES)} of the {len(PICTURES)} pictures" in n and "without a content hash" in n for n in notes)
+    assert any(
+        f"{len(PICTURES)} of the {len(PICTURES)} pictures" in n and "without a content hash" in n
+        for n in notes
+    )
     assert count.pictures == len(PICTURES)
     assert_same_index(out, fresh)
     refresh_index(run, str(folder), out, batch_size=1, progress=False, log=quiet)
@@ -214,16 +252,25 @@ def test_refresh_keeps_the_other_roots_pictures_and_captions(shapes_model, tmp_p
     assert main(index_argv(run, a, out, "--refresh")) == 0
     idx = SearchIndex(out)
     roots = [str(r) for r in idx.roots]
-    assert [(roots[p["root"]], p["path"]) for p in idx.pictures] == [(str(a.resolve()), p) for p in (
-        "blue_square_0.png", "red_circle_1.png", "sub/green_triangle_0.png")] + [
-        (str(b.resolve()), p) for p in ("blue_triangle_0.png", "sub/green_square_1.png", "yellow_circle_1.png",
-                                        "yellow_square_0.png")]  # fmt: skip
+    assert [(roots[p["root"]], p["path"]) for p in idx.pictures] == [
+        (str(a.resolve()), p) for p in ("blue_square_0.png", "red_circle_1.png", "sub/green_triangle_0.png")
+    ] + [
+        (str(b.resolve()), p)
+        for p in (
+            "blue_triangle_0.png",
+            "sub/green_square_1.png",
+            "yellow_circle_1.png",
+            "yellow_square_0.png",
+        )
+    ]
     np.testing.assert_array_equal(idx.all_image_emb()[3:], b_emb)  # kept as stored
     for c in idx.captions:  # every caption still names its own picture ("a red circle" <- red_circle_1.png)
         if c["image"] is None:
             assert c["text"] == "a picture of nothing"
         else:
-            assert Path(idx.pictures[c["image"]]["path"]).stem.rsplit("_", 1)[0].replace("_", " ") in c["text"]
+            assert (
+                Path(idx.pictures[c["image"]]["path"]).stem.rsplit("_", 1)[0].replace("_", " ") in c["text"]
+            )
     assert sum(c["image"] is None for c in idx.captions) == 1
     hit = SearchEngine.open(out).search_text("a yellow square", 1)[0]
     assert hit.path == "yellow_square_0.png" and hit.file == str((b / "yellow_square_0.png").resolve())
@@ -231,7 +278,9 @@ def test_refresh_keeps_the_other_roots_pictures_and_captions(shapes_model, tmp_p
     (b / "yellow_square_0.png").unlink()
     assert main(index_argv(run, b, out, "--refresh")) == 0
     meta = json.loads((out / "index.json").read_text())
-    assert meta["segments"][0]["dir"] == a_dir and meta["counts"]["pictures"] == 6  # the first root's segment kept
+    assert (
+        meta["segments"][0]["dir"] == a_dir and meta["counts"]["pictures"] == 6
+    )  # the first root's segment kept
 
 
 @pytest.mark.slow
@@ -262,7 +311,9 @@ def test_failed_or_interrupted_refresh_leaves_the_index_as_it_was(shapes_model, 
 
     calls = interrupt_on_call(monkeypatch, enc.ImageEmbedder, "embed", 3)  # Ctrl-C in the third chunk
     with pytest.raises(KeyboardInterrupt):
-        refresh_mod.refresh_index(run, str(folder), out, batch_size=1, chunk_size=1, progress=False, log=quiet)
+        refresh_mod.refresh_index(
+            run, str(folder), out, batch_size=1, chunk_size=1, progress=False, log=quiet
+        )
     assert {k: v for k, v in snapshot(out).items() if not k.startswith(".work/")} == files
     assert len(list((out / ".work").glob("*/chunk_*.npz"))) == 2
     calls["n"] = 100
@@ -276,11 +327,15 @@ def test_refresh_needs_a_folder(shapes_model, tmp_path, capsys):
     capsys.readouterr()
     assert main(index_argv(run, f"{data}:test", tmp_path / "idx", "--refresh")) == 2
     assert "--refresh re-reads a folder of pictures" in capsys.readouterr().err
-    assert main(index_argv(run, data / "images" / "test_red_circle_0.png", tmp_path / "idx", "--refresh")) == 2
+    assert (
+        main(index_argv(run, data / "images" / "test_red_circle_0.png", tmp_path / "idx", "--refresh")) == 2
+    )
     assert "is a file; --refresh re-reads a folder of pictures" in capsys.readouterr().err
     assert main(index_argv(run, data, tmp_path / "idx", "--refresh")) == 2
     assert "is a dataset directory" in capsys.readouterr().err
-    assert main(["index", "--from-embeddings", str(tmp_path), "--out", str(tmp_path / "idx"), "--refresh"]) == 2
+    assert (
+        main(["index", "--from-embeddings", str(tmp_path), "--out", str(tmp_path / "idx"), "--refresh"]) == 2
+    )
     assert "takes no --from-embeddings" in capsys.readouterr().err
     assert not (tmp_path / "idx").exists()
     from argparse import Namespace
@@ -288,7 +343,10 @@ def test_refresh_needs_a_folder(shapes_model, tmp_path, capsys):
     from vsekit.commands.search import index_command
 
     # the command a Ctrl-C hint tells the user to rerun keeps --refresh
-    assert index_command(Namespace(run="r", source="pics", out="idx", refresh=True)) == "vse index r pics --out idx --refresh"
+    assert (
+        index_command(Namespace(run="r", source="pics", out="idx", refresh=True))
+        == "vse index r pics --out idx --refresh"
+    )
 
 
 @pytest.mark.slow
@@ -298,7 +356,12 @@ def test_refresh_without_an_index_builds_it_and_hnsw_is_rebuilt(shapes_model, tm
     data, run = shapes_model
     folder = make_folder(data, tmp_path / "pics")
     out = tmp_path / "idx"
-    assert main(index_argv(run, folder, out, "--refresh", "--index", "hnsw", "--hnsw-m", "4", "--ef-search", "64")) == 0
+    assert (
+        main(
+            index_argv(run, folder, out, "--refresh", "--index", "hnsw", "--hnsw-m", "4", "--ef-search", "64")
+        )
+        == 0
+    )
     assert SearchIndex(out).n_pictures == len(PICTURES)
     (folder / "blue_square_0.png").unlink()
     (folder / "sub" / "green_square_1.png").unlink()

@@ -21,10 +21,29 @@ from vsekit.data.validate import check_dataset
 PIL = pytest.importorskip("PIL.Image")
 
 # the tiniest backbone training the tests use: 32-pixel pictures, 16-d embeddings, one epoch
-TINY_E2E = ["--recipe", "vse_infty_grid_e2e", "--epochs", "1", "--batch-size", "4", "--device", "cpu", "--no-progress",
-            "--set", "model.image.image_size=32", "--set", "model.embed_dim=16", "--set", "model.text.word_dim=8",
-            "--set", "model.text.vocab_min_count=1", "--set", "data.captions_per_image=2",
-            "--set", "train.log_every=0"]  # fmt: skip
+TINY_E2E = [
+    "--recipe",
+    "vse_infty_grid_e2e",
+    "--epochs",
+    "1",
+    "--batch-size",
+    "4",
+    "--device",
+    "cpu",
+    "--no-progress",
+    "--set",
+    "model.image.image_size=32",
+    "--set",
+    "model.embed_dim=16",
+    "--set",
+    "model.text.word_dim=8",
+    "--set",
+    "model.text.vocab_min_count=1",
+    "--set",
+    "data.captions_per_image=2",
+    "--set",
+    "train.log_every=0",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +59,9 @@ def _karpathy(tmp_path: Path, pics: Path, splits=("train",) * 6 + ("val",) * 3 +
         arr = (np.random.default_rng(i).random((20, 24, 3)) * 255).astype(np.uint8)
         PIL.fromarray(arr).save(pics / "sub" / f"im{i}.png")
         sents = [{"raw": f"a {w} picture number {i}", "tokens": []} for w in ("red", "blue")]
-        images.append({"filepath": "sub", "filename": f"im{i}.png", "split": split, "imgid": i, "sentences": sents})
+        images.append(
+            {"filepath": "sub", "filename": f"im{i}.png", "split": split, "imgid": i, "sentences": sents}
+        )
     js = tmp_path / "dataset_test.json"
     js.write_text(json.dumps({"images": images}))
     return js
@@ -57,9 +78,14 @@ def test_images_outside_the_dataset_folder_train_and_evaluate(tmp_path, capsys):
     assert "best dev rsum" in capsys.readouterr().out
     assert main(["eval", str(run), "--device", "cpu"]) == 0
     assert "rsum" in capsys.readouterr().out
-    assert main(["data", "show", str(data), "--split", "test", "--n", "3", "--out", str(tmp_path / "m.png")]) == 0
+    assert (
+        main(["data", "show", str(data), "--split", "test", "--n", "3", "--out", str(tmp_path / "m.png")])
+        == 0
+    )
     # `vse index` reads the split's pictures under the declared root too
-    assert main(["index", str(run), f"{data}:test", "--out", str(tmp_path / "idx")]) == 0, capsys.readouterr().err
+    assert main(["index", str(run), f"{data}:test", "--out", str(tmp_path / "idx")]) == 0, (
+        capsys.readouterr().err
+    )
     index_json = json.loads((tmp_path / "idx" / "index.json").read_text())
     assert index_json.get("count", index_json.get("n_images", 1)) != 0
     # the layout: the declared root, paths under it, a dataset `vse data check` passes
@@ -77,7 +103,10 @@ def test_pictures_under_the_dataset_folder_are_recorded_relative_and_move_with_i
     moved = shutil.move(str(data), str(tmp_path / "moved"))
     split = load_precomp_split(moved, "train", 2)
     assert split.abs_image_path(0) == (Path(moved) / "pics" / "sub" / "im0.png").resolve()
-    assert split.truncate(2).abs_image_path(1).is_file() and split.sample_images(0.5, 0).abs_image_path(0).is_file()
+    assert (
+        split.truncate(2).abs_image_path(1).is_file()
+        and split.sample_images(0.5, 0).abs_image_path(0).is_file()
+    )
 
 
 def test_a_path_escaping_the_declared_root_is_still_refused(tmp_path, capsys):
@@ -91,7 +120,9 @@ def test_a_path_escaping_the_declared_root_is_still_refused(tmp_path, capsys):
     for bad in ("../secret.png", "sub/../../secret.png", str(secret)):
         (data / "train_images.txt").write_text("\n".join([bad, *lines[1:]]) + "\n")
         report = check_dataset(data, ["train"], captions_per_image=2)
-        assert any(p.where == ":1" and "points outside the images root" in p.message for p in report.errors), bad
+        assert any(
+            p.where == ":1" and "points outside the images root" in p.message for p in report.errors
+        ), bad
         with pytest.raises(DataFormatError, match="points outside the images root"):
             load_precomp_split(data, "train", 2).abs_image_path(0)
         out = tmp_path / f"run{len(bad)}"
@@ -140,16 +171,23 @@ def test_more_splits_with_another_images_folder_are_refused(tmp_path):
     assert {p.name: p.read_bytes() for p in data.iterdir()} == before  # nothing written
     convert_karpathy(js, data, tmp_path / "a", splits=("test",))  # the same folder: added beside train
     manifest = json.loads((data / "manifest.json").read_text())
-    assert set(manifest["splits"]) == {"train", "test"} and load_precomp_split(data, "test", 2).abs_image_path(0).is_file()
+    assert (
+        set(manifest["splits"]) == {"train", "test"}
+        and load_precomp_split(data, "test", 2).abs_image_path(0).is_file()
+    )
 
 
 def test_old_layout_with_absolute_paths_says_to_convert_again(tmp_path):
     pics = tmp_path / "pics"
     data = tmp_path / "data"
     convert_karpathy(_karpathy(tmp_path, pics), data, pics)
-    (data / "manifest.json").unlink()  # what an older `vse data karpathy` wrote: absolute paths, no images_root
+    (
+        data / "manifest.json"
+    ).unlink()  # what an older `vse data karpathy` wrote: absolute paths, no images_root
     absolute = [str(pics / "sub" / f"im{i}.png") for i in range(6)]
     (data / "train_images.txt").write_text("\n".join(absolute) + "\n")
     report = check_dataset(data, ["train"], captions_per_image=2)
-    assert any("points outside the dataset directory" in p.message and "convert the JSON again" in p.message
-               for p in report.errors)  # fmt: skip
+    assert any(
+        "points outside the dataset directory" in p.message and "convert the JSON again" in p.message
+        for p in report.errors
+    )

@@ -32,8 +32,13 @@ def test_the_installed_metadata_names_the_verbs_of_pyproject():
             installed[ep.group][ep.name] = ep.value
     assert installed == declared_entry_points(), "rerun: .venv/bin/python -m pip install --no-deps -e ."
     assert set(installed["vsekit.commands"]) == {"bench", "demo", "experiment"}
-    assert set(installed["vsekit.data_commands"]) == {"openclipart", "convert-video", "synthetic", "moving-shapes",
-                                                      "wesnoth"}  # fmt: skip
+    assert set(installed["vsekit.data_commands"]) == {
+        "openclipart",
+        "convert-video",
+        "synthetic",
+        "moving-shapes",
+        "wesnoth",
+    }
 
 
 def help_of(argv: list[str]) -> str:
@@ -44,9 +49,20 @@ def help_of(argv: list[str]) -> str:
     return out.getvalue()
 
 
-@pytest.mark.parametrize("argv", [["demo"], ["bench", "search"], ["bench", "startup"], ["experiment", "gpo-synthetic"],
-                                  ["data", "openclipart"], ["data", "convert-video"], ["data", "synthetic"],
-                                  ["data", "moving-shapes"], ["data", "wesnoth"]])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo"],
+        ["bench", "search"],
+        ["bench", "startup"],
+        ["experiment", "gpo-synthetic"],
+        ["data", "openclipart"],
+        ["data", "convert-video"],
+        ["data", "synthetic"],
+        ["data", "moving-shapes"],
+        ["data", "wesnoth"],
+    ],
+)
 def test_every_lab_verb_answers(argv):
     assert help_of(argv).startswith(f"usage: vse {' '.join(argv)} ")
 
@@ -70,16 +86,23 @@ def test_a_package_that_cannot_be_loaded_costs_one_line_and_its_records_reach_th
         "def register(sub):\n    p = sub.add_parser('hello', help='a verb of another package')\n"
         "    p.add_argument('word')\n    p.set_defaults(func=run)\n"
         "def register_data(dsub):\n    dsub.add_parser('fake-set', help='a set builder of another package')\n"
-    )  # fmt: skip
+    )
     info = tmp_path / "fakeverbs-1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fakeverbs\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[vsekit.commands]\nhello = fakeverbs:register\n"
-                                           "broken = no_such_module_here:register\n\n"
-                                           "[vsekit.data_commands]\nfake-set = fakeverbs:register_data\n")  # fmt: skip
+    (info / "entry_points.txt").write_text(
+        "[vsekit.commands]\nhello = fakeverbs:register\n"
+        "broken = no_such_module_here:register\n\n"
+        "[vsekit.data_commands]\nfake-set = fakeverbs:register_data\n"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-m", "vsekit.cli", "hello", "world"], capture_output=True, text=True,
-                         env=env, timeout=120)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "vsekit.cli", "hello", "world"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout == "done\n"
     lines = run.stderr.splitlines()
@@ -87,6 +110,11 @@ def test_a_package_that_cannot_be_loaded_costs_one_line_and_its_records_reach_th
     assert len(warnings) == 1 and warnings[0].startswith("WARNING vsekit.commands.plugins: "), run.stderr
     assert "broken = no_such_module_here:register cannot be loaded (ModuleNotFoundError" in warnings[0]
     assert "INFO fakeverbs.job: working on world" in lines
-    listed = subprocess.run([sys.executable, "-m", "vsekit.cli", "data", "--help"], capture_output=True, text=True,
-                            env=env, timeout=120)  # fmt: skip
+    listed = subprocess.run(
+        [sys.executable, "-m", "vsekit.cli", "data", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert listed.returncode == 0 and "fake-set" in listed.stdout and "openclipart" in listed.stdout

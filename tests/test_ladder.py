@@ -48,8 +48,11 @@ def _ladder(**kw) -> LadderLoss:
 def _random_batch(b: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     sims = torch.rand(b, b, generator=g) * 2 - 1
-    e = torch.nn.functional.normalize(torch.randn(6, 16, generator=g)[torch.randint(0, 6, (b,), generator=g)]
-                                      + 0.5 * torch.randn(b, 16, generator=g), dim=-1)  # fmt: skip
+    e = torch.nn.functional.normalize(
+        torch.randn(6, 16, generator=g)[torch.randint(0, 6, (b,), generator=g)]
+        + 0.5 * torch.randn(b, 16, generator=g),
+        dim=-1,
+    )
     image_ids = torch.arange(b)
     image_ids[1] = 0  # captions of one image: positives, never negatives
     return sims, e @ e.T, image_ids
@@ -89,31 +92,51 @@ def test_equals_vsepp_when_higher_weights_are_zero(adaptive, warmup):
     sims, rel, image_ids = _random_batch(32, 1)
     vsepp = TripletLoss()(sims, image_ids=image_ids, warmup=warmup)[0]
     kw = {"adaptive": adaptive, "margins": [0.2, 0.01, 0.01, 0.01]}
-    zero = _ladder(weights=[1.0, 0.0, 0.0, 0.0], **kw)(sims, image_ids=image_ids, relevance=rel, warmup=warmup)[0]
-    assert torch.equal(zero, vsepp)  # zero-weight levels are skipped: the same triplet computation, bit for bit
-    full = _ladder(weights=[1.0, 0.25, 0.125, 0.0625], **kw)(sims, image_ids=image_ids, relevance=rel, warmup=warmup)
+    zero = _ladder(weights=[1.0, 0.0, 0.0, 0.0], **kw)(
+        sims, image_ids=image_ids, relevance=rel, warmup=warmup
+    )[0]
+    assert torch.equal(
+        zero, vsepp
+    )  # zero-weight levels are skipped: the same triplet computation, bit for bit
+    full = _ladder(weights=[1.0, 0.25, 0.125, 0.0625], **kw)(
+        sims, image_ids=image_ids, relevance=rel, warmup=warmup
+    )
     assert full[0] > vsepp  # the ladders do add violations on random similarities
     assert full[1]["ladder2_active"] > 0
 
 
 def test_gradients_are_finite_and_reach_the_ladder_pairs():
     sims, rel, image_ids = _random_batch(24, 2)
-    for loss_fn in (_ladder(), _ladder(cumulative=True), _ladder(variant="reference"),
-                    _ladder(adaptive=True, margins=[0.2] + [0.01] * 3, weights=[1, 0.25, 0.125, 0.0625])):  # fmt: skip
+    for loss_fn in (
+        _ladder(),
+        _ladder(cumulative=True),
+        _ladder(variant="reference"),
+        _ladder(adaptive=True, margins=[0.2] + [0.01] * 3, weights=[1, 0.25, 0.125, 0.0625]),
+    ):
         s = sims.clone().requires_grad_(True)
-        ladder_only = LadderLoss(loss_fn.margins, [0.0] + loss_fn.weights[1:], loss_fn.thresholds,
-                                 loss_fn.cumulative, loss_fn.adaptive, variant=loss_fn.variant)  # fmt: skip
+        ladder_only = LadderLoss(
+            loss_fn.margins,
+            [0.0] + loss_fn.weights[1:],
+            loss_fn.thresholds,
+            loss_fn.cumulative,
+            loss_fn.adaptive,
+            variant=loss_fn.variant,
+        )
         ladder_only(s, image_ids=image_ids, relevance=rel)[0].backward()
         assert torch.isfinite(s.grad).all() and s.grad.abs().sum() > 0
     flat = torch.ones(8, 8)  # every relevance equal: one cluster, no NaN
     s = torch.rand(8, 8).requires_grad_(True)
-    _ladder(adaptive=True, margins=[0.2] + [0.01] * 3, weights=[1, 0.25, 0.125, 0.0625])(s, relevance=flat)[0].backward()
+    _ladder(adaptive=True, margins=[0.2] + [0.01] * 3, weights=[1, 0.25, 0.125, 0.0625])(s, relevance=flat)[
+        0
+    ].backward()
     assert torch.isfinite(s.grad).all()
 
 
 def test_fixed_levels_from_thresholds():
     loss = _ladder(thresholds=[0.6, 0.3], margins=[0.2, 0.01, 0.01], weights=[1, 0.25, 0.125])
-    rel = torch.tensor([[1.0, 0.7, 0.5, 0.1], [0.7, 1.0, 0.3, 0.29], [0.5, 0.3, 1.0, 0.6], [0.1, 0.29, 0.6, 1.0]])
+    rel = torch.tensor(
+        [[1.0, 0.7, 0.5, 0.1], [0.7, 1.0, 0.3, 0.29], [0.5, 0.3, 1.0, 0.6], [0.1, 0.29, 0.6, 1.0]]
+    )
     pos = torch.eye(4, dtype=torch.bool)
     lv, _ = loss.levels(rel, pos)
     assert lv.tolist() == [[0, 1, 2, 3], [1, 0, 2, 3], [2, 2, 0, 1], [3, 3, 1, 0]]
@@ -222,7 +245,12 @@ def test_bad_ladder_configs_are_clear_errors():
 
 def test_recipes_use_the_paper_defaults():
     fixed = create_loss(load_recipe("cvsepp").loss)
-    assert (fixed.thresholds, fixed.margins, fixed.weights, fixed.adaptive) == ([0.4], [0.2, 0.01], [1.0, 0.25], False)
+    assert (fixed.thresholds, fixed.margins, fixed.weights, fixed.adaptive) == (
+        [0.4],
+        [0.2, 0.01],
+        [1.0, 0.25],
+        False,
+    )
     auto = create_loss(load_recipe("cvsepp_auto").loss)
     assert (auto.levels_min, auto.levels_max, auto.adaptive) == (2, 4, True)
     assert auto.margins == [0.2, 0.01, 0.01, 0.01] and auto.weights == [1.0, 0.25, 0.125, 0.0625]
@@ -237,14 +265,18 @@ def test_cvsepp_recipes_use_the_hardest_negative_from_step_0_and_the_share_rule(
     assert load_recipe("vsepp").loss.warmup_epochs == 1  # VSE∞'s re-run of VSE++ keeps its warm-up
     fixed = create_loss(load_recipe("cvsepp").loss)
     assert fixed.threshold_share == 0.15 and fixed.derived_thresholds is None
-    assert create_loss(load_recipe("cvsepp", ["loss.ladder_threshold_share=null"]).loss).threshold_share is None
+    assert (
+        create_loss(load_recipe("cvsepp", ["loss.ladder_threshold_share=null"]).loss).threshold_share is None
+    )
     assert load_recipe("cvsepp_auto").loss.ladder_threshold_share is None
 
 
 def _pairs_by_hand(emb: np.ndarray, cap2img: np.ndarray) -> np.ndarray:
     e = emb / np.linalg.norm(emb, axis=1, keepdims=True)
     r = e @ e.T
-    return np.array([r[i, j] for i in range(len(e)) for j in range(i + 1, len(e)) if cap2img[i] != cap2img[j]])
+    return np.array(
+        [r[i, j] for i in range(len(e)) for j in range(i + 1, len(e)) if cap2img[i] != cap2img[j]]
+    )
 
 
 def test_threshold_share_rule_is_the_numpy_quantile(rng):
@@ -259,7 +291,9 @@ def test_threshold_share_rule_is_the_numpy_quantile(rng):
     emb = rng.normal(size=(len(cap2img), 12)).astype(np.float32)
     by_hand = _pairs_by_hand(emb.astype(np.float64), cap2img)
     values = pair_relevance_from_embeddings(emb, cap2img, block=7)  # blocks that split rows unevenly
-    np.testing.assert_allclose(values, by_hand, atol=cos_atol(12))  # every i < j pair of different images, once
+    np.testing.assert_allclose(
+        values, by_hand, atol=cos_atol(12)
+    )  # every i < j pair of different images, once
     e = emb / np.linalg.norm(emb, axis=1, keepdims=True)
     np.testing.assert_allclose(pair_relevance_from_matrix(e @ e.T, cap2img), by_hand, atol=cos_atol(12))
     for share in (0.05, 0.15, 0.5):
@@ -272,7 +306,9 @@ def test_threshold_share_rule_is_the_numpy_quantile(rng):
     # above `max_pairs`: a fixed-seed sample of that many pairs of different images, close to the exact rule
     sampled = pair_relevance_from_embeddings(emb, cap2img, max_pairs=len(values) // 2)
     assert len(sampled) == len(values) // 2
-    np.testing.assert_array_equal(sampled, pair_relevance_from_embeddings(emb, cap2img, max_pairs=len(values) // 2))
+    np.testing.assert_array_equal(
+        sampled, pair_relevance_from_embeddings(emb, cap2img, max_pairs=len(values) // 2)
+    )
     assert abs(threshold_for_share(sampled, 0.15) - threshold_for_share(values, 0.15)) < 0.05
 
 
@@ -287,25 +323,40 @@ def test_ladder_derives_theta_from_the_share_and_the_trainer_records_it(tmp_path
     monkeypatch.setattr(relevance, "split_caption_embeddings", lambda *a, **k: emb)
     relevance.prepare_ladder_relevance(loss, tmp_path, split, logs.append)
     theta = loss.thresholds[0]
-    assert theta == pytest.approx(np.quantile(_pairs_by_hand(emb.astype(np.float64), cap2img), 0.8), abs=cos_atol(16))
+    assert theta == pytest.approx(
+        np.quantile(_pairs_by_hand(emb.astype(np.float64), cap2img), 0.8), abs=cos_atol(16)
+    )
     assert loss.thresholds == loss.derived_thresholds == [theta] and "20.0%" in logs[0]
     with pytest.raises(ValueError, match="ladder_threshold_share"):
         _ladder(threshold_share=1.5)
     # the share sets ladder_thresholds, which the adaptive and the per-row percentile levels do not use
-    assert _ladder(threshold_share=0.2, adaptive=True, margins=[0.2] * 4, weights=[1] * 4).threshold_share is None
+    assert (
+        _ladder(threshold_share=0.2, adaptive=True, margins=[0.2] * 4, weights=[1] * 4).threshold_share
+        is None
+    )
     assert create_loss(load_recipe("cvsepp", ["loss.ladder_percentile=85"]).loss).threshold_share is None
     with pytest.raises(ValueError, match="2-level ladder"):
         _ladder(threshold_share=0.2, thresholds=[0.5, 0.3], margins=[0.2, 0.01, 0.01], weights=[1, 0.25, 0.1])
 
     # the trainer: θ_1 from the train split's embeddings (stubbed here: no MiniLM), written to config.json
-    data = make_synthetic_precomp(tmp_path / "d", n_train=24, n_dev=8, n_test=8, regions=4, dim=8,
-                                  captions_per_image=2)  # fmt: skip
+    data = make_synthetic_precomp(
+        tmp_path / "d", n_train=24, n_dev=8, n_test=8, regions=4, dim=8, captions_per_image=2
+    )
     train_emb = rng.normal(size=(48, 16)).astype(np.float32)
     monkeypatch.setattr(relevance, "split_caption_embeddings", lambda *a, **k: train_emb)
-    overrides = ["model.embed_dim=16", "train.batch_size=8", "train.epochs=1", "train.log_every=0",
-                 "model.text.word_dim=8", "data.captions_per_image=2", "model.text.vocab_min_count=1"]  # fmt: skip
+    overrides = [
+        "model.embed_dim=16",
+        "train.batch_size=8",
+        "train.epochs=1",
+        "train.log_every=0",
+        "model.text.word_dim=8",
+        "data.captions_per_image=2",
+        "model.text.vocab_min_count=1",
+    ]
     logs.clear()
-    trainer = Trainer(load_recipe("cvsepp", overrides), data, tmp_path / "run", progress=False, log=logs.append)
+    trainer = Trainer(
+        load_recipe("cvsepp", overrides), data, tmp_path / "run", progress=False, log=logs.append
+    )
     expected = np.quantile(_pairs_by_hand(train_emb.astype(np.float64), np.repeat(np.arange(24), 2)), 0.85)
     assert trainer.loss_fn.thresholds[0] == pytest.approx(expected, abs=cos_atol(16))
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
@@ -316,13 +367,31 @@ def test_ladder_derives_theta_from_the_share_and_the_trainer_records_it(tmp_path
 def test_relevance_share_cli(tmp_path, monkeypatch, rng, capsys):
     import vsekit.relevance as relevance
 
-    data = make_synthetic_precomp(tmp_path / "d", n_train=20, n_dev=4, n_test=4, regions=2, dim=4,
-                                  captions_per_image=2)  # fmt: skip
+    data = make_synthetic_precomp(
+        tmp_path / "d", n_train=20, n_dev=4, n_test=4, regions=2, dim=4, captions_per_image=2
+    )
     emb = rng.normal(size=(40, 8)).astype(np.float32)
     monkeypatch.setattr(relevance, "split_caption_embeddings", lambda *a, **k: emb)
     out = tmp_path / "share.json"
-    assert main(["data", "relevance-share", str(data), "--captions-per-image", "2", "--theta", "0.1", "0.4",
-                 "--share", "0.15", "--json", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "data",
+                "relevance-share",
+                str(data),
+                "--captions-per-image",
+                "2",
+                "--theta",
+                "0.1",
+                "0.4",
+                "--share",
+                "0.15",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     values = _pairs_by_hand(emb.astype(np.float64), np.repeat(np.arange(20), 2))
     report = json.loads(out.read_text())
     assert report["pairs"] == len(values) == 20 * 19 * 2
@@ -336,8 +405,13 @@ def test_relevance_share_cli(tmp_path, monkeypatch, rng, capsys):
 
 
 def test_minilm_sentence_embeddings_are_the_sbert_ones():
-    e = sentence_embeddings(["A man is riding a horse on the beach.", "A person rides a horse along the shore.",
-                             "A bowl of soup on a kitchen table."])  # fmt: skip
+    e = sentence_embeddings(
+        [
+            "A man is riding a horse on the beach.",
+            "A person rides a horse along the shore.",
+            "A bowl of soup on a kitchen table.",
+        ]
+    )
     assert np.allclose(np.linalg.norm(e, axis=1), 1.0, atol=1e-5)
     assert e[0] @ e[1] == pytest.approx(0.731, abs=0.01)  # SentenceTransformer.encode's value for this pair
     assert e[0] @ e[2] < 0.2
@@ -345,8 +419,9 @@ def test_minilm_sentence_embeddings_are_the_sbert_ones():
 
 @pytest.mark.slow  # trains one epoch and loads MiniLM: ~15 s on a shared CPU
 def test_relevance_cache_training_and_eval(tmp_path, capsys):
-    data = make_synthetic_precomp(tmp_path / "d", n_train=48, n_dev=12, n_test=12, regions=6, dim=16,
-                                  captions_per_image=2)  # fmt: skip
+    data = make_synthetic_precomp(
+        tmp_path / "d", n_train=48, n_dev=12, n_test=12, regions=6, dim=16, captions_per_image=2
+    )
     logs: list[str] = []
     emb = split_caption_embeddings(data, "train", log=logs.append)
     assert emb.shape == (96, 384) and (data / "train_sentemb.npy").is_file()
@@ -355,8 +430,14 @@ def test_relevance_cache_training_and_eval(tmp_path, capsys):
     np.testing.assert_array_equal(split_caption_embeddings(data, "train", log=logs.append), emb)
     assert not any("encoding" in m for m in logs)  # a cache hit
 
-    overrides = ["model.embed_dim=32", "train.batch_size=16", "train.epochs=1", "train.log_every=1",
-                 "model.text.word_dim=16", "data.captions_per_image=2"]  # fmt: skip
+    overrides = [
+        "model.embed_dim=32",
+        "train.batch_size=16",
+        "train.epochs=1",
+        "train.log_every=1",
+        "model.text.word_dim=16",
+        "data.captions_per_image=2",
+    ]
     run = tmp_path / "run"
     Trainer(load_recipe("cvsepp_auto", overrides), data, run, progress=False, log=logs.append).fit()
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -34,7 +34,10 @@ def test_coco_and_flickr_ids_find_their_pictures_and_the_split_reads_them(tmp_pa
     assert main(["data", "link-images", str(data), "--images", str(pics)]) == 0
     assert "test_images.txt lists 3 pictures" in capsys.readouterr().out
     assert (data / "test_images.txt").read_text().splitlines() == [
-        "flickr/1000092795.jpg", "val2014/COCO_val2014_000000000042.jpg", "val2017/000000000077.jpg"]
+        "flickr/1000092795.jpg",
+        "val2014/COCO_val2014_000000000042.jpg",
+        "val2017/000000000077.jpg",
+    ]
     assert json.loads((data / "manifest.json").read_text())["images_root"] == str(pics.resolve())
     split = load_precomp_split(data, "test", 5)
     assert split.abs_image_path(1) == (pics / "val2014" / "COCO_val2014_000000000042.jpg").resolve()

@@ -21,8 +21,13 @@ from vsekit.training import reporting
 
 SRC = Path(vsekit.__file__).resolve().parent.parent  # src/: the library (vsekit) and its lab (vsekit_lab)
 PACKAGES = (Path(vsekit.__file__).resolve().parent, Path(vsekit_lab.__file__).resolve().parent)
-TINY = ["model.embed_dim=32", "model.text.word_dim=16", "train.batch_size=16", "train.log_every=1",
-        "optim.lr_decay_epochs=[1]"]  # fmt: skip
+TINY = [
+    "model.embed_dim=32",
+    "model.text.word_dim=16",
+    "train.batch_size=16",
+    "train.log_every=1",
+    "optim.lr_decay_epochs=[1]",
+]
 TINY_ARGS = ["--recipe", "vsepp", "--no-progress", "--epochs", "1", *[x for s in TINY for x in ("--set", s)]]
 
 # Where `print` is the interface, not a diagnostic: the CLI and its verbs (anywhere in them), and the `main()`
@@ -71,9 +76,15 @@ def test_library_modules_do_not_print():
         rel = path.relative_to(SRC).as_posix()
         if rel.startswith(PRINT_ANYWHERE):
             continue
-        offenders += [f"{rel}:{line} in {func}()" for line, func in print_calls(path)
-                      if not (rel in PRINT_IN_MAIN and func == "main")]  # fmt: skip
-    assert not offenders, "library code logs through logging (or takes a log= callback), it does not print: " + ", ".join(offenders)
+        offenders += [
+            f"{rel}:{line} in {func}()"
+            for line, func in print_calls(path)
+            if not (rel in PRINT_IN_MAIN and func == "main")
+        ]
+    assert not offenders, (
+        "library code logs through logging (or takes a log= callback), it does not print: "
+        + ", ".join(offenders)
+    )
     assert all(print_calls(SRC / rel) for rel in PRINT_IN_MAIN)  # the allow-list names no file without prints
 
 
@@ -93,9 +104,13 @@ def test_library_modules_never_configure_logging():
 
 
 def test_version_prints_the_package_version_without_torch():
-    code = ("import sys\nfrom vsekit.cli import main\ntry:\n    main(['--version'])\nexcept SystemExit as e:\n"
-            "    print('exit', e.code)\nprint('torch loaded' if 'torch' in sys.modules else 'no torch')\n")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    code = (
+        "import sys\nfrom vsekit.cli import main\ntry:\n    main(['--version'])\nexcept SystemExit as e:\n"
+        "    print('exit', e.code)\nprint('torch loaded' if 'torch' in sys.modules else 'no torch')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split("\n")
     from importlib.metadata import version
 
     assert out[:3] == [f"vsekit {version('vsekit')}", "exit 0", "no torch"], out
@@ -166,7 +181,9 @@ def read_wandb_history(path: Path) -> list[dict]:
             record = pb.Record()
             record.ParseFromString(buf)
             if record.WhichOneof("record_type") == "history":
-                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+                rows.append(
+                    {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                )
             buf = b""
     return rows
 
@@ -187,13 +204,19 @@ def test_report_to_wandb_logs_the_metrics_records_offline(target, tiny_data, tmp
     if target == "wandb-offline":
         monkeypatch.delenv("WANDB_MODE")  # offline by the flag alone
     run = tmp_path / "run"
-    assert main(["train", "--data", str(tiny_data), "--out", str(run), *TINY_ARGS, "--report-to", target]) == 0
+    assert (
+        main(["train", "--data", str(tiny_data), "--out", str(run), *TINY_ARGS, "--report-to", target]) == 0
+    )
     assert "offline run" in capsys.readouterr().err  # says where the run is and how to upload it
     files = list((tmp_path / "wandb_dir").rglob("offline-run-*/run-*.wandb"))
     assert len(files) == 1, files
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    expected = {(r["step"], f"{r['kind']}/{k}"): v for r in records for k, v in r.items()
-                if isinstance(v, (int, float)) and k not in ("step", "epoch")}  # fmt: skip
+    expected = {
+        (r["step"], f"{r['kind']}/{k}"): v
+        for r in records
+        for k, v in r.items()
+        if isinstance(v, (int, float)) and k not in ("step", "epoch")
+    }
     # wandb's writer is a separate service process: on a loaded machine its last records can reach the file a
     # moment after `finish` returns, so read until every expected key is there (or 30 s have passed)
     deadline = time.monotonic() + 30
@@ -209,7 +232,10 @@ def test_report_to_wandb_logs_the_metrics_records_offline(target, tiny_data, tmp
         time.sleep(0.2)
     assert {"train/loss", "train/lr", "val/rsum", "val/i2t_r1"} <= {key for _, key in expected}
     assert logged.keys() == expected.keys()
-    for key, value in expected.items():  # the same Python floats, through W&B's writer (float64 or float32 there)
+    for (
+        key,
+        value,
+    ) in expected.items():  # the same Python floats, through W&B's writer (float64 or float32 there)
         assert logged[key] == pytest.approx(value, rel=1e-6), key
     assert {row.get("epoch") for row in rows} == {1}
 
@@ -218,11 +244,17 @@ def test_report_to_wandb_without_wandb_says_what_to_install(tiny_data, tmp_path,
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
     out = tmp_path / "run"
-    assert main(["train", "--data", str(tiny_data), "--out", str(out), *TINY_ARGS, "--report-to", "wandb"]) == 2
+    assert (
+        main(["train", "--data", str(tiny_data), "--out", str(out), *TINY_ARGS, "--report-to", "wandb"]) == 2
+    )
     err = capsys.readouterr().err.strip()
-    assert err.startswith("vse train: error: --report-to wandb needs the wandb package: pip install wandb"), err
+    assert err.startswith("vse train: error: --report-to wandb needs the wandb package: pip install wandb"), (
+        err
+    )
     assert not out.exists()
 
 

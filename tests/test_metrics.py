@@ -16,7 +16,12 @@ from vsekit.metrics import (
 def _reference_loop(sims, k=5):
     """The SCAN/VSE∞ i2t/t2i loops, for comparison (argsort-based; no ties in the test data)."""
     n = sims.shape[0]
-    r_i2t = np.array([min(np.where(np.argsort(sims[i])[::-1] == j)[0][0] for j in range(k * i, k * i + k)) for i in range(n)])
+    r_i2t = np.array(
+        [
+            min(np.where(np.argsort(sims[i])[::-1] == j)[0][0] for j in range(k * i, k * i + k))
+            for i in range(n)
+        ]
+    )
     r_t2i = np.array([np.where(np.argsort(sims[:, c])[::-1] == c // k)[0][0] for c in range(k * n)])
     return r_i2t, r_t2i
 
@@ -50,7 +55,9 @@ def test_matches_reference_loops_on_random_data():
     for k in (1, 5, 10):
         assert m[f"i2t_r{k}"] == pytest.approx(100 * np.mean(r_i2t < k))
         assert m[f"t2i_r{k}"] == pytest.approx(100 * np.mean(r_t2i < k))
-    assert m["i2t_medr"] == np.floor(np.median(r_i2t)) + 1 and m["t2i_meanr"] == pytest.approx(r_t2i.mean() + 1)
+    assert m["i2t_medr"] == np.floor(np.median(r_i2t)) + 1 and m["t2i_meanr"] == pytest.approx(
+        r_t2i.mean() + 1
+    )
 
 
 def test_fold5_rsum_is_mean_of_fold_rsums():
@@ -78,13 +85,16 @@ def test_ties_rank_pessimistically():
     assert m["i2t_r5"] == 100.0 and m["i2t_meanr"] == 3.0
 
 
-@pytest.mark.parametrize("sims,c2i,needle", [
-    (np.zeros((2, 3, 1)), np.zeros(3, int), "2-D"),
-    (np.zeros((2, 4)), np.zeros(3, int), "4 caption columns"),
-    (np.zeros((2, 2)), np.array([0, 5]), "outside"),
-    (np.array([[np.nan, 0], [0, 0]]), np.array([0, 1]), "NaN"),
-    (np.zeros((3, 2)), np.array([0, 1]), "no caption"),
-])
+@pytest.mark.parametrize(
+    "sims,c2i,needle",
+    [
+        (np.zeros((2, 3, 1)), np.zeros(3, int), "2-D"),
+        (np.zeros((2, 4)), np.zeros(3, int), "4 caption columns"),
+        (np.zeros((2, 2)), np.array([0, 5]), "outside"),
+        (np.array([[np.nan, 0], [0, 0]]), np.array([0, 1]), "NaN"),
+        (np.zeros((3, 2)), np.array([0, 1]), "no caption"),
+    ],
+)
 def test_bad_inputs(sims, c2i, needle):
     with pytest.raises(MetricsInputError, match=needle):
         evaluate_sims(sims, c2i)
@@ -104,7 +114,11 @@ def test_metrics_read_no_dataset_files():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
-            found += [f"{path.name}:{node.lineno}" for n in names if n == "vsekit.data" or n.startswith("vsekit.data.")]
+            found += [
+                f"{path.name}:{node.lineno}"
+                for n in names
+                if n == "vsekit.data" or n.startswith("vsekit.data.")
+            ]
     assert found == []
 
 
@@ -124,5 +138,7 @@ def test_similarity_files_are_read_by_the_data_layer(tmp_path):
         load_sims([str(tmp_path / "cube.npy")])
     (tmp_path / "c2i.txt").write_text("0\n0\n1\n")
     np.testing.assert_array_equal(read_cap2img(tmp_path / "c2i.txt", 3), [0, 0, 1])
-    with pytest.raises(DataFormatError, match=r"c2i\.txt: 3 lines but the similarity matrix has 4 caption columns"):
+    with pytest.raises(
+        DataFormatError, match=r"c2i\.txt: 3 lines but the similarity matrix has 4 caption columns"
+    ):
         read_cap2img(tmp_path / "c2i.txt", 4)

@@ -26,8 +26,14 @@ def make_encoder(
     views=2, feature_type="grid", pooling="gpo", keep_train=0.75, keep_test=0.9
 ) -> MultiViewImageEncoder:
     torch.manual_seed(0)
-    cfg = ImageEncoderConfig(feature_type=feature_type, views=views, view_keep_train=keep_train,
-                             view_keep_test=keep_test, mlp_hidden=16, pooling=PoolingConfig(name=pooling))  # fmt: skip
+    cfg = ImageEncoderConfig(
+        feature_type=feature_type,
+        views=views,
+        view_keep_train=keep_train,
+        view_keep_test=keep_test,
+        mlp_hidden=16,
+        pooling=PoolingConfig(name=pooling),
+    )
     return MultiViewImageEncoder(12, 8, cfg)
 
 
@@ -148,8 +154,12 @@ def test_create_loss_wraps_with_regulariser_and_needs_views():
     np.fill_diagonal(cost_img, 0.0)
     triplet = cost_cap.max(1).sum() + cost_img.max(0).sum()
     a, b = emb.double().numpy()[:, :8], emb.double().numpy()[:, 8:]  # the two views [batch, d]
-    c = np.array([[a[:, i] @ b[:, j] / (np.linalg.norm(a[:, i]) * np.linalg.norm(b[:, j])) for j in range(8)]
-                  for i in range(8)])  # fmt: skip
+    c = np.array(
+        [
+            [a[:, i] @ b[:, j] / (np.linalg.norm(a[:, i]) * np.linalg.norm(b[:, j])) for j in range(8)]
+            for i in range(8)
+        ]
+    )
     reg = sum((1 - c[i, i]) ** 2 for i in range(8)) + 0.0051 * sum(
         c[i, j] ** 2 for i in range(8) for j in range(8) if i != j
     )
@@ -159,8 +169,16 @@ def test_create_loss_wraps_with_regulariser_and_needs_views():
         create_loss(cfg)(sims, image_ids=torch.arange(4), image_emb=emb)  # one view: nothing to regularise
 
 
-TINY = ["model.embed_dim=32", "model.text.word_dim=16", "train.batch_size=32", "train.log_every=0",
-        "train.epochs=2", "optim.lr=0.002", "model.similarity.block_dim=16", "data.captions_per_image=5"]  # fmt: skip
+TINY = [
+    "model.embed_dim=32",
+    "model.text.word_dim=16",
+    "train.batch_size=32",
+    "train.log_every=0",
+    "train.epochs=2",
+    "optim.lr=0.002",
+    "model.similarity.block_dim=16",
+    "data.captions_per_image=5",
+]
 
 
 @pytest.mark.slow
@@ -284,13 +302,25 @@ def test_views_keep_75_and_90_percent_of_the_full_set(synthetic_dir, tmp_path, f
         test_sizes = _captured_view_sizes(enc, batch["images"], batch["image_lengths"])
         assert torch.equal(test_sizes, torch.round(0.9 * n_full.double()).long().unsqueeze(1).expand(-1, 2))
     # the earlier behaviour, kept as an option: regions dropped first, views drawn from what is left
-    old = Trainer(load_recipe("avse", TINY + [f"model.image.feature_type={feature_type}", "model.image.view_size_augment=true"]),
-                  synthetic_dir, tmp_path / "old", progress=False, log=lambda *_: None)  # fmt: skip
+    old = Trainer(
+        load_recipe(
+            "avse", TINY + [f"model.image.feature_type={feature_type}", "model.image.view_size_augment=true"]
+        ),
+        synthetic_dir,
+        tmp_path / "old",
+        progress=False,
+        log=lambda *_: None,
+    )
     lengths = torch.cat([b["image_lengths"] for b in list(old.loader)[:4]])
     assert lengths.float().mean() < 0.97 * full.float().mean()
     # single-view models keep VSE∞'s size augmentation
-    single = Trainer(load_recipe("vse_infty", TINY[:4] + [f"model.image.feature_type={feature_type}"]), synthetic_dir,
-                     tmp_path / "single", progress=False, log=lambda *_: None)  # fmt: skip
+    single = Trainer(
+        load_recipe("vse_infty", TINY[:4] + [f"model.image.feature_type={feature_type}"]),
+        synthetic_dir,
+        tmp_path / "single",
+        progress=False,
+        log=lambda *_: None,
+    )
     lengths = torch.cat([b["image_lengths"] for b in list(single.loader)[:4]])
     assert lengths.float().mean() < 0.97 * full.float().mean()
 

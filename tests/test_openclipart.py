@@ -21,8 +21,13 @@ RDF_HEAD = (
 )
 
 
-def svg(body: str, title: str | None, description: str = "", keywords: tuple[str, ...] = (),
-        creator: str = "Test Artist") -> str:  # fmt: skip
+def svg(
+    body: str,
+    title: str | None,
+    description: str = "",
+    keywords: tuple[str, ...] = (),
+    creator: str = "Test Artist",
+) -> str:
     """A small SVG with openclipart-style Dublin Core metadata (title None: no metadata at all)."""
     meta = ""
     if title is not None:
@@ -70,7 +75,7 @@ def write_fixture(root: Path) -> None:
             "Part of the Flat Icon Collection (Wed Aug 25 23:29:46 2004)",
             "",
             ("hash", "icons"),
-        ),  # fmt: skip
+        ),
         # generic title, unreadable stem -> dropped
         "computer/icons/kxq_zzv.svg": svg(BOAT.replace("2050c0", "00ff00"), "Lemon SVG theme", "", ("icon",)),
         # generic collection that is always dropped
@@ -293,21 +298,35 @@ def test_end_to_end_backbone_recipe_unfreezes_after_first_epoch(built, tmp_path)
     from vsekit.training.trainer import Trainer
 
     out, _ = built
-    recipe = load_recipe("vse_infty_grid_e2e", [
-        "train.epochs=2", "train.batch_size=4", "model.embed_dim=32", "model.text.word_dim=16",
-        "model.text.vocab_min_count=1", "data.captions_per_image=1", "train.log_every=0", "optim.lr=0.01",
-        "model.image.backbone_trainable_blocks=2", "model.image.image_size=96",
-    ])  # fmt: skip
+    recipe = load_recipe(
+        "vse_infty_grid_e2e",
+        [
+            "train.epochs=2",
+            "train.batch_size=4",
+            "model.embed_dim=32",
+            "model.text.word_dim=16",
+            "model.text.vocab_min_count=1",
+            "data.captions_per_image=1",
+            "train.log_every=0",
+            "optim.lr=0.01",
+            "model.image.backbone_trainable_blocks=2",
+            "model.image.image_size=96",
+        ],
+    )
     trainer = Trainer(recipe, out, tmp_path / "run", progress=False)
     enc = trainer.model.image_encoder
     before = {k: v.detach().clone() for k, v in enc.cnn.state_dict().items()}
     trainer.fit(max_steps=trainer_steps_in_first_epoch(trainer))
     after_e1 = enc.cnn.state_dict()
-    assert all(torch.equal(before[k], after_e1[k]) for k in before), "backbone moved while frozen"  # not written
+    assert all(torch.equal(before[k], after_e1[k]) for k in before), (
+        "backbone moved while frozen"
+    )  # not written
     trainer.fit()
     moved = [k for k, v in enc.cnn.state_dict().items() if not torch.equal(before[k], v)]
     assert moved, "no backbone weight moved after unfreezing"
-    assert not any(k.startswith(("net._conv_stem", "net._bn0", "net._blocks.0.")) for k in moved), moved  # early layers fixed
+    assert not any(k.startswith(("net._conv_stem", "net._bn0", "net._blocks.0.")) for k in moved), (
+        moved
+    )  # early layers fixed
     assert any(k.startswith("net._conv_head") for k in moved)
 
 
@@ -344,8 +363,10 @@ def _fake_rsvg(tmp_path, monkeypatch, body: str) -> Path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     exe = bin_dir / "rsvg-convert"
-    exe.write_text(f"#!{sys.executable}\nimport json, sys, time\n"
-                   f"json.dump(sys.argv[1:], open({str(tmp_path / 'argv.json')!r}, 'w'))\n{body}\n")  # fmt: skip
+    exe.write_text(
+        f"#!{sys.executable}\nimport json, sys, time\n"
+        f"json.dump(sys.argv[1:], open({str(tmp_path / 'argv.json')!r}, 'w'))\n{body}\n"
+    )
     exe.chmod(0o755)
     monkeypatch.setenv("PATH", str(bin_dir))
     return tmp_path / "argv.json"
@@ -365,7 +386,14 @@ def test_rsvg_convert_is_used_when_cairosvg_cannot_render(svg_root, tmp_path, mo
     argv_log = _fake_rsvg(tmp_path, monkeypatch, DRAW_BLUE_SQUARE)
     svg = str(svg_root / "food/fruit/red_apple.svg")
     img = oc.render_svg(svg)
-    assert json.loads(argv_log.read_text()) == ["-a", "-w", "512", "-h", "512", svg]  # aspect kept, 512 px box
+    assert json.loads(argv_log.read_text()) == [
+        "-a",
+        "-w",
+        "512",
+        "-h",
+        "512",
+        svg,
+    ]  # aspect kept, 512 px box
     assert img.mode == "RGBA" and img.size == (512, 512)
     assert img.getpixel((256, 256)) == (20, 40, 200, 255) and img.getpixel((10, 10))[3] == 0
     out = np.asarray(oc.crop_square(img))  # the square, cropped and padded: blue in the middle, white margin
@@ -376,9 +404,13 @@ def test_render_errors_name_every_rasteriser(svg_root, tmp_path, monkeypatch):
     svg = str(svg_root / "food/fruit/red_apple.svg")
     _failing_cairosvg(monkeypatch)
     _fake_rsvg(tmp_path, monkeypatch, "sys.stderr.write('boom: bad svg'); sys.exit(3)")
-    with pytest.raises(RuntimeError, match=r"cairosvg: ValueError: unsupported element; rsvg-convert: exit 3: boom"):
+    with pytest.raises(
+        RuntimeError, match=r"cairosvg: ValueError: unsupported element; rsvg-convert: exit 3: boom"
+    ):
         oc.render_svg(svg)
-    (tmp_path / "bin" / "rsvg-convert").write_text(f"#!{__import__('sys').executable}\nimport time\ntime.sleep(30)\n")
+    (tmp_path / "bin" / "rsvg-convert").write_text(
+        f"#!{__import__('sys').executable}\nimport time\ntime.sleep(30)\n"
+    )
     with pytest.raises(RuntimeError, match="rsvg-convert: timeout after 1s"):
         oc.render_svg(svg, timeout=1)
     _no_cairosvg(monkeypatch)
@@ -404,7 +436,16 @@ def test_real_rsvg_convert_renders_like_cairosvg(svg_root, monkeypatch):
 # -------------------------------------------------------------- the real Debian openclipart-svg files
 
 REAL_ROOT = Path(oc.DEFAULT_SVG_ROOT)
-REAL_CATEGORIES = ("animals", "buildings", "containers", "education", "food", "plants", "shapes", "transportation")
+REAL_CATEGORIES = (
+    "animals",
+    "buildings",
+    "containers",
+    "education",
+    "food",
+    "plants",
+    "shapes",
+    "transportation",
+)
 
 
 def _real_handful() -> list[str]:
@@ -465,7 +506,9 @@ def test_build_on_a_handful_of_real_openclipart_files(tmp_path):
             continue
         feats = np.asarray(s.image_features(0))
         assert feats.shape == (49, 1280) and np.isfinite(feats).all()
-        assert all(any(cap.startswith(t) for t in titles) for cap in s.captions)  # captions come from the titles
+        assert all(
+            any(cap.startswith(t) for t in titles) for cap in s.captions
+        )  # captions come from the titles
         for p in s.image_paths:
             from PIL import Image
 

@@ -33,9 +33,24 @@ def run_and_index(tiny_data, tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        Trainer(load_recipe("vsepp", TINY), tiny_data, base / "run", progress=False, log=lambda *_: None).fit()
-        assert main(["index", str(base / "run"), f"{tiny_data}:test", "--out", str(base / "idx"), "--quiet",
-                     "--device", "cpu"]) == 0  # fmt: skip
+        Trainer(
+            load_recipe("vsepp", TINY), tiny_data, base / "run", progress=False, log=lambda *_: None
+        ).fit()
+        assert (
+            main(
+                [
+                    "index",
+                    str(base / "run"),
+                    f"{tiny_data}:test",
+                    "--out",
+                    str(base / "idx"),
+                    "--quiet",
+                    "--device",
+                    "cpu",
+                ]
+            )
+            == 0
+        )
     finally:
         torch.set_num_threads(threads)
     return base / "run", base / "idx"
@@ -59,7 +74,11 @@ def one_line_error(capsys, *needles: str) -> str:
 def test_json_out_never_overwrites_the_index_or_its_run(run_and_index, tmp_path, capsys):
     run, idx = run_and_index
     before_idx, before_run = snapshot(idx), snapshot(run)
-    for target in (idx / "index.json", idx / "new.json", run / "config.json"):  # the run: recorded by the index
+    for target in (
+        idx / "index.json",
+        idx / "new.json",
+        run / "config.json",
+    ):  # the run: recorded by the index
         assert main(["search", str(idx), "green", "--json-out", str(target), "--device", "cpu"]) == 2
         one_line_error(capsys, f"--json-out {target}", "which this command reads")
     link = tmp_path / "hits.json"
@@ -67,16 +86,21 @@ def test_json_out_never_overwrites_the_index_or_its_run(run_and_index, tmp_path,
     assert main(["search", str(idx), "green", "--json-out", str(link), "--device", "cpu"]) == 2
     one_line_error(capsys, "--json-out")
     assert snapshot(idx) == before_idx and snapshot(run) == before_run
-    assert main(["search", str(idx), "green", "--json-out", str(tmp_path / "ok.json"), "--device", "cpu"]) == 0
+    assert (
+        main(["search", str(idx), "green", "--json-out", str(tmp_path / "ok.json"), "--device", "cpu"]) == 0
+    )
     assert isinstance(json.loads((tmp_path / "ok.json").read_text()), list)
 
 
 def test_eval_result_files_never_overwrite_the_run_or_its_dataset(run_and_index, tiny_data, tmp_path, capsys):
     run, _ = run_and_index
     before_run, before_data = snapshot(run), snapshot(tiny_data)
-    for flag, target in (("--json-out", run / "config.json"), ("--save-sims", run / "best.safetensors"),
-                         ("--json-out", tiny_data / "test_caps.txt"),  # the dataset the run records
-                         ("--save-sims", tiny_data / "test_ims.npy")):  # fmt: skip
+    for flag, target in (
+        ("--json-out", run / "config.json"),
+        ("--save-sims", run / "best.safetensors"),
+        ("--json-out", tiny_data / "test_caps.txt"),  # the dataset the run records
+        ("--save-sims", tiny_data / "test_ims.npy"),
+    ):
         assert main(["eval", str(run), "--device", "cpu", flag, str(target)]) == 2
         one_line_error(capsys, f"{flag} {target}", "which this command reads")
     assert snapshot(run) == before_run and snapshot(tiny_data) == before_data
@@ -94,7 +118,21 @@ def test_eval_result_files_never_overwrite_the_run_or_its_dataset(run_and_index,
 def test_save_sims_writes_exactly_the_named_file(run_and_index, tmp_path, capsys):
     run, _ = run_and_index
     out = tmp_path / "sims.bin"
-    assert main(["eval", str(run), "--device", "cpu", "--save-sims", str(out), "--json-out", str(tmp_path / "m.json")]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(run),
+                "--device",
+                "cpu",
+                "--save-sims",
+                str(out),
+                "--json-out",
+                str(tmp_path / "m.json"),
+            ]
+        )
+        == 0
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json", "sims.bin"]  # no sims.bin.npy beside it
     assert f"wrote {out}" in capsys.readouterr().out  # and it says so
     sims = np.load(out, allow_pickle=False)
@@ -122,11 +160,18 @@ def test_result_file_in_a_missing_folder_fails_before_any_work(run_and_index, tm
     one_line_error(capsys, f"--save-sims {missing / 's.npy'}", "does not exist")
     assert main(["eval", str(run), "--device", "cpu", "--json-out", str(missing / "m.json")]) == 2
     one_line_error(capsys, "--json-out", "does not exist")
-    assert main(["search", str(idx), "green", "--json-out", str(missing / "hits.json"), "--device", "cpu"]) == 2
+    assert (
+        main(["search", str(idx), "green", "--json-out", str(missing / "hits.json"), "--device", "cpu"]) == 2
+    )
     one_line_error(capsys, "--json-out", "does not exist")
     assert not (tmp_path / "missing").exists()  # no parent is created
     (tmp_path / "file").write_text("x")
-    assert main(["search", str(idx), "green", "--json-out", str(tmp_path / "file" / "h.json"), "--device", "cpu"]) == 2
+    assert (
+        main(
+            ["search", str(idx), "green", "--json-out", str(tmp_path / "file" / "h.json"), "--device", "cpu"]
+        )
+        == 2
+    )
     one_line_error(capsys, "is not a folder")
 
 
@@ -175,7 +220,10 @@ def test_weights_file_that_is_no_checkpoint_is_named_in_one_line(tmp_path):
     listed = tmp_path / "list.pth"
     torch.save([torch.zeros(1)], listed)
     for path in (text, empty, listed):
-        for make in (lambda p: build_backbone("efficientnet_lite0", str(p)), lambda p: GridFeatureExtractor(str(p))):
+        for make in (
+            lambda p: build_backbone("efficientnet_lite0", str(p)),
+            lambda p: GridFeatureExtractor(str(p)),
+        ):
             with pytest.raises(VseInputError) as info:
                 make(path)
             msg = str(info.value)
@@ -199,7 +247,9 @@ def features_run() -> VSEModel:
 def test_uint8_is_refused_by_a_feature_run_and_nan_embeddings_by_similarity(features_run):
     pixels = np.random.default_rng(0).integers(0, 256, (2, 3, 8), dtype=np.uint8)
     for x in (pixels, torch.from_numpy(pixels)):
-        with pytest.raises(ModelInputError, match=r"encode_image: features of dtype torch.uint8: .*float features"):
+        with pytest.raises(
+            ModelInputError, match=r"encode_image: features of dtype torch.uint8: .*float features"
+        ):
             features_run.encode_image(x)
     with torch.no_grad():
         img = features_run.encode_image(torch.randn(3, 2, 8))
@@ -208,9 +258,13 @@ def test_uint8_is_refused_by_a_feature_run_and_nan_embeddings_by_similarity(feat
         bad_img, bad_txt = img.clone(), txt.clone()
         bad_img[1, 0] = float("nan")
         bad_txt[0, 3] = float("inf")
-        with pytest.raises(ModelInputError, match=r"similarity: image embeddings hold NaN or inf \(1 of 48 values\)"):
+        with pytest.raises(
+            ModelInputError, match=r"similarity: image embeddings hold NaN or inf \(1 of 48 values\)"
+        ):
             features_run.similarity(bad_img, txt)
-        with pytest.raises(ModelInputError, match=r"similarity: caption embeddings hold NaN or inf \(1 of 32 values\)"):
+        with pytest.raises(
+            ModelInputError, match=r"similarity: caption embeddings hold NaN or inf \(1 of 32 values\)"
+        ):
             features_run.similarity(img, bad_txt.numpy())
         assert isinstance(ModelInputError("x"), ValueError)
 
@@ -236,13 +290,25 @@ def test_collapse_advice_is_a_new_run_with_settings_vse_train_takes(run_and_inde
     from vsekit.commands.train import RESUME_KEYS
     from vsekit.training.collapse import CollapseReport
 
-    msg = CollapseReport(step=9, steps=3, loss=1.6, collapse_value=1.6, spread=0.5, by_loss=True, by_spread=False,
-                         kind="hardest-negative triplet").message()  # fmt: skip
+    msg = CollapseReport(
+        step=9,
+        steps=3,
+        loss=1.6,
+        collapse_value=1.6,
+        spread=0.5,
+        by_loss=True,
+        by_spread=False,
+        kind="hardest-negative triplet",
+    ).message()
     assert "start a new run" in msg and "--set optim.lr=" in msg
     keys = re.findall(r"--set ([a-z_.]+)=", msg)
     assert "optim.lr" in keys and len(keys) >= 3
-    values = {"optim.lr": "0.0001", "loss.warmup_epochs": "1", "loss.max_violation": "false",
-              "model.image.backbone_frozen_epochs": "2"}  # fmt: skip
+    values = {
+        "optim.lr": "0.0001",
+        "loss.warmup_epochs": "1",
+        "loss.max_violation": "false",
+        "model.image.backbone_frozen_epochs": "2",
+    }
     load_recipe("vsepp", [f"{k}={values[k]}" for k in keys])  # a new run takes every advised setting
     run, _ = run_and_index  # and --resume refuses them, as the advice says: it is not advised
     assert not set(keys) & set(RESUME_KEYS)

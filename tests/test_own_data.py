@@ -23,17 +23,27 @@ from PIL import Image, ImageDraw
 from vsekit.cli import main
 from vsekit.data.precomp import load_precomp_split
 from vsekit.data.validate import check_dataset
-from vsekit.datasets import own_features, own_pairs
+from vsekit.datasets import own_checks, own_features
 from vsekit.datasets.own_pairs import Item, PictureRef, assign_ids, safe_id
 from vsekit.datasets.own_shards import expand_braces, expand_shards, split_key
 
 pytest.importorskip("efficientnet_lite_pytorch")
 
-COLOURS = {"red": (220, 30, 30), "green": (30, 160, 40), "blue": (30, 60, 220), "yellow": (235, 200, 20),
-           "purple": (140, 40, 170)}  # fmt: skip
+COLOURS = {
+    "red": (220, 30, 30),
+    "green": (30, 160, 40),
+    "blue": (30, 60, 220),
+    "yellow": (235, 200, 20),
+    "purple": (140, 40, 170),
+}
 SHAPES = ("circle", "square", "triangle", "bar")
-PLACES = {"top left": (0.3, 0.3), "top right": (0.7, 0.3), "bottom left": (0.3, 0.7), "bottom right": (0.7, 0.7),
-          "centre": (0.5, 0.5)}  # fmt: skip
+PLACES = {
+    "top left": (0.3, 0.3),
+    "top right": (0.7, 0.3),
+    "bottom left": (0.3, 0.7),
+    "bottom right": (0.7, 0.7),
+    "centre": (0.5, 0.5),
+}
 SIZES = {"small": 0.12, "large": 0.22}
 SPLITS = ("train", "dev", "test")
 FAST = ["--image-size", "64", "--device", "cpu", "--batch-size", "8", "--no-progress"]  # 2 x 2 Lite0 grid
@@ -66,8 +76,10 @@ def make_pictures(n: int = 200) -> dict[str, tuple[bytes, list[str]]]:
             for place in PLACES:
                 for size in SIZES:
                     name = f"pic_{len(out):03d}"
-                    out[name] = (draw(colour, shape, place, size), [f"a {size} {colour} {shape}",
-                                                                    f"{colour} {shape} in the {place}"])  # fmt: skip
+                    out[name] = (
+                        draw(colour, shape, place, size),
+                        [f"a {size} {colour} {shape}", f"{colour} {shape} in the {place}"],
+                    )
     return dict(list(out.items())[:n])
 
 
@@ -102,8 +114,12 @@ def write_shards(folder: Path, pics: dict, n_shards: int) -> list[Path]:
 
 
 def split_files(out: Path, split: str) -> dict[str, object]:
-    return {"ids": (out / f"{split}_ids.txt").read_text(), "caps": (out / f"{split}_caps.txt").read_text(),
-            "cap2img": (out / f"{split}_cap2img.txt").read_text(), "ims": np.load(out / f"{split}_ims.npy")}  # fmt: skip
+    return {
+        "ids": (out / f"{split}_ids.txt").read_text(),
+        "caps": (out / f"{split}_caps.txt").read_text(),
+        "cap2img": (out / f"{split}_cap2img.txt").read_text(),
+        "ims": np.load(out / f"{split}_ims.npy"),
+    }
 
 
 def captions_by_id(out: Path, split: str) -> dict[str, list[str]]:
@@ -127,7 +143,9 @@ def three_builds(pics, tmp_path_factory) -> dict[str, Path]:
     """The 200 pictures as a folder, a CSV (two rows per picture) and two shards, each built."""
     base = tmp_path_factory.mktemp("own")
     folder = write_folder(base / "pics", pics)
-    with open(folder / "pairs.csv", "w", newline="", encoding="utf-8") as f:  # in the folder: paths relative to it
+    with open(
+        folder / "pairs.csv", "w", newline="", encoding="utf-8"
+    ) as f:  # in the folder: paths relative to it
         w = csv.writer(f)
         w.writerow(["filepath", "caption"])
         for name, (_, caps) in pics.items():
@@ -137,8 +155,19 @@ def three_builds(pics, tmp_path_factory) -> dict[str, Path]:
     outs = {k: base / f"out_{k}" for k in ("folder", "table", "webdataset")}
     assert main(["data", "folder", str(folder), "--out", str(outs["folder"]), *FAST]) == 0
     assert main(["data", "table", str(folder / "pairs.csv"), "--out", str(outs["table"]), *FAST]) == 0
-    assert main(["data", "webdataset", str(base / "shards" / "pics-{000..001}.tar"), "--out", str(outs["webdataset"]),
-                 *FAST]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "data",
+                "webdataset",
+                str(base / "shards" / "pics-{000..001}.tar"),
+                "--out",
+                str(outs["webdataset"]),
+                *FAST,
+            ]
+        )
+        == 0
+    )
     return {"base": base, "folder_in": folder, **outs}
 
 
@@ -150,7 +179,9 @@ def test_folder_table_and_shards_give_the_same_dataset(three_builds, pics):
         ref = split_files(outs[0], split)
         for other in outs[1:]:
             got = split_files(other, split)
-            assert got["ids"] == ref["ids"] and got["caps"] == ref["caps"] and got["cap2img"] == ref["cap2img"]
+            assert (
+                got["ids"] == ref["ids"] and got["caps"] == ref["caps"] and got["cap2img"] == ref["cap2img"]
+            )
             assert got["ims"].dtype == ref["ims"].dtype == np.float16
             assert np.array_equal(got["ims"], ref["ims"])  # bit-equal: same extractor, same batches
         ids = ref["ids"].split()
@@ -177,7 +208,9 @@ def test_features_match_the_extractor_run_on_the_files(three_builds):
     sp = load_precomp_split(out, "test")
     paths = [sp.abs_image_path(i) for i in range(sp.n_images)]
     assert [p.name for p in paths] == [f"{i}.png" for i in sp.image_ids]
-    ref = LiteGridExtractor(image_size=64).extract_paths(paths, batch_size=5, progress=False, open_picture=open_image)
+    ref = LiteGridExtractor(image_size=64).extract_paths(
+        paths, batch_size=5, progress=False, open_picture=open_image
+    )
     got = np.asarray(sp.features, dtype=np.float32)
     # equal bit for bit on the machines tried; another batch size may let oneDNN pick other kernels (float32
     # sums in another order, ~1e-6 relative), which after rounding to float16 (relative step 2**-11 ~ 4.9e-4)
@@ -195,8 +228,27 @@ def test_webdataset_build_stores_the_pictures_and_vse_train_runs_one_epoch(three
     for i in range(0, sp.n_images, 37):  # the stored picture is the tar member, byte for byte
         assert sp.abs_image_path(i).read_bytes() == pics[sp.image_ids[i]][0]
     run = tmp_path / "run"
-    assert main(["train", "--recipe", "bow", "--data", str(out), "--out", str(run), "--epochs", "1",
-                 "--batch-size", "32", "--device", "cpu", "--no-progress"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                "--recipe",
+                "bow",
+                "--data",
+                str(out),
+                "--out",
+                str(run),
+                "--epochs",
+                "1",
+                "--batch-size",
+                "32",
+                "--device",
+                "cpu",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["extractor"]["name"] == "efficientnet_lite0_grid"  # vse index can embed raw pictures for it
     assert list(run.glob("*.safetensors")) or list(run.glob("*/*.safetensors"))
@@ -204,7 +256,8 @@ def test_webdataset_build_stores_the_pictures_and_vse_train_runs_one_epoch(three
 
 @pytest.mark.slow
 def test_an_interrupted_build_leaves_nothing_half_written_and_resumes_to_the_same_dataset(
-        three_builds, tmp_path, monkeypatch, capsys):  # fmt: skip
+    three_builds, tmp_path, monkeypatch, capsys
+):
     from conftest import interrupt_on_call
 
     out = tmp_path / "out"
@@ -218,13 +271,13 @@ def test_an_interrupted_build_leaves_nothing_half_written_and_resumes_to_the_sam
     parts = list((out / ".cache" / "features").glob("*/part-*.keys"))
     assert len(parts) == 1 and len(parts[0].read_text().split()) == 48
     checks = {"n": 0}
-    real_check = own_pairs.check_picture
+    real_check = own_checks.check_picture
 
     def counted_check(*args):
         checks["n"] += 1
         return real_check(*args)
 
-    monkeypatch.setattr(own_pairs, "check_picture", counted_check)
+    monkeypatch.setattr(own_checks, "check_picture", counted_check)
     assert main(["data", "folder", str(three_builds["folder_in"]), "--out", str(out), *FAST]) == 0
     assert calls["n"] == 6  # 1 before the stop, the stopped one, then the 4 parts left
     assert checks["n"] == 0  # every picture's check came from the cache of the stopped build
@@ -238,7 +291,10 @@ def test_an_interrupted_build_leaves_nothing_half_written_and_resumes_to_the_sam
     assert main(["data", "folder", str(three_builds["folder_in"]), "--out", str(out), *FAST]) == 0
     assert checks["n"] == 1
     m2 = json.loads((out / "manifest.json").read_text())
-    assert m2["cache"] == {"features_computed": 0, "features_reused": 200} and m2["files_sha256"] == ref["files_sha256"]
+    assert (
+        m2["cache"] == {"features_computed": 0, "features_reused": 200}
+        and m2["files_sha256"] == ref["files_sha256"]
+    )
 
 
 # ------------------------------------------------------------------------------------ problems by name
@@ -269,8 +325,13 @@ def broken_input(kind: str, base: Path) -> list[str]:
         (root / "nocap.png").write_bytes(draw("red", "bar", "centre", "small", 40))
         (root / "zcopy.png").write_bytes(png_dup)
         rows = [(f"{n}.png", c) for n, (_, caps) in pics.items() for c in caps]
-        rows += [("broken.png", "a broken picture"), ("empty.png", "an empty file"), ("nocap.png", ""),
-                 ("zcopy.png", "the copy's own caption"), ("pic_003.png", "  ")]  # fmt: skip
+        rows += [
+            ("broken.png", "a broken picture"),
+            ("empty.png", "an empty file"),
+            ("nocap.png", ""),
+            ("zcopy.png", "the copy's own caption"),
+            ("pic_003.png", "  "),
+        ]
         table = root / "pairs.tsv"
         table.write_text("image\ttext\n" + "".join(f"{a}\t{b}\n" for a, b in rows), encoding="utf-8")
         return ["table", str(table)]
@@ -278,7 +339,9 @@ def broken_input(kind: str, base: Path) -> list[str]:
     with tarfile.open(shard, "w") as tf:
         for n, (png, caps) in pics.items():
             add_member(tf, f"{n}.png", png)
-            add_member(tf, f"{n}.txt", "\n".join(caps).encode() + (b"\n\nextra caption" if n == "pic_003" else b""))
+            add_member(
+                tf, f"{n}.txt", "\n".join(caps).encode() + (b"\n\nextra caption" if n == "pic_003" else b"")
+            )
         add_member(tf, "broken.png", broken)
         add_member(tf, "broken.txt", b"a broken picture")
         add_member(tf, "empty.png", b"")
@@ -296,7 +359,10 @@ def test_broken_empty_uncaptioned_and_duplicate_pictures_are_named_and_skipped(k
     extra = ["--device", "cpu", "--no-progress"] if kind == "folder" else ["--pixels", "--no-progress"]
     assert main(["data", *args, "--out", str(out), "--dev", "1", "--test", "1", *extra]) == 0
     err = capsys.readouterr().err
-    lines = {k: [line for line in err.splitlines() if k in line] for k in ("broken.png", "empty.png", "nocap.png", "zcopy.png")}
+    lines = {
+        k: [line for line in err.splitlines() if k in line]
+        for k in ("broken.png", "empty.png", "nocap.png", "zcopy.png")
+    }
     assert all(lines.values()), err
     said = {k: " | ".join(v) for k, v in lines.items()}
     assert "unreadable picture" in said["broken.png"] and "empty file" in said["empty.png"]
@@ -305,16 +371,21 @@ def test_broken_empty_uncaptioned_and_duplicate_pictures_are_named_and_skipped(k
     assert "empty caption" in err  # the blank line (or cell) of pic_003
     m = json.loads((out / "manifest.json").read_text())
     assert m["counts"]["pictures"] == 6 and m["counts"]["duplicates_merged"] == 1
-    assert {k: m["problems"][k] for k in ("unreadable picture", "empty file", "no caption", "duplicate picture")} == {
-        "unreadable picture": 1, "empty file": 1, "no caption": 1, "duplicate picture": 1}  # fmt: skip
+    assert {
+        k: m["problems"][k] for k in ("unreadable picture", "empty file", "no caption", "duplicate picture")
+    } == {"unreadable picture": 1, "empty file": 1, "no caption": 1, "duplicate picture": 1}
     assert "broken.png" in (out / "problems.txt").read_text()
     merged: dict[str, list[str]] = {}
     shas = []
     for split in SPLITS:
         merged.update(captions_by_id(out, split))
-        shas += [json.loads(line)["sha256"] for line in (out / f"{split}_meta.jsonl").read_text().splitlines()]
+        shas += [
+            json.loads(line)["sha256"] for line in (out / f"{split}_meta.jsonl").read_text().splitlines()
+        ]
     assert sorted(merged) == [f"pic_{i:03d}" for i in range(6)]  # the copy is no picture of its own
-    assert merged["pic_001"] == make_pictures(2)["pic_001"][1] + ["the copy's own caption"]  # pooled, kept copy first
+    assert merged["pic_001"] == make_pictures(2)["pic_001"][1] + [
+        "the copy's own caption"
+    ]  # pooled, kept copy first
     assert len(shas) == len(set(shas)) == 6  # the same bytes lie in one split only
     assert check_dataset(out).ok
     if kind == "folder":  # the default extractor: Lite0 at 224 px, 49 x 1280 float16
@@ -349,35 +420,86 @@ def test_split_by_folder_keeps_declared_splits_and_a_duplicate_goes_to_the_evalu
     (root / "test" / "again.png").write_bytes(pics[names[0]][0])  # a training picture, also filed under test/
     (root / "test" / "again.txt").write_text("filed twice\n")
     out = tmp_path / "out"
-    assert main(["data", "folder", str(root), "--out", str(out), "--split-by-folder", "--pixels", "--no-progress"]) == 0
+    assert (
+        main(
+            ["data", "folder", str(root), "--out", str(out), "--split-by-folder", "--pixels", "--no-progress"]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     assert "split conflict" in err and "train/pic_000.png" in err
     ids = {s: (out / f"{s}_ids.txt").read_text().split() for s in SPLITS}
-    assert ids == {"train": [f"train/{n}" for n in names[1:5]], "dev": [f"val/{n}" for n in names[5:7]],
-                   "test": ["test/again", "test/pic_007"]}  # fmt: skip  # the smallest id of the copies is kept
+    assert ids == {
+        "train": [f"train/{n}" for n in names[1:5]],
+        "dev": [f"val/{n}" for n in names[5:7]],
+        "test": ["test/again", "test/pic_007"],
+    }  # the smallest id of the copies is kept
     assert check_dataset(out).ok
-    assert main(["data", "folder", str(root), "--out", str(tmp_path / "o2"), "--split-by-folder", "--dev", "0.2"]) == 2
+    assert (
+        main(
+            ["data", "folder", str(root), "--out", str(tmp_path / "o2"), "--split-by-folder", "--dev", "0.2"]
+        )
+        == 2
+    )
     (root / "stray.png").write_bytes(pics[names[1]][0])
-    assert main(["data", "folder", str(root), "--out", str(tmp_path / "o3"), "--split-by-folder", "--pixels"]) == 2
+    assert (
+        main(["data", "folder", str(root), "--out", str(tmp_path / "o3"), "--split-by-folder", "--pixels"])
+        == 2
+    )
     assert "stray.png" in capsys.readouterr().err and not (tmp_path / "o3").exists()
 
 
 def test_table_groups_rows_resolves_paths_and_reads_tsv_csv_and_parquet_alike(tmp_path, capsys):
     pics = make_pictures(10)
     write_folder(tmp_path / "photos", pics)
-    rows = [(f"photos/{n}.png", c, "val" if i < 2 else "train") for i, (n, (_, caps)) in enumerate(pics.items())
-            for c in caps]  # fmt: skip
+    rows = [
+        (f"photos/{n}.png", c, "val" if i < 2 else "train")
+        for i, (n, (_, caps)) in enumerate(pics.items())
+        for c in caps
+    ]
     tables = tmp_path / "tables"
     tables.mkdir()
     with open(tables / "t.csv", "w", newline="", encoding="utf-8") as f:  # other column names, absolute paths
         w = csv.writer(f)
         w.writerow(["Title", "url", "subset"])
         w.writerows([(c, str(tmp_path / p), s) for p, c, s in rows])
-    (tmp_path / "t.tsv").write_text("image\tcaption\tsplit\n" + "".join(f"{p}\t{c}\t{s}\n" for p, c, s in rows))
-    assert main(["data", "table", str(tables / "t.csv"), "--images-root", str(tmp_path), "--split-col", "subset",
-                 "--out", str(tmp_path / "a"), "--pixels", "--no-progress"]) == 0  # fmt: skip
-    assert main(["data", "table", str(tmp_path / "t.tsv"), "--split-col", "split", "--out", str(tmp_path / "b"),
-                 "--pixels", "--no-progress"]) == 0  # fmt: skip
+    (tmp_path / "t.tsv").write_text(
+        "image\tcaption\tsplit\n" + "".join(f"{p}\t{c}\t{s}\n" for p, c, s in rows)
+    )
+    assert (
+        main(
+            [
+                "data",
+                "table",
+                str(tables / "t.csv"),
+                "--images-root",
+                str(tmp_path),
+                "--split-col",
+                "subset",
+                "--out",
+                str(tmp_path / "a"),
+                "--pixels",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "data",
+                "table",
+                str(tmp_path / "t.tsv"),
+                "--split-col",
+                "split",
+                "--out",
+                str(tmp_path / "b"),
+                "--pixels",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     for out in (tmp_path / "a", tmp_path / "b"):
         assert (out / "dev_ids.txt").read_text().split() == ["photos/pic_000", "photos/pic_001"]
         assert not (out / "test_caps.txt").exists()  # no test rows: no test files
@@ -389,16 +511,42 @@ def test_table_groups_rows_resolves_paths_and_reads_tsv_csv_and_parquet_alike(tm
     def data_files(m: dict) -> dict:  # _meta.jsonl records the names as each table wrote them
         return {k: v for k, v in m["files_sha256"].items() if not k.endswith("_meta.jsonl")}
 
-    assert data_files(a) == data_files(b) and len(data_files(a)) == 8  # train + dev: caps, cap2img, ids, images
+    assert (
+        data_files(a) == data_files(b) and len(data_files(a)) == 8
+    )  # train + dev: caps, cap2img, ids, images
     assert (tmp_path / "a" / a["images_root"]).resolve() == tmp_path.resolve()
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({"image": [p for p, _, _ in rows], "caption": [c for _, c, _ in rows],
-                             "split": [s for _, _, s in rows]}), tmp_path / "t.parquet")  # fmt: skip
-    assert main(["data", "table", str(tmp_path / "t.parquet"), "--split-col", "split", "--out", str(tmp_path / "c"),
-                 "--pixels", "--no-progress"]) == 0  # fmt: skip
-    assert json.loads((tmp_path / "c" / "manifest.json").read_text())["files_sha256"] == b["files_sha256"]  # same names
+    pq.write_table(
+        pa.table(
+            {
+                "image": [p for p, _, _ in rows],
+                "caption": [c for _, c, _ in rows],
+                "split": [s for _, _, s in rows],
+            }
+        ),
+        tmp_path / "t.parquet",
+    )
+    assert (
+        main(
+            [
+                "data",
+                "table",
+                str(tmp_path / "t.parquet"),
+                "--split-col",
+                "split",
+                "--out",
+                str(tmp_path / "c"),
+                "--pixels",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    assert (
+        json.loads((tmp_path / "c" / "manifest.json").read_text())["files_sha256"] == b["files_sha256"]
+    )  # same names
     capsys.readouterr()
 
 
@@ -409,22 +557,33 @@ def test_table_errors_name_the_file_and_the_problem(tmp_path, capsys):
         assert main(["data", "table", str(path), "--out", str(tmp_path / "o"), "--pixels", *extra]) == 2
         return capsys.readouterr().err
 
-    assert "found none of the usual column names" in err_of("a,b\nx.png,y\n") and "--image-col" in err_of("a,b\nx,y\n")
+    assert "found none of the usual column names" in err_of("a,b\nx.png,y\n") and "--image-col" in err_of(
+        "a,b\nx,y\n"
+    )
     err = err_of("image,caption\nhttps://example.com/x.jpg,a cat\n")
     assert "t.csv:2" in err and "is a URL" in err
     assert "no column 'kind'" in err_of("image,caption\nx.png,a\n", "--split-col", "kind")
-    assert "split 'holdout' is not train, dev or test" in err_of("image,caption,s\nx.png,a,holdout\n", "--split-col", "s")
+    assert "split 'holdout' is not train, dev or test" in err_of(
+        "image,caption,s\nx.png,a,holdout\n", "--split-col", "s"
+    )
     assert not (tmp_path / "o").exists()
 
 
 def test_counts_and_fractions_of_a_seeded_split(tmp_path):
     from vsekit.datasets.own_pairs import assign_splits, split_count
 
-    assert [split_count(v, 200, "--dev") for v in (0.1, 0, 0.001, 30)] == [20, 0, 1, 30]  # >0 gives at least 1
+    assert [split_count(v, 200, "--dev") for v in (0.1, 0, 0.001, 30)] == [
+        20,
+        0,
+        1,
+        30,
+    ]  # >0 gives at least 1
     s = assign_splits([f"p{i}" for i in range(50)], dev=5, test=0.2, seed=3)
     assert [len(s[k]) for k in SPLITS] == [35, 5, 10]
     assert sorted(s["train"] + s["dev"] + s["test"]) == sorted(f"p{i}" for i in range(50))
-    assert s == assign_splits([f"p{i}" for i in reversed(range(50))], dev=5, test=0.2, seed=3)  # input order is no seed
+    assert s == assign_splits(
+        [f"p{i}" for i in reversed(range(50))], dev=5, test=0.2, seed=3
+    )  # input order is no seed
     assert s != assign_splits([f"p{i}" for i in range(50)], dev=5, test=0.2, seed=4)
     with pytest.raises(ValueError, match="keep one to train on"):
         assign_splits(["a", "b"], dev=1, test=1, seed=0)
@@ -435,8 +594,10 @@ def test_counts_and_fractions_of_a_seeded_split(tmp_path):
 def test_ids_are_safe_and_unique():
     assert safe_id("my photos/Été 1") == "my_photos/Été_1"
     assert safe_id("../a/./.hidden") == "a/_hidden"
-    items = [Item(n, k, PictureRef(Path(n)), ".png", ["c"]) for n, k in
-             (("a b.png", "a b"), ("a_b.png", "a_b"), ("a?b.jpg", "a?b"))]  # fmt: skip
+    items = [
+        Item(n, k, PictureRef(Path(n)), ".png", ["c"])
+        for n, k in (("a b.png", "a b"), ("a_b.png", "a_b"), ("a?b.jpg", "a?b"))
+    ]
     assert assign_ids(items) == ["a_b-2", "a_b", "a_b-3"]  # the name that was safe keeps its id
 
 
@@ -457,15 +618,50 @@ def test_a_foreign_dataset_folder_is_kept_unless_overwrite(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "train_caps.txt").write_text("someone else's captions\n")
-    assert main(["data", "folder", str(root), "--out", str(out), "--pixels", "--dev", "1", "--test", "1"]) == 2
+    assert (
+        main(["data", "folder", str(root), "--out", str(out), "--pixels", "--dev", "1", "--test", "1"]) == 2
+    )
     assert "--overwrite" in capsys.readouterr().err
     assert (out / "train_caps.txt").read_text() == "someone else's captions\n"
-    assert main(["data", "folder", str(root), "--out", str(out), "--pixels", "--dev", "1", "--test", "1",
-                 "--overwrite", "--no-progress"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "data",
+                "folder",
+                str(root),
+                "--out",
+                str(out),
+                "--pixels",
+                "--dev",
+                "1",
+                "--test",
+                "1",
+                "--overwrite",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert check_dataset(out).ok
     # a later build into the same folder needs no --overwrite, and a split no longer built loses its files
-    assert main(["data", "folder", str(root), "--out", str(out), "--pixels", "--dev", "1", "--test", "0",
-                 "--no-progress"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "data",
+                "folder",
+                str(root),
+                "--out",
+                str(out),
+                "--pixels",
+                "--dev",
+                "1",
+                "--test",
+                "0",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert not list(out.glob("test_*")) and check_dataset(out).ok
 
 
@@ -473,19 +669,56 @@ def test_pixels_reference_the_pictures_where_they_are(tmp_path):
     pics = make_pictures(6)
     root = write_folder(tmp_path / "in" / "nested", pics)
     out = tmp_path / "out"
-    assert main(["data", "folder", str(tmp_path / "in"), "--out", str(out), "--pixels", "--dev", "1", "--test", "1",
-                 "--no-progress"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "data",
+                "folder",
+                str(tmp_path / "in"),
+                "--out",
+                str(out),
+                "--pixels",
+                "--dev",
+                "1",
+                "--test",
+                "1",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     sp = load_precomp_split(out, "train")
     assert not sp.has_features and sp.image_ids[0].startswith("nested/")
     for i in range(sp.n_images):
         path = sp.abs_image_path(i)
         assert path.resolve().parent == root.resolve()
-        assert hashlib.sha256(path.read_bytes()).hexdigest() == hashlib.sha256(pics[Path(path).stem][0]).hexdigest()
+        assert (
+            hashlib.sha256(path.read_bytes()).hexdigest()
+            == hashlib.sha256(pics[Path(path).stem][0]).hexdigest()
+        )
     # a name that a one-path-per-line list cannot hold (leading space): every picture is copied into OUT/images
-    (root.parent / " lead.png").write_bytes(draw("blue", "bar", "centre", "large"))  # at the images root's top
+    (root.parent / " lead.png").write_bytes(
+        draw("blue", "bar", "centre", "large")
+    )  # at the images root's top
     (root.parent / " lead.txt").write_text("a large blue bar\n")
-    assert main(["data", "folder", str(tmp_path / "in"), "--out", str(out), "--pixels", "--dev", "1", "--test", "1",
-                 "--no-progress"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "data",
+                "folder",
+                str(tmp_path / "in"),
+                "--out",
+                str(out),
+                "--pixels",
+                "--dev",
+                "1",
+                "--test",
+                "1",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     m = json.loads((out / "manifest.json").read_text())
     assert "images_root" not in m and m["build"]["copy_images"]
     ids = [i for s in SPLITS for i in (out / f"{s}_ids.txt").read_text().split()]
@@ -498,10 +731,42 @@ def test_pixels_reference_the_pictures_where_they_are(tmp_path):
 
 def test_progress_bars_go_quiet_under_q(tmp_path, capsys):
     root = write_folder(tmp_path / "in", make_pictures(4))
-    assert main(["data", "folder", str(root), "--out", str(tmp_path / "a"), "--pixels", "--dev", "1", "--test", "1"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "folder",
+                str(root),
+                "--out",
+                str(tmp_path / "a"),
+                "--pixels",
+                "--dev",
+                "1",
+                "--test",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert "check pictures" in capsys.readouterr().err  # the bar, written once at the end off a terminal
-    assert main(["-q", "data", "folder", str(root), "--out", str(tmp_path / "b"), "--pixels", "--dev", "1",
-                 "--test", "1"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "-q",
+                "data",
+                "folder",
+                str(root),
+                "--out",
+                str(tmp_path / "b"),
+                "--pixels",
+                "--dev",
+                "1",
+                "--test",
+                "1",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     assert "check pictures" not in captured.err and "dataset ready" in captured.out
 
@@ -521,7 +786,7 @@ def test_another_backbone_gives_its_last_feature_map(tmp_path, monkeypatch):
         "        self.features = torch.nn.Conv2d(3, 2, 1, stride=32)\n"
         "def make():\n"
         "    return Tiny()\n"
-    )  # fmt: skip
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop("tinynet", None)
     w = torch.tensor([[[[1.0]], [[2.0]], [[-1.0]]], [[[0.5]], [[0.0]], [[0.25]]]])
@@ -534,9 +799,31 @@ def test_another_backbone_gives_its_last_feature_map(tmp_path, monkeypatch):
         Image.new("RGB", (50, 40), rgb).save(root / f"{name}.png")
         (root / f"{name}.txt").write_text(f"colour {name}\n")
     out = tmp_path / "out"
-    assert main(["data", "folder", str(root), "--out", str(out), "--backbone", "python:tinynet:make",
-                 "--backbone-weights", str(tmp_path / "tiny.pth"), "--image-size", "64", "--dev", "1", "--test", "1",
-                 "--device", "cpu", "--no-progress"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "data",
+                "folder",
+                str(root),
+                "--out",
+                str(out),
+                "--backbone",
+                "python:tinynet:make",
+                "--backbone-weights",
+                str(tmp_path / "tiny.pth"),
+                "--image-size",
+                "64",
+                "--dev",
+                "1",
+                "--test",
+                "1",
+                "--device",
+                "cpu",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     m = json.loads((out / "manifest.json").read_text())
     assert m["features"]["name"] == "grid:python:tinynet:make" and m["features"]["regions"] == 4
     mean, std = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])

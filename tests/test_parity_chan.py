@@ -165,8 +165,14 @@ def test_training_step_loss_and_every_parameter_gradient(chan):
     step = TrainStep(recipe, model, loss_fn, optimizer, torch.device("cpu"))
     images = t(inputs["images"]).clone().requires_grad_(True)
     n = images.shape[0]
-    batch = Batch(images, t(inputs["image_lengths"]), t(inputs["captions"]), t(inputs["caption_lengths"]),
-                  torch.arange(n), torch.arange(n))  # fmt: skip
+    batch = Batch(
+        images,
+        t(inputs["image_lengths"]),
+        t(inputs["captions"]),
+        t(inputs["caption_lengths"]),
+        torch.arange(n),
+        torch.arange(n),
+    )
     try:
         report = step(batch, epoch=recipe.loss.warmup_epochs, step=0)
         close(report["loss"], outputs["loss_train_vsepp"], "loss_train_vsepp")
@@ -236,12 +242,38 @@ def test_vse_eval_in_shards_equals_eval_sims_on_the_reference_matrix(chan, tmp_p
 
     monkeypatch.setattr(pairs, "shard_sizes", spy)
     n = len(inputs["images"])
-    assert main(["eval", str(out), "--data", str(data), "--split", "test", "--json", str(tmp_path / "a.json"),
-                 "--batch-size", str(n)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                str(out),
+                "--data",
+                str(data),
+                "--split",
+                "test",
+                "--json",
+                str(tmp_path / "a.json"),
+                "--batch-size",
+                str(n),
+            ]
+        )
+        == 0
+    )
     assert shards and shards[0][2] == (1, 1) and len(shards[0][0]) == 3
     np.save(tmp_path / "ref.npy", outputs["sims"])
-    assert main(["eval-sims", str(tmp_path / "ref.npy"), "--captions-per-image", "1",
-                 "--json", str(tmp_path / "b.json")]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval-sims",
+                str(tmp_path / "ref.npy"),
+                "--captions-per-image",
+                "1",
+                "--json",
+                str(tmp_path / "b.json"),
+            ]
+        )
+        == 0
+    )
     a = json.loads((tmp_path / "a.json").read_text())
     b = json.loads((tmp_path / "b.json").read_text())
     keys = [k for k in b if isinstance(b[k], (int, float))]
@@ -275,8 +307,20 @@ def test_checkpoint_without_vocabulary_or_with_an_unsafe_pickle_is_refused(chan,
     assert "opt.word2idx" in capsys.readouterr().err
     vocab = sorted((folder / "vocab").glob("*.json"))
     if vocab:  # the SCAN vocabulary file gives the same run
-        assert main(["import", "chan", str(tmp_path / "novocab.pth"), "--out", str(tmp_path / "r2"),
-                     "--vocab", str(vocab[0])]) == 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "import",
+                    "chan",
+                    str(tmp_path / "novocab.pth"),
+                    "--out",
+                    str(tmp_path / "r2"),
+                    "--vocab",
+                    str(vocab[0]),
+                ]
+            )
+            == 0
+        )
 
     class Boom:
         def __reduce__(self):
@@ -303,8 +347,14 @@ def test_recipe_and_imported_run_settings(chan):
     assert "word2idx" not in record["options"]
 
 
-SMALL = ["model.embed_dim=32", "model.text.word_dim=16", "train.batch_size=16", "train.log_every=0",
-         "model.text.vocab_min_count=1", "model.text.tokenizer=regex"]  # fmt: skip
+SMALL = [
+    "model.embed_dim=32",
+    "model.text.word_dim=16",
+    "train.batch_size=16",
+    "train.log_every=0",
+    "model.text.vocab_min_count=1",
+    "model.text.tokenizer=regex",
+]
 
 
 @pytest.mark.slow
@@ -325,20 +375,37 @@ def test_chan_recipe_trains_resumes_exactly_and_evaluates(tiny_data, tmp_path):
     assert a.keys() == b.keys() and any(k.startswith("image_encoder.attend.") for k in a)
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    assert main(["train", "--recipe", "chan", "--data", str(tiny_data), "--out", str(tmp_path / "c"), "--epochs", "1"]
-                + [x for s in SMALL for x in ("--set", s)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                "--recipe",
+                "chan",
+                "--data",
+                str(tiny_data),
+                "--out",
+                str(tmp_path / "c"),
+                "--epochs",
+                "1",
+            ]
+            + [x for s in SMALL for x in ("--set", s)]
+        )
+        == 0
+    )
     assert main(["eval", str(tmp_path / "a"), "--split", "test", "--json", str(tmp_path / "m.json")]) == 0
     m = json.loads((tmp_path / "m.json").read_text())
     assert np.isfinite(m["rsum"]) and 0 <= m["rsum"] <= 600
 
 
-def test_vse_index_refuses_a_chan_run_in_one_line(chan, tmp_path, capsys):
-    """Search of late-interaction runs is not offered yet: `vse index` says so before reading any picture."""
+def test_vse_index_of_an_imported_chan_run_refuses_an_embeddings_folder_in_one_line(chan, tmp_path, capsys):
+    """An embeddings folder holds one vector per picture, not a set: `vse index --from-embeddings` with a CHAN
+    run says so before reading the folder (its pictures or a split are indexed instead: test_chan_search.py)."""
     _, _, _, _, out = chan
-    (tmp_path / "pics").mkdir()
-    assert main(["index", str(out), str(tmp_path / "pics"), "--out", str(tmp_path / "idx")]) == 2
+    (tmp_path / "emb").mkdir()
+    argv = ["index", str(out), "--from-embeddings", str(tmp_path / "emb"), "--out", str(tmp_path / "idx")]
+    assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "chan" in err and "vse eval" in err
+    assert len(err.splitlines()) == 1 and "chan" in err and "vse index RUN_DIR SOURCE" in err
     assert not (tmp_path / "idx").exists()
 
 

@@ -41,8 +41,12 @@ def close(got: torch.Tensor, want: np.ndarray, what: str) -> None:
 def fx():
     root = reference_fixture_dir("esa")
     vocab = sorted((root / "vocab").glob("*.json"))
-    return {"root": root, "in": np.load(root / "inputs.npz"), "out": np.load(root / "outputs.npz"),
-            "vocab": vocab[0]}  # fmt: skip
+    return {
+        "root": root,
+        "in": np.load(root / "inputs.npz"),
+        "out": np.load(root / "outputs.npz"),
+        "vocab": vocab[0],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -136,10 +140,21 @@ def test_training_step_loss_and_parameter_gradients(fx, run, monkeypatch):
     recipe.train.device = "cpu"
     asked = recorded_draws(monkeypatch, fx)
     b = fx["in"]["images"].shape[0]
-    batch = Batch(images=t(fx, "images"), image_lengths=t(fx, "image_lengths"), tokens=t(fx, "captions"),
-                  token_lengths=t(fx, "caption_lengths"), image_index=torch.arange(b), caption_index=torch.arange(b))  # fmt: skip
-    step = TrainStep(recipe, model, create_loss(recipe.loss), torch.optim.SGD(model.parameters(), lr=0.0),
-                     torch.device("cpu"))  # fmt: skip
+    batch = Batch(
+        images=t(fx, "images"),
+        image_lengths=t(fx, "image_lengths"),
+        tokens=t(fx, "captions"),
+        token_lengths=t(fx, "caption_lengths"),
+        image_index=torch.arange(b),
+        caption_index=torch.arange(b),
+    )
+    step = TrainStep(
+        recipe,
+        model,
+        create_loss(recipe.loss),
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        torch.device("cpu"),
+    )
     out = step(batch, epoch=recipe.loss.warmup_epochs, step=0)  # after the warm-up: the hardest negatives
     o = fx["out"]
     close(out["loss"], o["loss_sel_vsepp"], "loss_sel_vsepp through the training step")
@@ -165,8 +180,11 @@ def test_gradient_of_the_region_input(fx, run):
     images = t(fx, "images").clone().requires_grad_()
     b, v, width = fx["in"]["train_captions"].shape
     img = model.image_encoder.embed_views(images, t(fx, "image_lengths"), t(fx, "train_region_keep"))
-    cap = model.text_encoder.embed_views(t(fx, "train_captions").reshape(b * v, width),
-                                         t(fx, "train_caption_lengths").reshape(-1), t(fx, "train_word_dropout_keep"))  # fmt: skip
+    cap = model.text_encoder.embed_views(
+        t(fx, "train_captions").reshape(b * v, width),
+        t(fx, "train_caption_lengths").reshape(-1),
+        t(fx, "train_word_dropout_keep"),
+    )
     close(img, fx["out"]["train_img_emb"], "train_img_emb")
     close(cap, fx["out"]["train_cap_emb"], "train_cap_emb")
     loss, _ = create_loss(model.recipe.loss)(
@@ -189,8 +207,12 @@ def test_masked_variant_ignores_padding_and_released_one_does_not(fx, run):
     with torch.no_grad():
         got = masked.encode_image(images, lengths)
         padded_more = masked.encode_image(torch.cat([images, torch.zeros_like(images)], 1), lengths)
-        alone = torch.cat([released.encode_image(images[i : i + 1, : int(n)], lengths[i : i + 1])
-                           for i, n in enumerate(lengths)])  # fmt: skip
+        alone = torch.cat(
+            [
+                released.encode_image(images[i : i + 1, : int(n)], lengths[i : i + 1])
+                for i, n in enumerate(lengths)
+            ]
+        )
         rel = released.encode_image(images, lengths)
     torch.testing.assert_close(got, alone, **TOL)
     torch.testing.assert_close(padded_more, got, **TOL)
@@ -265,8 +287,16 @@ def test_import_refuses_other_checkpoints(fx, tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
-TINY = ["model.embed_dim=16", "model.text.word_dim=8", "model.image.mlp_hidden=8", "model.text.vocab_min_count=1",
-        "model.text.tokenizer=regex", "train.batch_size=8", "train.log_every=0", "train.epochs=2"]  # fmt: skip
+TINY = [
+    "model.embed_dim=16",
+    "model.text.word_dim=8",
+    "model.image.mlp_hidden=8",
+    "model.text.vocab_min_count=1",
+    "model.text.tokenizer=regex",
+    "train.batch_size=8",
+    "train.log_every=0",
+    "train.epochs=2",
+]
 
 
 def test_train_resumes_exactly_and_evaluates(tiny_data, tmp_path):
@@ -297,9 +327,14 @@ def test_the_step_s_views_come_from_its_seed_not_the_global_generator():
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(4, len(vocab.idx2word), (6, 7), generator=g)
     tokens[:, 0], tokens[:, -1] = 1, 2
-    batch = Batch(images=torch.randn(6, 5, 8, generator=g), image_lengths=torch.tensor([5, 3, 4, 5, 2, 5]),
-                  tokens=tokens, token_lengths=torch.full((6,), 7), image_index=torch.arange(6),
-                  caption_index=torch.arange(6))  # fmt: skip
+    batch = Batch(
+        images=torch.randn(6, 5, 8, generator=g),
+        image_lengths=torch.tensor([5, 3, 4, 5, 2, 5]),
+        tokens=tokens,
+        token_lengths=torch.full((6,), 7),
+        image_index=torch.arange(6),
+        caption_index=torch.arange(6),
+    )
     losses = []
     for global_seed, model in ((11, first), (12, second)):
         torch.manual_seed(global_seed)

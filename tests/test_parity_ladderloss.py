@@ -138,11 +138,16 @@ def options_for(config: str, meta: dict) -> dict:
 def recipe_loss(opts: dict):
     """The same options as a LossConfig (what a recipe would set), through `create_loss`."""
     cfg = LossConfig(
-        name="ladder", margin=opts["margins"][0], ladder_margins=opts["margins"],
-        ladder_weights=[1.0, *opts.get("betas", [])], ladder_thresholds=opts.get("thresholds", []),
-        ladder_cumulative=opts["cumulative"], ladder_percentile=opts.get("percentile"),
-        ladder_variant="reference", max_violation=True,
-    )  # fmt: skip
+        name="ladder",
+        margin=opts["margins"][0],
+        ladder_margins=opts["margins"],
+        ladder_weights=[1.0, *opts.get("betas", [])],
+        ladder_thresholds=opts.get("thresholds", []),
+        ladder_cumulative=opts["cumulative"],
+        ladder_percentile=opts.get("percentile"),
+        ladder_variant="reference",
+        max_violation=True,
+    )
     return create_loss(cfg)
 
 
@@ -160,8 +165,10 @@ def check(loss_of_sims, config: str, inputs: dict, outputs: dict) -> float:
     """Loss + grad w.r.t. sims (on the given sims) and + grads w.r.t. xs, vs (on xs @ vs.T); max abs error."""
     sims = torch.tensor(inputs["sims"]).requires_grad_(True)
     loss = loss_of_sims(sims)
-    errs = [close(loss, outputs[f"loss_from_sims_{config}"], f"loss_from_sims_{config}"),
-            close(loss, outputs[f"loss_{config}"], f"loss_{config}")]  # fmt: skip
+    errs = [
+        close(loss, outputs[f"loss_from_sims_{config}"], f"loss_from_sims_{config}"),
+        close(loss, outputs[f"loss_{config}"], f"loss_{config}"),
+    ]
     loss.backward()
     errs.append(close(sims.grad, outputs[f"grad_sims_{config}"], f"grad_sims_{config}"))
     xs = torch.tensor(inputs["xs"]).requires_grad_(True)

@@ -138,8 +138,10 @@ def test_adopt_zero_fill_reproduces_positive_picked_as_negative():
     opts = {"temperature": 0.05, "scale": 1.25, "margin": 0.2}
     loss, diag = ADOPTLoss(variant="reference", zero_fill_negatives=True, **opts)(sims)
     assert released_can_pick_positive(sims, int(diag["K_i2t"]))
-    expected = (readme_adopt(sims.t(), opts["temperature"], opts["scale"], opts["margin"])
-                + readme_adopt(sims, opts["temperature"], opts["scale"], opts["margin"])) / 2  # fmt: skip
+    expected = (
+        readme_adopt(sims.t(), opts["temperature"], opts["scale"], opts["margin"])
+        + readme_adopt(sims, opts["temperature"], opts["scale"], opts["margin"])
+    ) / 2
     close(loss, expected, "loss")
     (g_vse,) = torch.autograd.grad(loss, sims)
     (g_ref,) = torch.autograd.grad(expected, sims)
@@ -205,7 +207,12 @@ def test_avse_loss_matches_released(suffix, hardest):
     close(rank, out[f"loss_rank_{suffix}"], f"loss_rank_{suffix}")
     barlow = view_regulariser(img.reshape(img.shape[0], views, -1), variant="reference")
     close(barlow, out["loss_barlow"], "loss_barlow")
-    cfg = LossConfig(name="triplet", margin=margin, max_violation=hardest, view_reg_weight=1.0,
-                     view_reg_variant="reference")  # fmt: skip
+    cfg = LossConfig(
+        name="triplet",
+        margin=margin,
+        max_violation=hardest,
+        view_reg_weight=1.0,
+        view_reg_variant="reference",
+    )
     total, _ = create_loss(cfg, image_views=views)(sims, image_emb=img)
     check_loss_and_grads(total, img, cap, out, f"loss_total_{suffix}", suffix)

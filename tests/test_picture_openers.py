@@ -73,12 +73,19 @@ def run_child(code: str, cwd: Path) -> subprocess.CompletedProcess:
         import resource
         size = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize:")) * 1024
         resource.setrlimit(resource.RLIMIT_AS, (size + (1 << 30), size + (1 << 30)))
-    """)  # fmt: skip
+    """)
     try:
-        return subprocess.run([sys.executable, "-c", imports + cap + body], cwd=cwd, capture_output=True, text=True,
-                              timeout=TIMEOUT_S)  # fmt: skip
+        return subprocess.run(
+            [sys.executable, "-c", imports + cap + body],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
     except subprocess.TimeoutExpired:
-        pytest.fail(f"still running after {TIMEOUT_S} s: the picture was opened as a plain file (a FIFO blocks)")
+        pytest.fail(
+            f"still running after {TIMEOUT_S} s: the picture was opened as a plain file (a FIFO blocks)"
+        )
 
 
 # ------------------------------------------------------------------------- the rule: check_pixels
@@ -102,9 +109,13 @@ def test_check_pixels_refuses_an_oversize_png_from_its_header_naming_the_file():
     assert e.value.detail.startswith("larger than the 64000000 pixel limit")
     # between vsekit's limit and PIL's own warning threshold (~89M): vsekit's rule, not PIL's, refuses it
     assert 64_000_000 == MAX_IMAGE_PIXELS < 9000 * 8000 < Image.MAX_IMAGE_PIXELS
-    with pytest.raises(PixelLimitError, match=r"^wide\.png: 9000x8000 pixels is larger than the 64000000 limit"):
+    with pytest.raises(
+        PixelLimitError, match=r"^wide\.png: 9000x8000 pixels is larger than the 64000000 limit"
+    ):
         check_pixels(io.BytesIO(png_head(9000, 8000)), "wide.png")
-    with pytest.raises(PixelLimitError, match=r"^wide\.png: 9000x8000 pixels"):  # the decoder asks the same rule
+    with pytest.raises(
+        PixelLimitError, match=r"^wide\.png: 9000x8000 pixels"
+    ):  # the decoder asks the same rule
         decode_bounded(io.BytesIO(png_head(9000, 8000)), "wide.png")
     with pytest.raises(DataFormatError, match=r"^notes\.png: cannot read image") as e:
         check_pixels(io.BytesIO(b"no picture here"), "notes.png")
@@ -118,7 +129,9 @@ def test_training_loader_refuses_a_9000_by_9000_header_before_decoding(tmp_path)
     big = tmp_path / "big.png"
     big.write_bytes(png_head(9000, 9000))
     for rng in (np.random.default_rng(0), None):  # training (crop / flip) and evaluation
-        with pytest.raises(PixelLimitError, match=r"big\.png: 9000x9000 pixels is larger than the 64000000 limit"):
+        with pytest.raises(
+            PixelLimitError, match=r"big\.png: 9000x9000 pixels is larger than the 64000000 limit"
+        ):
             load_pixels(big, 32, rng)
 
 
@@ -135,7 +148,8 @@ def test_training_loader_still_reads_a_picture_as_before(tmp_path):
 @needs_fifo
 def test_training_loader_refuses_a_fifo_without_waiting(tmp_path):
     os.mkfifo(tmp_path / "pipe.png")
-    r = run_child(f"""
+    r = run_child(
+        f"""
         import numpy as np
         from vsekit.data.precomp import DataFormatError
         from vsekit.data.raw_images import load_pixels
@@ -144,7 +158,9 @@ def test_training_loader_refuses_a_fifo_without_waiting(tmp_path):
             load_pixels({str(tmp_path / "pipe.png")!r}, 32, np.random.default_rng(0))
         except DataFormatError as e:
             print(e)
-    """, tmp_path)  # fmt: skip
+    """,
+        tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == f"{tmp_path / 'pipe.png'}: is a FIFO (named pipe), expected a picture file"
 
@@ -167,19 +183,26 @@ def test_montage_still_shows_a_picture(tmp_path):
     Image.new("RGB", (30, 30), (250, 0, 0)).save(data / "red.png")
     out = show_dataset(data, tmp_path / "sheet.png", split="test", n=1, cell=32)
     with Image.open(out) as im:
-        assert im.convert("RGB").getpixel((8 + 15, 8 + 15)) == (250, 0, 0)  # the cell starts at the pad (8 px)
+        assert im.convert("RGB").getpixel((8 + 15, 8 + 15)) == (
+            250,
+            0,
+            0,
+        )  # the cell starts at the pad (8 px)
 
 
 @needs_fifo
 def test_montage_refuses_a_fifo_without_waiting(tmp_path):
     data = montage_set(tmp_path / "set", "pipe.png")
     os.mkfifo(data / "pipe.png")
-    r = run_child(f"""
+    r = run_child(
+        f"""
         import sys
         from vsekit.cli import main
         # ---
         sys.exit(main(["data", "show", {str(data)!r}, "--split", "test", "--out", {str(tmp_path / "sheet.png")!r}]))
-    """, tmp_path)  # fmt: skip
+    """,
+        tmp_path,
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     assert "pipe.png: is a FIFO (named pipe), expected a picture file" in r.stderr
     assert not (tmp_path / "sheet.png").exists()
@@ -210,7 +233,9 @@ def test_feature_extraction_of_files_goes_through_the_bounded_reader(tmp_path):
     got = extractor.extract_paths([tmp_path / "ok.png"], progress=False, open_picture=open_image)
     assert got.tolist() == [[[10.0, 20.0, 30.0]]]
     with pytest.raises(PixelLimitError, match=r"big\.png: 9000x9000 pixels"):
-        extractor.extract_paths([tmp_path / "ok.png", tmp_path / "big.png"], progress=False, open_picture=open_image)
+        extractor.extract_paths(
+            [tmp_path / "ok.png", tmp_path / "big.png"], progress=False, open_picture=open_image
+        )
 
 
 def test_a_sprite_is_read_by_the_bounded_reader(tmp_path):

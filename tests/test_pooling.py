@@ -81,7 +81,9 @@ def test_gpo_gradients_flow():
     x, lengths = _batch()
     x.requires_grad_(True)
     gpo(x, lengths).sum().backward()
-    assert x.grad.abs().sum() > 0 and all(p.grad is not None and p.grad.abs().sum() > 0 for p in gpo.parameters())
+    assert x.grad.abs().sum() > 0 and all(
+        p.grad is not None and p.grad.abs().sum() > 0 for p in gpo.parameters()
+    )
 
 
 def test_simple_poolings_ignore_padding():

@@ -28,7 +28,12 @@ def test_zero_scorer_is_average_pooling_and_a_peaked_one_is_not():
     m.text_encoder.pool.linear.weight.data.normal_(0, 5.0)
     m.train()
     image, text = gpo_profiles(m, {"image": 49, "text": 12})
-    assert (image.encoder, image.length, text.encoder, text.length) == ("image_encoder", 49, "text_encoder", 12)
+    assert (image.encoder, image.length, text.encoder, text.length) == (
+        "image_encoder",
+        49,
+        "text_encoder",
+        12,
+    )
     assert image.effective_positions == pytest.approx(49.0)
     assert image.distance_from_average == pytest.approx(0.0, abs=1e-6)
     assert sum(text.weights) == pytest.approx(1.0, abs=13 * float(torch.finfo(torch.float32).eps))
@@ -46,11 +51,32 @@ def test_profile_numbers_for_max_pooling_and_missing_sizes():
 
 @pytest.mark.slow
 def test_vse_pooling_cli_on_a_trained_run(synthetic_dir, tmp_path, capsys):
-    small = ["model.embed_dim=32", "model.text.word_dim=16", "train.batch_size=32", "train.log_every=0", "train.epochs=1"]
-    Trainer(load_recipe("vse_infty", small), synthetic_dir, tmp_path / "gpo", progress=False, log=lambda *_: None).fit()
-    Trainer(load_recipe("vsepp", small), synthetic_dir, tmp_path / "avg", progress=False, log=lambda *_: None).fit()
-    rc = main(["pooling", str(tmp_path / "gpo"), str(tmp_path / "avg"), "--image-len", "10", "--png",
-               str(tmp_path / "w.png"), "--json", str(tmp_path / "w.json")])  # fmt: skip
+    small = [
+        "model.embed_dim=32",
+        "model.text.word_dim=16",
+        "train.batch_size=32",
+        "train.log_every=0",
+        "train.epochs=1",
+    ]
+    Trainer(
+        load_recipe("vse_infty", small), synthetic_dir, tmp_path / "gpo", progress=False, log=lambda *_: None
+    ).fit()
+    Trainer(
+        load_recipe("vsepp", small), synthetic_dir, tmp_path / "avg", progress=False, log=lambda *_: None
+    ).fit()
+    rc = main(
+        [
+            "pooling",
+            str(tmp_path / "gpo"),
+            str(tmp_path / "avg"),
+            "--image-len",
+            "10",
+            "--png",
+            str(tmp_path / "w.png"),
+            "--json",
+            str(tmp_path / "w.json"),
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert "no GPO pooling (recipe pools with avg / avg)" in out

@@ -94,8 +94,15 @@ def test_set_sizes_file_trims_padding_rows(tmp_path):
     assert s.truncate(2).image_features(1).shape[0] == 1
 
 
-@pytest.mark.parametrize("text,message", [("3\n1\n2\n", "3 lines for 4 feature rows"), ("3\n0\n2\n3\n", ":2: set size 0"),
-                                          ("3\n1\n9\n3\n", ":3: set size 9 outside 1..3"), ("3\nx\n2\n3\n", ":2: expected one integer")])  # fmt: skip
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("3\n1\n2\n", "3 lines for 4 feature rows"),
+        ("3\n0\n2\n3\n", ":2: set size 0"),
+        ("3\n1\n9\n3\n", ":3: set size 9 outside 1..3"),
+        ("3\nx\n2\n3\n", ":2: expected one integer"),
+    ],
+)
 def test_bad_set_sizes_name_the_file_and_line(tmp_path, text, message):
     _write(tmp_path)
     (tmp_path / "test_ims_lengths.txt").write_text(text)

@@ -125,7 +125,14 @@ def test_a_pooling_registered_here_trains_and_is_listed(lse, tiny_data, tmp_path
     listed = capsys.readouterr().out
     line = next(x for x in listed.splitlines() if x.startswith("model.image.pooling.name"))
     listed_names = line.split(": ", 1)[1].split(", ")
-    builtin = ["avg", "max", "kmax", "gpo", "adpool", "cls"]  # in their order; methods' own poolings may join them
+    builtin = [
+        "avg",
+        "max",
+        "kmax",
+        "gpo",
+        "adpool",
+        "cls",
+    ]  # in their order; methods' own poolings may join them
     assert [n for n in listed_names if n in builtin] == builtin and listed_names[-1] == "lse"
     assert main(["recipes", "--keys"]) == 0
     assert (
@@ -186,8 +193,13 @@ def test_unknown_pooling_is_one_line_listing_the_choices(tiny_data, tmp_path, ca
     assert len(err) == 1 and err[0].startswith(head)
     choices = err[0][len(head) :].split(", ")
     assert [n for n in choices if n in ("avg", "max", "kmax", "gpo", "adpool", "cls")] == [
-        "avg", "max", "kmax", "gpo", "adpool", "cls"
-    ]  # fmt: skip
+        "avg",
+        "max",
+        "kmax",
+        "gpo",
+        "adpool",
+        "cls",
+    ]
     assert not (tmp_path / "r").exists()
 
 
@@ -196,7 +208,9 @@ def test_unknown_keys_stay_errors_and_saved_recipes_load_unchanged():
         load_recipe("vsepp", ["model.image.pooling.lse_sharpness=2"])  # no such pooling registered now
     # a run's config.json holds every key flat, the other poolings' too (what vsekit has always written)
     saved = to_dict(load_recipe("vse_2ad"))
-    assert set(saved["model"]["image"]["pooling"]) >= {  # the built-in poolings' keys (methods' own add theirs)
+    assert set(
+        saved["model"]["image"]["pooling"]
+    ) >= {  # the built-in poolings' keys (methods' own add theirs)
         "name",
         "k",
         "d_pe",

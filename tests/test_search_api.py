@@ -118,12 +118,24 @@ def test_bad_bodies(client):
 @pytest.mark.parametrize(
     "path",
     [
-        "/thumb/-1", "/thumb/24", "/thumb/99999999999999999999", "/thumb/abc", "/thumb/1.0",
-        "/thumb/../../etc/passwd", "/thumb/%2e%2e%2f%2e%2e%2fetc%2fpasswd", "/thumb/..%2findex.json",
-        "/static/../index.json", "/static/%2e%2e%2fserver.py", "/static/..%2f..%2fsearch%2fserver.py",
-        "/static/index.json", "/static/", "/index.json", "/segments/0000/pictures.jsonl", "/etc/passwd",
+        "/thumb/-1",
+        "/thumb/24",
+        "/thumb/99999999999999999999",
+        "/thumb/abc",
+        "/thumb/1.0",
+        "/thumb/../../etc/passwd",
+        "/thumb/%2e%2e%2f%2e%2e%2fetc%2fpasswd",
+        "/thumb/..%2findex.json",
+        "/static/../index.json",
+        "/static/%2e%2e%2fserver.py",
+        "/static/..%2f..%2fsearch%2fserver.py",
+        "/static/index.json",
+        "/static/",
+        "/index.json",
+        "/segments/0000/pictures.jsonl",
+        "/etc/passwd",
     ],
-)  # fmt: skip
+)
 def test_no_path_reaches_files_outside_the_index(client, path):
     r = client.get(path)
     assert r.status_code == 404, (path, r.status_code, r.text[:200])
@@ -159,19 +171,33 @@ def test_cors_off_by_default_hosts_checked_headers_and_logs(index_dir, caplog):
     logger = logging.getLogger("vsekit.test.search")
     with TestClient(create_app(index_dir, logger=logger), base_url=BASE) as c:
         with caplog.at_level(logging.INFO, logger="vsekit.test.search"):
-            r = c.get("/search", params={"q": "a secret red circle", "k": 1}, headers={"origin": "http://evil.example"})
+            r = c.get(
+                "/search",
+                params={"q": "a secret red circle", "k": 1},
+                headers={"origin": "http://evil.example"},
+            )
         assert r.status_code == 403 and "access-control-allow-origin" not in r.headers  # another site's page
-        assert r.headers["x-content-type-options"] == "nosniff" and "frame-ancestors 'none'" in r.headers["content-security-policy"]
-        pre = c.options("/search", headers={"origin": "http://evil.example", "access-control-request-method": "GET"})
+        assert (
+            r.headers["x-content-type-options"] == "nosniff"
+            and "frame-ancestors 'none'" in r.headers["content-security-policy"]
+        )
+        pre = c.options(
+            "/search", headers={"origin": "http://evil.example", "access-control-request-method": "GET"}
+        )
         assert "access-control-allow-origin" not in pre.headers
         assert c.get("/healthz", headers={"host": "evil.example"}).status_code == 400  # DNS rebinding
     lines = [json.loads(rec.getMessage()) for rec in caplog.records if rec.name == "vsekit.test.search"]
-    assert lines and lines[0]["path"] == "/search" and lines[0]["status"] == 403 and lines[0]["method"] == "GET"
+    assert (
+        lines and lines[0]["path"] == "/search" and lines[0]["status"] == 403 and lines[0]["method"] == "GET"
+    )
     assert "secret" not in caplog.text  # queries are not logged
     with TestClient(create_app(index_dir, cors_origins=["http://ok.example"]), base_url=BASE) as c:
         r = c.get("/healthz", headers={"origin": "http://ok.example"})
         assert r.headers["access-control-allow-origin"] == "http://ok.example"
-        assert "access-control-allow-origin" not in c.get("/healthz", headers={"origin": "http://evil.example"}).headers
+        assert (
+            "access-control-allow-origin"
+            not in c.get("/healthz", headers={"origin": "http://evil.example"}).headers
+        )
 
 
 @pytest.mark.slow
@@ -180,7 +206,9 @@ def test_bench_serve_runs_a_bounded_load_test_against_vse_serve(index_dir):
     pytest.importorskip("uvicorn")
     from vsekit_lab.bench.search import bench_serve
 
-    res = bench_serve(index_dir, requests=40, concurrency=2, max_seconds=60, queries=["a red circle", "a blue square"])
+    res = bench_serve(
+        index_dir, requests=40, concurrency=2, max_seconds=60, queries=["a red circle", "a blue square"]
+    )
     assert res["requests"] == 40 and res["errors"] == 0, res["first_errors"]
     assert res["requests_per_s"] > 0 and res["p50_ms"] <= res["p99_ms"]
     with pytest.raises(ValueError, match="must be positive"):

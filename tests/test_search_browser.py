@@ -15,8 +15,14 @@ import pytest
 from vsekit.search.index import build_index
 
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]  # fmt: skip
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 
 def _require_browser():
@@ -38,8 +44,9 @@ def serving(index_dir: Path):
 
     from vsekit.search.server import create_app
 
-    server = uvicorn.Server(uvicorn.Config(create_app(index_dir), host="127.0.0.1", port=0, log_level="warning",
-                                           access_log=False))  # fmt: skip
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(index_dir), host="127.0.0.1", port=0, log_level="warning", access_log=False)
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -75,7 +82,9 @@ def test_page_shows_matching_pictures(server_url, tmp_path):
             errors = []
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(server_url + "/")
-            page.wait_for_function("() => document.getElementById('info').textContent.includes('24 pictures')")
+            page.wait_for_function(
+                "() => document.getElementById('info').textContent.includes('24 pictures')"
+            )
             # an empty query is refused on the page, with a message
             page.fill("#q", "   ")
             page.press("#q", "Enter")

@@ -63,7 +63,9 @@ def test_index_split_and_search_text(shapes_model, split_index, capsys):
     assert hits[0]["score"] >= hits[1]["score"]
     assert all("red_circle" in h["path"] for h in hits)
     engine = SearchEngine.open(split_index)
-    right = sum(engine.search_text(f"a {c} {s}", 1)[0].caption == f"a {c} {s}" for c in COLORS for s in SHAPES)
+    right = sum(
+        engine.search_text(f"a {c} {s}", 1)[0].caption == f"a {c} {s}" for c in COLORS for s in SHAPES
+    )
     assert right >= 10, f"only {right}/12 colour-shape queries found a matching picture first"
 
 
@@ -72,7 +74,9 @@ def test_image_query_finds_its_captions(shapes_model, split_index, capsys):
     data, _ = shapes_model
     capsys.readouterr()
     pic = data / "images" / "test_blue_square_0.png"
-    assert main(["search", str(split_index), "--image", str(pic), "-k", "3", "--json", "--device", "cpu"]) == 0
+    assert (
+        main(["search", str(split_index), "--image", str(pic), "-k", "3", "--json", "--device", "cpu"]) == 0
+    )
     hits = json.loads(capsys.readouterr().out)
     assert len(hits) == 3 and len({h["caption"] for h in hits}) == 3  # distinct caption texts
     assert "blue square" in hits[0]["caption"]
@@ -104,7 +108,9 @@ def test_incremental_add_skips_known_pictures(shapes_model, tmp_path):
     # the added pictures embed exactly as in an index of their own, and their captions point at them
     build_index(run, f"{data}:dev", tmp_path / "dev", progress=False, log=quiet)
     # the same pictures in the same batches (`chunk_batches`): the same ops on the same shapes, identical
-    np.testing.assert_allclose(idx.all_image_emb()[24:], SearchIndex(tmp_path / "dev").all_image_emb(), atol=1e-6)
+    np.testing.assert_allclose(
+        idx.all_image_emb()[24:], SearchIndex(tmp_path / "dev").all_image_emb(), atol=1e-6
+    )
     assert all(idx.pictures[c["image"]]["path"].startswith("images/dev_") for c in idx.captions[48:])
     hits = SearchEngine.open(out).search_text("a green square", 3)
     assert "images/dev_green_square_0.png" in {h.path for h in hits}  # an added picture is found
@@ -129,7 +135,11 @@ def test_interrupted_indexing_resumes_from_finished_chunks(shapes_model, tmp_pat
     monkeypatch.setattr(build_mod, "embed_features", real)
     build_index(run, f"{data}:test", tmp_path / "ref", **kw)
     # reused chunks keep their batches (`chunk_batches`): the same ops on the same shapes as a fresh build
-    np.testing.assert_allclose(SearchIndex(tmp_path / "idx").all_image_emb(), SearchIndex(tmp_path / "ref").all_image_emb(), atol=1e-6)
+    np.testing.assert_allclose(
+        SearchIndex(tmp_path / "idx").all_image_emb(),
+        SearchIndex(tmp_path / "ref").all_image_emb(),
+        atol=1e-6,
+    )
 
 
 @pytest.mark.slow
@@ -147,7 +157,9 @@ def test_unreadable_pictures_are_named(shapes_model, tmp_path, capsys):
     assert idx.captions == [{"text": "my own caption", "image": 0}]
     assert any("broken.png" in m and "cannot read image" in m for m in msgs)
     capsys.readouterr()
-    assert main(["index", str(run), str(folder), "--out", str(tmp_path / "strict"), "--strict", "--quiet"]) == 2
+    assert (
+        main(["index", str(run), str(folder), "--out", str(tmp_path / "strict"), "--strict", "--quiet"]) == 2
+    )
     assert "broken.png" in capsys.readouterr().err
 
 
@@ -195,8 +207,27 @@ def test_ivf_index_and_nprobe_from_the_cli(shapes_model, split_index, tmp_path, 
     lists visited for that query only. With 4 lists over 24 pictures, one probed list cannot hold them all."""
     data, run = shapes_model
     ivf = tmp_path / "ivf"
-    assert main(["index", str(run), f"{data}:test", "--out", str(ivf), "--quiet", "--device", "cpu",
-                 "--index", "ivf", "--nlist", "4", "--nprobe", "1"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "index",
+                str(run),
+                f"{data}:test",
+                "--out",
+                str(ivf),
+                "--quiet",
+                "--device",
+                "cpu",
+                "--index",
+                "ivf",
+                "--nlist",
+                "4",
+                "--nprobe",
+                "1",
+            ]
+        )
+        == 0
+    )
     meta = json.loads((ivf / "index.json").read_text())
     assert (meta["faiss"]["kind"], meta["faiss"]["nlist"], meta["faiss"]["nprobe"]) == ("ivf", 4, 1)
     index = SearchIndex(ivf)
@@ -221,10 +252,35 @@ def test_ivf_index_and_nprobe_from_the_cli(shapes_model, split_index, tmp_path, 
 def test_hnsw_index_and_ef_search_from_the_cli(shapes_model, split_index, tmp_path, capsys, monkeypatch):
     data, run = shapes_model
     hnsw = tmp_path / "hnsw"
-    assert main(["index", str(run), f"{data}:test", "--out", str(hnsw), "--quiet", "--device", "cpu",
-                 "--index", "hnsw", "--hnsw-m", "8", "--ef-construction", "20", "--ef-search", "5"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "index",
+                str(run),
+                f"{data}:test",
+                "--out",
+                str(hnsw),
+                "--quiet",
+                "--device",
+                "cpu",
+                "--index",
+                "hnsw",
+                "--hnsw-m",
+                "8",
+                "--ef-construction",
+                "20",
+                "--ef-search",
+                "5",
+            ]
+        )
+        == 0
+    )
     meta = json.loads((hnsw / "index.json").read_text())
-    assert (meta["faiss"]["kind"], meta["faiss"]["hnsw_m"], meta["faiss"]["ef_construction"]) == ("hnsw", 8, 20)
+    assert (meta["faiss"]["kind"], meta["faiss"]["hnsw_m"], meta["faiss"]["ef_construction"]) == (
+        "hnsw",
+        8,
+        20,
+    )
     index = SearchIndex(hnsw)
     assert type(index.image_faiss).__name__ == "IndexHNSWFlat" and index.image_faiss.hnsw.efSearch == 5
     opened = []
@@ -305,9 +361,20 @@ def test_non_inner_product_similarity_is_reranked_exactly(tmp_path):
 
     proxies = proxy_vectors(model, torch.from_numpy(emb)).numpy()
     pictures = [{"root": 0, "path": f"p{i}.png", "caption": None, "id": str(i)} for i in range(n)]
-    append_segment(tmp_path, None, fingerprint={"similarity": "aeom"}, params=FaissParams("flat"), roots=[str(tmp_path)],
-                   pictures=pictures, image_emb=emb.reshape(n, -1), emb_shape=[views, d], proxies=proxies,
-                   captions=[], caption_emb=np.zeros((0, d), np.float32), segment={"source": "test"})  # fmt: skip
+    append_segment(
+        tmp_path,
+        None,
+        fingerprint={"similarity": "aeom"},
+        params=FaissParams("flat"),
+        roots=[str(tmp_path)],
+        pictures=pictures,
+        image_emb=emb.reshape(n, -1),
+        emb_shape=[views, d],
+        proxies=proxies,
+        captions=[],
+        caption_emb=np.zeros((0, d), np.float32),
+        segment={"source": "test"},
+    )
     index = SearchIndex(tmp_path)
     q = torch.from_numpy(rng.normal(size=(20, d)).astype(np.float32))
     exact = MaxOverViews()(torch.from_numpy(emb), q).T.numpy()  # [Q, N]
@@ -316,10 +383,16 @@ def test_non_inner_product_similarity_is_reranked_exactly(tmp_path):
         assert [i for i, _ in hits] == list(np.argsort(-exact[qi], kind="stable")[:5])
         np.testing.assert_allclose([s for _, s in hits], np.sort(exact[qi])[::-1][:5], rtol=1e-5)
     proxy_only = np.argsort(-(q.numpy() @ proxies.T), axis=1)[:, :5]
-    assert (proxy_only != np.argsort(-exact, axis=1)[:, :5]).any()  # without re-ranking the order would be wrong
+    assert (
+        proxy_only != np.argsort(-exact, axis=1)[:, :5]
+    ).any()  # without re-ranking the order would be wrong
     shallow = SearchEngine(index, model, {}, rerank_factor=10, rerank_min=50)
-    agree = np.mean([len({i for i, _ in h} & set(np.argsort(-exact[qi])[:5])) / 5
-                     for qi, h in enumerate(shallow.search_text_vectors(q, 5))])  # fmt: skip
+    agree = np.mean(
+        [
+            len({i for i, _ in h} & set(np.argsort(-exact[qi])[:5])) / 5
+            for qi, h in enumerate(shallow.search_text_vectors(q, 5))
+        ]
+    )
     assert agree >= 0.9
 
 
@@ -329,11 +402,26 @@ def test_bench_search_measures_recall_against_exact(monkeypatch):
     from vsekit_lab.bench.search import ClusteredVectors, bench_search, format_search_table
 
     a, b = ClusteredVectors(16, 8, 1.0, seed=3), ClusteredVectors(16, 8, 1.0, seed=3)
-    np.testing.assert_array_equal(np.concatenate(list(a.chunks(250, 100))), np.concatenate(list(b.chunks(250, 100))))
+    np.testing.assert_array_equal(
+        np.concatenate(list(a.chunks(250, 100))), np.concatenate(list(b.chunks(250, 100)))
+    )
     np.testing.assert_allclose(np.linalg.norm(a.draw(5, 0), axis=1), 1.0, rtol=1e-5)
     seen = spy_search_ids(monkeypatch)
-    res = bench_search(n=3000, dim=32, queries=40, exact_queries=10, clusters=60, nlist=32, nprobes=(1, 32),
-                       sq8=True, hnsw_m=8, ef_searches=(4, 64), train_size=2000, chunk=700, log=quiet)  # fmt: skip
+    res = bench_search(
+        n=3000,
+        dim=32,
+        queries=40,
+        exact_queries=10,
+        clusters=60,
+        nlist=32,
+        nprobes=(1, 32),
+        sq8=True,
+        hnsw_m=8,
+        ef_searches=(4, 64),
+        train_size=2000,
+        chunk=700,
+        log=quiet,
+    )
     data = ClusteredVectors(32, 60, 1.0, seed=0)
     truth = brute_force_topk(data.queries(40), np.concatenate(list(data.chunks(3000, 700))), 10)
     assert len(seen) == len(res["rows"]) == 7
@@ -346,13 +434,20 @@ def test_bench_search_measures_recall_against_exact(monkeypatch):
     assert rows[("IVF-Flat", "nlist=32 nprobe=32")]["recall_at_k"] == 1.0
     assert rows[("IVF-Flat", "nlist=32 nprobe=1")]["recall_at_k"] < 1.0
     assert rows[("IVF-SQ8", "nlist=32 nprobe=32")]["recall_at_k"] >= 0.9  # 8-bit codes: close, not exact
-    assert rows[("HNSW-Flat", "M=8 efSearch=4")]["recall_at_k"] <= rows[("HNSW-Flat", "M=8 efSearch=64")]["recall_at_k"]
+    assert (
+        rows[("HNSW-Flat", "M=8 efSearch=4")]["recall_at_k"]
+        <= rows[("HNSW-Flat", "M=8 efSearch=64")]["recall_at_k"]
+    )
     assert all(0 < r["p50_ms"] <= r["p99_ms"] for r in res["rows"])
     assert "| IVF-Flat | nlist=32 nprobe=1 |" in format_search_table(res)
-    auto = bench_search(n=3000, dim=16, queries=5, exact_queries=2, clusters=60, nprobes=(2,), sq8=False, log=quiet)
+    auto = bench_search(
+        n=3000, dim=16, queries=5, exact_queries=2, clusters=60, nprobes=(2,), sq8=False, log=quiet
+    )
     from vsekit.search.index import auto_nlist
 
-    assert auto["setup"]["nlist"] == auto_nlist(3000) and auto["setup"]["train_size"] == 3000  # as `vse index` picks
+    assert (
+        auto["setup"]["nlist"] == auto_nlist(3000) and auto["setup"]["train_size"] == 3000
+    )  # as `vse index` picks
     with pytest.raises(ValueError, match="must be positive"):
         bench_search(n=0, log=quiet)
 
@@ -367,7 +462,9 @@ def test_second_writer_is_refused_while_one_holds_the_index(tmp_path):
             build_index(tmp_path / "no-run", "x", out, progress=False, log=quiet)
     from vsekit.runs import CheckpointError
 
-    with pytest.raises(CheckpointError, match="not a vsekit run"):  # released: the next writer gets past the lock
+    with pytest.raises(
+        CheckpointError, match="not a vsekit run"
+    ):  # released: the next writer gets past the lock
         build_index(tmp_path / "no-run", "x", out, progress=False, log=quiet)
 
 
@@ -379,10 +476,24 @@ def test_run_keeps_the_extractor_a_manifest_records_under_features(synthetic_dir
 
     data = tmp_path / "data"
     shutil.copytree(synthetic_dir, data)
-    spec = {"name": "efficientnet_lite0_grid", "weights_sha256": "0123456789abcdef", "image_size": 224, "dim": 32}
+    spec = {
+        "name": "efficientnet_lite0_grid",
+        "weights_sha256": "0123456789abcdef",
+        "image_size": 224,
+        "dim": 32,
+    }
     (data / "manifest.json").write_text(json.dumps({"format": "vsekit-precomp/1", "features": spec}))
-    recipe = load_recipe("vsepp", ["model.embed_dim=16", "model.text.word_dim=8", "train.epochs=1",
-                                   "train.batch_size=64", "train.log_every=0", "data.val_max_images=20"])  # fmt: skip
+    recipe = load_recipe(
+        "vsepp",
+        [
+            "model.embed_dim=16",
+            "model.text.word_dim=8",
+            "train.epochs=1",
+            "train.batch_size=64",
+            "train.log_every=0",
+            "data.val_max_images=20",
+        ],
+    )
     Trainer(recipe, data, tmp_path / "run", progress=False, log=quiet).fit()
     cfg = json.loads((tmp_path / "run" / "config.json").read_text())
     assert cfg["extractor"] == spec
@@ -413,7 +524,9 @@ def test_index_scores_equal_the_evaluation_similarities(shapes_model, split_inde
     own = sims[split.cap2img, np.arange(sims.shape[1])]
     near_tie = (np.abs(sims - own[None, :]) <= 2e-5).sum(0) > 1  # the own picture counts once
     assert near_tie.mean() < 0.1, near_tie.mean()
-    np.testing.assert_array_equal(ranks_t2i(found, split.cap2img)[~near_tie], ranks_t2i(sims, split.cap2img)[~near_tie])
+    np.testing.assert_array_equal(
+        ranks_t2i(found, split.cap2img)[~near_tie], ranks_t2i(sims, split.cap2img)[~near_tie]
+    )
 
 
 def test_ivfpq_parameters_follow_the_documented_rule():
@@ -444,10 +557,23 @@ def test_ivfpq_recall_against_brute_force():
 
 def _synthetic_segment(out, old, x, start, params):
     n, d = x.shape
-    pictures = [{"root": 0, "path": f"p{start + i}.png", "caption": None, "id": str(start + i)} for i in range(n)]
-    return append_segment(out, old, fingerprint={"similarity": "cosine", "weights_sha256": "x"}, params=params,
-                          roots=[str(out)], pictures=pictures, image_emb=x, emb_shape=[d], proxies=x, captions=[],
-                          caption_emb=np.zeros((0, d), np.float32), segment={"source": "test"})  # fmt: skip
+    pictures = [
+        {"root": 0, "path": f"p{start + i}.png", "caption": None, "id": str(start + i)} for i in range(n)
+    ]
+    return append_segment(
+        out,
+        old,
+        fingerprint={"similarity": "cosine", "weights_sha256": "x"},
+        params=params,
+        roots=[str(out)],
+        pictures=pictures,
+        image_emb=x,
+        emb_shape=[d],
+        proxies=x,
+        captions=[],
+        caption_emb=np.zeros((0, d), np.float32),
+        segment={"source": "test"},
+    )
 
 
 @pytest.mark.parametrize("kind", ["ivf", "ivfpq"])
@@ -466,7 +592,9 @@ def test_ivf_lists_are_retrained_when_the_index_outgrows_them(tmp_path, kind):
     nlist0 = SearchIndex(tmp_path).image_faiss.nlist
     grown = [first]
     added = clustered(1500, d, 40, np.random.default_rng(1))  # 3,500 <= 2 x 2,000: appended, lists kept
-    meta = _synthetic_segment(tmp_path, SearchIndex(tmp_path), added, 2000, params := FaissParams(**meta["faiss"]))
+    meta = _synthetic_segment(
+        tmp_path, SearchIndex(tmp_path), added, 2000, params := FaissParams(**meta["faiss"])
+    )
     grown.append(added)
     assert meta["faiss"]["trained_on"] == 2000 and SearchIndex(tmp_path).image_faiss.nlist == nlist0
     more = clustered(6000, d, 60, np.random.default_rng(2))  # 9,500 > 2 x 2,000: re-trained
@@ -480,7 +608,9 @@ def test_ivf_lists_are_retrained_when_the_index_outgrows_them(tmp_path, kind):
     q = np.concatenate([clustered(50, d, 60, np.random.default_rng(3)), first[:50]])
     truth = brute_force_topk(q, x, 10)
     retrained = recall_vs(index.image_faiss.search(q, 10)[1], truth)
-    stale = getattr(old.image_faiss, "base", old.image_faiss)  # lists trained on the first segment, all appended
+    stale = getattr(
+        old.image_faiss, "base", old.image_faiss
+    )  # lists trained on the first segment, all appended
     stale.add(more)
     if kind == "ivfpq":  # the same exact re-scoring of the shortlist as the re-trained index
         from vsekit.search.index import RefinedIndex
@@ -500,7 +630,9 @@ def test_ivfpq_index_rescores_its_shortlist_with_the_stored_embeddings(tmp_path)
     x, q = clustered(12000, 64, 100, rng), clustered(100, 64, 100, rng)
     truth = brute_force_topk(q, x, 10)
     _synthetic_segment(tmp_path / "plain", None, x, 0, FaissParams("ivfpq", nprobe=16, refine=0))
-    _synthetic_segment(tmp_path / "refined", None, x, 0, FaissParams("ivfpq", nprobe=16))  # refine=10 by default
+    _synthetic_segment(
+        tmp_path / "refined", None, x, 0, FaissParams("ivfpq", nprobe=16)
+    )  # refine=10 by default
     plain = SearchIndex(tmp_path / "plain").image_faiss
     refined = SearchIndex(tmp_path / "refined").image_faiss
     assert type(plain).__name__ == "IndexIVFPQ" and refined.nprobe == 16 and refined.ntotal == 12000
@@ -510,7 +642,12 @@ def test_ivfpq_index_rescores_its_shortlist_with_the_stored_embeddings(tmp_path)
     np.testing.assert_allclose(scores, np.einsum("qkd,qd->qk", x[ids], q), rtol=1e-5, atol=1e-6)
     # adding to a refined index writes the FAISS index underneath and keeps the wrapper on reopening
     more = clustered(500, 64, 100, np.random.default_rng(5))
-    _synthetic_segment(tmp_path / "refined", SearchIndex(tmp_path / "refined"), more, 12000,
-                       FaissParams(**json.loads((tmp_path / "refined" / "index.json").read_text())["faiss"]))  # fmt: skip
+    _synthetic_segment(
+        tmp_path / "refined",
+        SearchIndex(tmp_path / "refined"),
+        more,
+        12000,
+        FaissParams(**json.loads((tmp_path / "refined" / "index.json").read_text())["faiss"]),
+    )
     again = SearchIndex(tmp_path / "refined")
     assert again.image_faiss.ntotal == 12500 and again.image_faiss.search(more[:1], 1)[1][0, 0] == 12000

@@ -40,7 +40,11 @@ def png_header(width: int, height: int) -> bytes:
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+        + chunk(b"IEND", b"")
+    )
 
 
 def pictures(data, folder, n):
@@ -59,16 +63,33 @@ def index_argv(run, source, out, *extra):
 # (`vse search -k / --nprobe / --ef-search` keep their own checks: one line, exit 2, as test_search_index expects)
 
 BAD_NUMBERS = [
-    ("index", "--chunk-size", "0"), ("index", "--batch-size", "-1"), ("index", "--chunk-size", "abc"),
-    ("index", "--nlist", "-1"), ("index", "--nlist", "99999999999"), ("index", "--pq-m", "-2"),
-    ("index", "--pq-refine", "-1"), ("index", "--nprobe", "0"), ("index", "--hnsw-m", "1"),
-    ("index", "--ef-construction", "0"), ("index", "--ef-search", "0"),
-    ("embed", "--chunk-size", "0"), ("embed", "--batch-size", "-1"), ("embed", "--workers", "-1"),
-    ("serve", "--port", "99999"), ("serve", "--port", "-1"), ("serve", "--max-k", "0"),
-    ("serve", "--max-query-chars", "-5"), ("serve", "--max-body-mb", "-1"), ("serve", "--max-connections", "0"),
-    ("serve", "--rate-limit", "-1"), ("serve", "--rate-limit", "nan"), ("serve", "--rate-burst", "0"),
-    ("serve", "--timeout", "-1"), ("serve", "--timeout", "inf"), ("serve", "--threads", "-1"),
-]  # fmt: skip
+    ("index", "--chunk-size", "0"),
+    ("index", "--batch-size", "-1"),
+    ("index", "--chunk-size", "abc"),
+    ("index", "--nlist", "-1"),
+    ("index", "--nlist", "99999999999"),
+    ("index", "--pq-m", "-2"),
+    ("index", "--pq-refine", "-1"),
+    ("index", "--nprobe", "0"),
+    ("index", "--hnsw-m", "1"),
+    ("index", "--ef-construction", "0"),
+    ("index", "--ef-search", "0"),
+    ("embed", "--chunk-size", "0"),
+    ("embed", "--batch-size", "-1"),
+    ("embed", "--workers", "-1"),
+    ("serve", "--port", "99999"),
+    ("serve", "--port", "-1"),
+    ("serve", "--max-k", "0"),
+    ("serve", "--max-query-chars", "-5"),
+    ("serve", "--max-body-mb", "-1"),
+    ("serve", "--max-connections", "0"),
+    ("serve", "--rate-limit", "-1"),
+    ("serve", "--rate-limit", "nan"),
+    ("serve", "--rate-burst", "0"),
+    ("serve", "--timeout", "-1"),
+    ("serve", "--timeout", "inf"),
+    ("serve", "--threads", "-1"),
+]
 
 
 @pytest.mark.parametrize("verb,flag,value", BAD_NUMBERS)
@@ -77,8 +98,11 @@ def test_bad_numbers_are_refused_while_parsing(verb, flag, value, tmp_path, caps
 
     monkeypatch.setattr(index_mod, "build_index", None)  # nothing may run: the parser refuses the value
     out = tmp_path / "out"
-    argv = {"index": ["index", "RUN", "SOURCE", "--out", str(out)], "embed": ["embed", "RUN", "SOURCE", "--out", str(out)],
-            "serve": ["serve", str(out)]}[verb]  # fmt: skip
+    argv = {
+        "index": ["index", "RUN", "SOURCE", "--out", str(out)],
+        "embed": ["embed", "RUN", "SOURCE", "--out", str(out)],
+        "serve": ["serve", str(out)],
+    }[verb]
     try:
         rc = main([*argv, flag, value])
     except SystemExit as e:  # a word where a number belongs: argparse's own usage error
@@ -109,7 +133,10 @@ def test_serve_on_a_taken_port_is_one_line(tmp_path, capsys):
         port = holder.getsockname()[1]
         assert main(["serve", str(tmp_path / "idx"), "--port", str(port), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"vse serve: error: --host 127.0.0.1 --port {port}: cannot listen there" in err, err
+    assert (
+        err.count("\n") == 1
+        and f"vse serve: error: --host 127.0.0.1 --port {port}: cannot listen there" in err
+    ), err
 
 
 def test_serve_port_0_prints_the_port_it_got(tmp_path, monkeypatch, capsys):
@@ -143,19 +170,26 @@ def test_failed_first_index_leaves_nothing_and_the_rerun_works(shapes_model, tmp
     # fails late: 6 pictures pass the early check of --nlist 6, one is unreadable, 5 vectors cannot train 6 lists
     assert main(index_argv(run, pics, out, "--index", "ivf", "--nlist", "6")) == 2
     assert not out.exists()  # no segments/, no .work, no folder
-    assert "--nlist 6: an IVF index with 6 lists needs at least 6 vectors to train, got 5" in capsys.readouterr().err
+    assert (
+        "--nlist 6: an IVF index with 6 lists needs at least 6 vectors to train, got 5"
+        in capsys.readouterr().err
+    )
     out.mkdir()  # a folder that was there before stays, as it was
     assert main(index_argv(run, pics, out, "--index", "ivf", "--nlist", "6")) == 2
     assert out.is_dir() and list(out.iterdir()) == []
     # hopeless from the start: refused before a single picture is embedded
     calls = []
     real = encode_mod.ImageEmbedder.embed
-    monkeypatch.setattr(encode_mod.ImageEmbedder, "embed", lambda self, px: calls.append(len(px)) or real(self, px))
+    monkeypatch.setattr(
+        encode_mod.ImageEmbedder, "embed", lambda self, px: calls.append(len(px)) or real(self, px)
+    )
     assert main(index_argv(run, pics, out, "--index", "ivf", "--nlist", "1000")) == 2
     err = capsys.readouterr().err
     assert "--nlist 1000: an IVF index with 1000 lists needs at least 1000 vectors to train, got 6" in err
     assert calls == [] and list(out.iterdir()) == []
-    assert main(index_argv(run, pics, out, "--index", "ivf", "--nlist", "2")) == 0  # the message's advice works
+    assert (
+        main(index_argv(run, pics, out, "--index", "ivf", "--nlist", "2")) == 0
+    )  # the message's advice works
     assert SearchIndex(out).n_pictures == 5 and calls
 
 
@@ -189,7 +223,9 @@ def test_leftovers_of_a_killed_first_build_do_not_block_the_rerun(shapes_model, 
     notes = []
     build_index(run, f"{data}:test", out, progress=False, log=notes.append)
     assert SearchIndex(out).n_pictures == 24
-    assert any("removing what an unfinished first `vse index` left (images.g1.faiss, segments)" in n for n in notes)
+    assert any(
+        "removing what an unfinished first `vse index` left (images.g1.faiss, segments)" in n for n in notes
+    )
     user = tmp_path / "user"
     (user / "segments").mkdir(parents=True)
     (user / "notes.txt").write_text("mine")
@@ -210,7 +246,9 @@ def test_interrupted_index_says_how_to_resume(shapes_model, tmp_path, monkeypatc
     calls = interrupt_on_call(monkeypatch, build_mod, "embed_features", 3)
     assert main(index_argv(run, f"{data}:test", out, "--chunk-size", "4", "--batch-size", "4")) == 130
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith("vse index: interrupted; 2 finished chunk(s) of embeddings are kept in")
+    assert err.count("\n") == 0 and err.startswith(
+        "vse index: interrupted; 2 finished chunk(s) of embeddings are kept in"
+    )
     command = err.split("resume with the same command: ")[1]
     assert sorted(p.name for p in out.iterdir()) == [".work"]  # the finished chunks, nothing else
     argv = shlex.split(command)
@@ -226,9 +264,15 @@ def test_index_resumed_with_another_chunk_size_keeps_every_picture(shapes_model,
     data, run = shapes_model
     calls = interrupt_on_call(monkeypatch, build_mod, "embed_features", 3)
     with pytest.raises(KeyboardInterrupt):
-        build_index(run, f"{data}:test", tmp_path / "idx", chunk_size=4, batch_size=4, progress=False, log=quiet)
-    build_index(run, f"{data}:test", tmp_path / "idx", chunk_size=256, batch_size=4, progress=False, log=quiet)
-    assert SearchIndex(tmp_path / "idx").n_pictures == 24  # the finished chunks of 4 were not taken for one of 256
+        build_index(
+            run, f"{data}:test", tmp_path / "idx", chunk_size=4, batch_size=4, progress=False, log=quiet
+        )
+    build_index(
+        run, f"{data}:test", tmp_path / "idx", chunk_size=256, batch_size=4, progress=False, log=quiet
+    )
+    assert (
+        SearchIndex(tmp_path / "idx").n_pictures == 24
+    )  # the finished chunks of 4 were not taken for one of 256
     assert calls["n"] == 3 + 6 - 2
 
 
@@ -272,7 +316,9 @@ def test_resumed_index_feeds_the_model_the_same_batches(shapes_model, tmp_path, 
     batches = _recording(build_mod, "embed_features", monkeypatch)
     build_index(run, f"{data}:test", tmp_path / "idx", **kw)
     assert batches == fresh[2:]  # chunk 0 (2 batches) reused, the rest in exactly the uninterrupted batches
-    assert np.array_equal(SearchIndex(tmp_path / "idx").all_image_emb(), SearchIndex(tmp_path / "ref").all_image_emb())
+    assert np.array_equal(
+        SearchIndex(tmp_path / "idx").all_image_emb(), SearchIndex(tmp_path / "ref").all_image_emb()
+    )
 
 
 @pytest.mark.slow
@@ -282,7 +328,18 @@ def test_resumed_embed_feeds_the_model_the_same_batches(shapes_model, tmp_path, 
 
     data, run = shapes_model
     torch.set_num_threads(1)
-    argv = ["embed", str(run), f"{data}:test", "--device", "cpu", "--no-progress", "--chunk-size", "5", "--batch-size", "3"]
+    argv = [
+        "embed",
+        str(run),
+        f"{data}:test",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--chunk-size",
+        "5",
+        "--batch-size",
+        "3",
+    ]
     batches = _recording(encode_mod, "embed_features", monkeypatch)
     assert main([*argv, "--out", str(tmp_path / "ref")]) == 0
     fresh = list(batches)
@@ -298,11 +355,16 @@ def test_resumed_embed_feeds_the_model_the_same_batches(shapes_model, tmp_path, 
     monkeypatch.setattr(embed_mod, "write_chunk", dies_after_two)
     assert main([*argv, "--out", str(tmp_path / "out")]) == 130
     err = capsys.readouterr().err
-    assert "interrupted; 2 finished chunk(s) are kept in" in err and "resume with the same command: vse embed" in err
+    assert (
+        "interrupted; 2 finished chunk(s) are kept in" in err
+        and "resume with the same command: vse embed" in err
+    )
     monkeypatch.setattr(embed_mod, "write_chunk", real)
     batches.clear()
     assert main([*argv, "--out", str(tmp_path / "out")]) == 0
-    assert batches == fresh[4:]  # chunks 0 and 1 (4 batches) kept; the rest batched as in the uninterrupted run
+    assert (
+        batches == fresh[4:]
+    )  # chunks 0 and 1 (4 batches) kept; the rest batched as in the uninterrupted run
     for sub in ("img_emb", "text_emb", "metadata"):
         for p in sorted((tmp_path / "ref" / sub).iterdir()):
             assert (tmp_path / "out" / sub / p.name).read_bytes() == p.read_bytes(), p.name
@@ -331,14 +393,21 @@ def test_names_that_are_not_utf8_are_skipped_before_embedding(shapes_model, tmp_
     pics, first, second = _non_utf8_folder(data, tmp_path)
     loaded = []
     real = encode_mod.ImageEmbedder.load
-    monkeypatch.setattr(encode_mod.ImageEmbedder, "load", lambda self, p: loaded.append(str(p)) or real(self, p))
-    assert main(index_argv(run, pics, tmp_path / "strict", "--strict")) == 2  # decided before anything is loaded
+    monkeypatch.setattr(
+        encode_mod.ImageEmbedder, "load", lambda self, p: loaded.append(str(p)) or real(self, p)
+    )
+    assert (
+        main(index_argv(run, pics, tmp_path / "strict", "--strict")) == 2
+    )  # decided before anything is loaded
     assert "caf\\xe9.png: its file name is not valid UTF-8" in capsys.readouterr().err
     assert loaded == [] and not (tmp_path / "strict").exists()
 
     assert main(index_argv(run, pics, tmp_path / "idx")) == 0
     err = capsys.readouterr().err
-    assert "warning: skipped " in err and "caf\\xe9.png: its file name is not valid UTF-8; rename it to index it" in err
+    assert (
+        "warning: skipped " in err
+        and "caf\\xe9.png: its file name is not valid UTF-8; rename it to index it" in err
+    )
     assert f"{second[:-4]}.txt: not UTF-8 text" in err and "its captions were skipped" in err
     assert len(loaded) == 2 and all(n.isprintable() and "caf" not in n for n in loaded)  # never opened
     idx = SearchIndex(tmp_path / "idx")
@@ -346,7 +415,12 @@ def test_names_that_are_not_utf8_are_skipped_before_embedding(shapes_model, tmp_
     skipped = json.loads((tmp_path / "idx" / "index.json").read_text())["segments"][0]["skipped"]
     assert len(skipped) == 2 and "caf\\xe9.png" in skipped[0]
 
-    assert main(["embed", str(run), str(pics), "--out", str(tmp_path / "emb"), "--device", "cpu", "--no-progress"]) == 0
+    assert (
+        main(
+            ["embed", str(run), str(pics), "--out", str(tmp_path / "emb"), "--device", "cpu", "--no-progress"]
+        )
+        == 0
+    )
     info = json.loads((tmp_path / "emb" / "embed.json").read_text())
     assert info["written_rows"] == 2 and len(info["skipped"]) == 2 and "caf\\xe9.png" in info["skipped"][0]
     assert "input_skipped" not in info
@@ -467,8 +541,19 @@ def test_vse_serve_port_0_answers_on_the_port_it_prints(shapes_model, tmp_path):
     pytest.importorskip("uvicorn")
     data, run = shapes_model
     build_index(run, f"{data}:test", tmp_path / "idx", progress=False, log=quiet)
-    cmd = [sys.executable, "-m", "vsekit.cli", "serve", str(tmp_path / "idx"), "--port", "0", "--device", "cpu",
-           "--log-level", "warning"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "vsekit.cli",
+        "serve",
+        str(tmp_path / "idx"),
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+        "--log-level",
+        "warning",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         line = ""
@@ -495,8 +580,12 @@ def test_library_checks_stay_for_callers_without_the_cli(tmp_path):
     from vsekit.search.index import FaissParams, encode_resumable
 
     with pytest.raises(VseInputError, match="--chunk-size and --batch-size must be >= 1"):
-        encode_resumable(tmp_path / "w", 3, lambda i: i, lambda items: torch.zeros(len(items), 2), chunk_size=0)
+        encode_resumable(
+            tmp_path / "w", 3, lambda i: i, lambda items: torch.zeros(len(items), 2), chunk_size=0
+        )
     with pytest.raises(VseInputError, match="hnsw_m must be >= 2"):
         FaissParams("hnsw", hnsw_m=1).validate()  # FAISS segfaults building a graph of degree 1
     with pytest.raises(VseInputError, match="ef_search must be <= 2147483647"):
-        FaissParams("hnsw", ef_search=2**31).validate()  # `vse search --ef-search N`: an OverflowError in FAISS
+        FaissParams(
+            "hnsw", ef_search=2**31
+        ).validate()  # `vse search --ef-search N`: an OverflowError in FAISS

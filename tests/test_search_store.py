@@ -38,11 +38,24 @@ def test_the_proxy_is_the_embedding_or_the_normalised_mean_of_its_views():
 
 def _multi_view_segment(out, old, emb, start, params, d):
     n = len(emb)
-    pictures = [{"root": 0, "path": f"p{start + i}.png", "caption": None, "id": str(start + i)} for i in range(n)]
+    pictures = [
+        {"root": 0, "path": f"p{start + i}.png", "caption": None, "id": str(start + i)} for i in range(n)
+    ]
     fingerprint = {"similarity": "aeom", "weights_sha256": "x", "embed_dim": d, "rerank": True}
-    return append_segment(out, old, fingerprint=fingerprint, params=params, roots=[str(out)], pictures=pictures,
-                          image_emb=emb, emb_shape=[emb.shape[1]], proxies=hand_view_mean(emb, d).astype(np.float32),
-                          captions=[], caption_emb=np.zeros((0, d), np.float32), segment={"source": "test"})  # fmt: skip
+    return append_segment(
+        out,
+        old,
+        fingerprint=fingerprint,
+        params=params,
+        roots=[str(out)],
+        pictures=pictures,
+        image_emb=emb,
+        emb_shape=[emb.shape[1]],
+        proxies=hand_view_mean(emb, d).astype(np.float32),
+        captions=[],
+        caption_emb=np.zeros((0, d), np.float32),
+        segment={"source": "test"},
+    )
 
 
 @pytest.mark.parametrize("kind", ["ivf", "ivfpq"])
@@ -54,7 +67,9 @@ def test_a_multi_view_index_stored_flat_keeps_d_wide_proxies(tmp_path, kind):
     rng = np.random.default_rng(0)
     views, d = 3, 16
     first = rng.normal(size=(400, views * d)).astype(np.float32)
-    meta = _multi_view_segment(tmp_path, None, first, 0, FaissParams(kind, nlist=4, nprobe=4, refine=900), d)  # a shortlist of all
+    meta = _multi_view_segment(
+        tmp_path, None, first, 0, FaissParams(kind, nlist=4, nprobe=4, refine=900), d
+    )  # a shortlist of all
     more = rng.normal(size=(500, views * d)).astype(np.float32)
     assert 900 > RETRAIN_GROWTH * 400
     meta = _multi_view_segment(tmp_path, SearchIndex(tmp_path), more, 400, FaissParams(**meta["faiss"]), d)
@@ -64,7 +79,9 @@ def test_a_multi_view_index_stored_flat_keeps_d_wide_proxies(tmp_path, kind):
     np.testing.assert_allclose(index.proxies(emb), hand_view_mean(emb, d), rtol=1e-5, atol=1e-6)
     assert index.image_faiss.d == d and index.image_faiss.ntotal == 900
     q = hand_view_mean(emb[[5, 450]], d).astype(np.float32)
-    scores, ids = index.image_faiss.search(q, 1)  # each picture's own proxy is its nearest (IVF-PQ: re-checked)
+    scores, ids = index.image_faiss.search(
+        q, 1
+    )  # each picture's own proxy is its nearest (IVF-PQ: re-checked)
     assert ids[:, 0].tolist() == [5, 450]
     if kind == "ivfpq":  # the re-check's scores are exact inner products of the stored proxies
         np.testing.assert_allclose(scores[:, 0], 1.0, rtol=1e-5)
@@ -91,14 +108,32 @@ def test_a_refresh_and_an_append_write_index_json_alike(tmp_path):
     d = 8
     x = rng.normal(size=(50, d)).astype(np.float32)
     pictures = [{"root": 0, "path": f"p{i}.png", "caption": None, "id": str(i)} for i in range(50)]
-    kw = {"fingerprint": {"similarity": "cosine", "weights_sha256": "x"}, "params": FaissParams("flat"),
-          "roots": [str(tmp_path)], "emb_shape": [d], "captions": [], "caption_emb": np.zeros((0, d), np.float32),
-          "segment": {"source": "test"}}  # fmt: skip
+    kw = {
+        "fingerprint": {"similarity": "cosine", "weights_sha256": "x"},
+        "params": FaissParams("flat"),
+        "roots": [str(tmp_path)],
+        "emb_shape": [d],
+        "captions": [],
+        "caption_emb": np.zeros((0, d), np.float32),
+        "segment": {"source": "test"},
+    }
     first = append_segment(tmp_path, None, pictures=pictures[:20], image_emb=x[:20], proxies=x[:20], **kw)
-    second = append_segment(tmp_path, SearchIndex(tmp_path), pictures=pictures[20:], image_emb=x[20:], proxies=x[20:],
-                            **kw)  # fmt: skip
-    keys = ["format", "generation", "created", "updated", "model", "image_emb_shape", "faiss", "roots", "segments",
-            "files", "counts"]  # fmt: skip
+    second = append_segment(
+        tmp_path, SearchIndex(tmp_path), pictures=pictures[20:], image_emb=x[20:], proxies=x[20:], **kw
+    )
+    keys = [
+        "format",
+        "generation",
+        "created",
+        "updated",
+        "model",
+        "image_emb_shape",
+        "faiss",
+        "roots",
+        "segments",
+        "files",
+        "counts",
+    ]
     assert list(first) == keys and list(second) == keys
     assert (first["generation"], second["generation"]) == (1, 2) and second["counts"]["pictures"] == 50
     on_disk = json.loads((tmp_path / "index.json").read_text())

@@ -26,8 +26,9 @@ class StubEngine(SearchEngine):
     """Answers like an index of 3 pictures without files; records the k it was asked for."""
 
     def __init__(self) -> None:  # no model, no index: only what the server reads
-        self.index = SimpleNamespace(n_pictures=3, pictures=[{"path": f"p{i}.png"} for i in range(3)],
-                                     picture_file=lambda i: None)  # fmt: skip
+        self.index = SimpleNamespace(
+            n_pictures=3, pictures=[{"path": f"p{i}.png"} for i in range(3)], picture_file=lambda i: None
+        )
         self.text = SimpleNamespace(unknown_words=lambda q: [])
         self.asked: list[int] = []
 
@@ -61,7 +62,9 @@ def _clear_4xx(r, status: int, text: str) -> None:
 
 
 def test_oversized_bodies_are_refused_before_they_are_read(client, engine):
-    _clear_4xx(client.post("/search", content=b"{" + b" " * 20_000 + b"}"), 413, "larger than the 10000 byte limit")
+    _clear_4xx(
+        client.post("/search", content=b"{" + b" " * 20_000 + b"}"), 413, "larger than the 10000 byte limit"
+    )
     _clear_4xx(client.post("/search/image", content=b"x" * 10_001), 413, "10000 byte limit")
 
     def stream():  # chunked, no Content-Length: counted as it arrives
@@ -76,11 +79,25 @@ def test_oversized_bodies_are_refused_before_they_are_read(client, engine):
 
 @pytest.mark.parametrize(
     "path",
-    ["/thumb/../../etc/passwd", "/thumb/%2e%2e%2fetc%2fpasswd", "/thumb/..%2f..%2fetc%2fpasswd", "/thumb/-1",
-     "/thumb/3", "/thumb/" + "9" * 40, "/thumb/0x1", "/thumb/1.0", "/thumb/%00", "/static/..%2fserver.py",
-     "/static/%2e%2e/%2e%2e/etc/passwd", "/static/server.py", "/static/.%2fserver.py", "/..%2f..%2fetc%2fpasswd",
-     "/index.json", "//etc/passwd"],
-)  # fmt: skip
+    [
+        "/thumb/../../etc/passwd",
+        "/thumb/%2e%2e%2fetc%2fpasswd",
+        "/thumb/..%2f..%2fetc%2fpasswd",
+        "/thumb/-1",
+        "/thumb/3",
+        "/thumb/" + "9" * 40,
+        "/thumb/0x1",
+        "/thumb/1.0",
+        "/thumb/%00",
+        "/static/..%2fserver.py",
+        "/static/%2e%2e/%2e%2e/etc/passwd",
+        "/static/server.py",
+        "/static/.%2fserver.py",
+        "/..%2f..%2fetc%2fpasswd",
+        "/index.json",
+        "//etc/passwd",
+    ],
+)
 def test_path_traversal_reaches_nothing(client, path):
     r = client.get(path)
     assert r.status_code == 404, (path, r.status_code)
@@ -89,10 +106,20 @@ def test_path_traversal_reaches_nothing(client, path):
 
 @pytest.mark.parametrize(
     "k, message",
-    [(0, "between 1 and 20"), (21, "between 1 and 20"), (10**18, "between 1 and 20"), ("9" * 100, "between 1 and 20"),
-     (-1, "between 1 and 20"), (2.5, "must be an integer"), ("1e3", "must be an integer"), (True, "must be an integer"),
-     ([3], "must be an integer"), ({"k": 3}, "must be an integer"), ("NaN", "must be an integer")],
-)  # fmt: skip
+    [
+        (0, "between 1 and 20"),
+        (21, "between 1 and 20"),
+        (10**18, "between 1 and 20"),
+        ("9" * 100, "between 1 and 20"),
+        (-1, "between 1 and 20"),
+        (2.5, "must be an integer"),
+        ("1e3", "must be an integer"),
+        (True, "must be an integer"),
+        ([3], "must be an integer"),
+        ({"k": 3}, "must be an integer"),
+        ("NaN", "must be an integer"),
+    ],
+)
 def test_huge_or_ill_typed_k_is_bounded(client, engine, k, message):
     _clear_4xx(client.post("/search", json={"q": "a cat", "k": k}), 422, message)
     if not isinstance(k, (list, dict)):
@@ -105,14 +132,25 @@ def test_huge_or_ill_typed_k_is_bounded(client, engine, k, message):
 
 @pytest.mark.parametrize(
     "body, status, message",
-    [(b"{not json", 400, "must be JSON"), (b"", 400, "JSON object"), (b"null", 400, "JSON object"),
-     (b'["a cat"]', 400, "JSON object"), (b'"a cat"', 400, "JSON object"), (b'{"q": "\xff\xfe"}', 400, "must be JSON"),
-     (b'{"q": 3}', 422, "must be a string"), (b'{"q": ["a"]}', 422, "must be a string"), (b'{"k": 3}', 422, "required"),
-     (b'{"q": "   "}', 422, "query is empty"), (b'{"q": "a\\u0000b"}', 422, "control characters"),
-     (json.dumps({"q": "w" * 65}).encode(), 422, "the limit is 64")],
-)  # fmt: skip
+    [
+        (b"{not json", 400, "must be JSON"),
+        (b"", 400, "JSON object"),
+        (b"null", 400, "JSON object"),
+        (b'["a cat"]', 400, "JSON object"),
+        (b'"a cat"', 400, "JSON object"),
+        (b'{"q": "\xff\xfe"}', 400, "must be JSON"),
+        (b'{"q": 3}', 422, "must be a string"),
+        (b'{"q": ["a"]}', 422, "must be a string"),
+        (b'{"k": 3}', 422, "required"),
+        (b'{"q": "   "}', 422, "query is empty"),
+        (b'{"q": "a\\u0000b"}', 422, "control characters"),
+        (json.dumps({"q": "w" * 65}).encode(), 422, "the limit is 64"),
+    ],
+)
 def test_malformed_json_bodies(client, engine, body, status, message):
-    _clear_4xx(client.post("/search", content=body, headers={"content-type": "application/json"}), status, message)
+    _clear_4xx(
+        client.post("/search", content=body, headers={"content-type": "application/json"}), status, message
+    )
     assert engine.asked == []
 
 
@@ -121,7 +159,9 @@ def test_wrong_methods_and_hosts(client):
     assert client.delete("/thumb/0").status_code == 405
     assert client.get("/healthz", headers={"host": "attacker.example"}).status_code == 400
     r = client.get("/search", params={"q": "a cat"}, headers={"origin": "http://attacker.example"})
-    assert r.status_code == 403 and "access-control-allow-origin" not in r.headers  # tests/test_server_limits.py
+    assert (
+        r.status_code == 403 and "access-control-allow-origin" not in r.headers
+    )  # tests/test_server_limits.py
 
 
 # Requests that were answered 500 before search/server.py was hardened (regression tests).
@@ -156,11 +196,19 @@ def test_rate_limit_answers_429_with_retry_after_and_refills(engine):
         codes = [c.get("/search", params={"q": "a cat"}).status_code for _ in range(5)]
         assert codes == [200, 200, 200, 429, 429]
         r = c.get("/healthz")
-        assert r.status_code == 429 and r.headers["retry-after"] == "1" and "too many requests" in r.json()["detail"]
+        assert (
+            r.status_code == 429
+            and r.headers["retry-after"] == "1"
+            and "too many requests" in r.json()["detail"]
+        )
     assert len(engine.asked) == 3  # refused requests never reach the engine
     now = [0.0]
     bucket = RateLimiter(rate=2.0, burst=2, max_clients=2, clock=lambda: now[0])
-    assert [bucket.allow("a") for _ in range(3)] == [0.0, 0.0, 0.5]  # token arithmetic on binary fractions: exact
+    assert [bucket.allow("a") for _ in range(3)] == [
+        0.0,
+        0.0,
+        0.5,
+    ]  # token arithmetic on binary fractions: exact
     now[0] = 0.5  # one token back after 1 / rate seconds
     assert bucket.allow("a") == 0.0 and bucket.allow("a") > 0
     bucket.allow("b"), bucket.allow("c")

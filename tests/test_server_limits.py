@@ -88,8 +88,11 @@ def engine():
 
 
 def _client(engine, **kw):
-    return TestClient(create_app(engine, logger=logging.getLogger("vsekit.test.limits"), **kw), base_url=BASE,
-                      raise_server_exceptions=False)  # fmt: skip
+    return TestClient(
+        create_app(engine, logger=logging.getLogger("vsekit.test.limits"), **kw),
+        base_url=BASE,
+        raise_server_exceptions=False,
+    )
 
 
 def _png(size=(32, 24)) -> bytes:
@@ -128,8 +131,13 @@ def test_cross_origin_requests_are_refused(engine):
     assert foreign_origin("http://[::1", "localhost")  # unparsable: refused
 
 
-NOT_PICTURES = ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
-                "application/json", "text/html; charset=utf-8"]  # fmt: skip
+NOT_PICTURES = [
+    "text/plain",
+    "application/x-www-form-urlencoded",
+    "multipart/form-data; boundary=x",
+    "application/json",
+    "text/html; charset=utf-8",
+]
 
 
 @pytest.mark.parametrize("kind", NOT_PICTURES)
@@ -190,8 +198,9 @@ def test_thumbnails_are_decoded_within_the_same_budget(engine, tmp_path):
     files[0].write_bytes(png_bytes(4097, 4096, "RGBA"))  # an indexed folder's contents are not trusted either
     Image.new("RGB", (4000, 3000), (10, 120, 200)).save(files[1])
     Image.new("RGB", (300, 200), (200, 10, 10)).save(files[2])  # any format the index took
-    engine.index = SimpleNamespace(n_pictures=3, pictures=[{"path": f.name} for f in files],
-                                   picture_file=lambda i: files[i])  # fmt: skip
+    engine.index = SimpleNamespace(
+        n_pictures=3, pictures=[{"path": f.name} for f in files], picture_file=lambda i: files[i]
+    )
     with _client(engine) as c:
         r = c.get("/thumb/0")
         assert r.status_code == 404 and "too large to thumbnail" in r.json()["detail"]
@@ -225,8 +234,9 @@ def small_server(engine, request):
     app = create_app(
         engine, limits=ServerLimits(head_timeout_s=head_s), logger=logging.getLogger("vsekit.test.limits")
     )
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", 0, max_connections=4, head_timeout_s=head_s,
-                                           log_level="warning"))  # fmt: skip
+    server = uvicorn.Server(
+        uvicorn_config(app, "127.0.0.1", 0, max_connections=4, head_timeout_s=head_s, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -310,8 +320,19 @@ def vse_serve(shapes_model, tmp_path_factory):
     data, run = shapes_model
     idx = tmp_path_factory.mktemp("limits") / "idx"
     build_index(run, f"{data}:test", idx, progress=False, log=lambda *_: None)
-    cmd = [sys.executable, "-m", "vsekit.cli", "serve", str(idx), "--port", "0", "--device", "cpu",
-           "--log-level", "warning"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "vsekit.cli",
+        "serve",
+        str(idx),
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+        "--log-level",
+        "warning",
+    ]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=_limit_memory
     )
@@ -356,7 +377,9 @@ def test_a_7999px_png_costs_no_more_than_one_upload(vse_serve):
     _reset_peak(pid)
     assert _post_picture(url, largest) == 200
     one = (_proc_kb(pid, "VmHWM") << 10) - idle
-    print(f"idle {idle / MB:.0f} MB; 7999x7999 PNG +{refused / MB:.1f} MB; one 4096x4096 RGBA PNG +{one / MB:.1f} MB")
+    print(
+        f"idle {idle / MB:.0f} MB; 7999x7999 PNG +{refused / MB:.1f} MB; one 4096x4096 RGBA PNG +{one / MB:.1f} MB"
+    )
     assert one < PER_UPLOAD_MB * MB
 
 

@@ -385,8 +385,10 @@ def test_members_per_shard_rows_per_table_and_line_length_are_bounded(tmp_path, 
     assert "t.csv: more than 3 rows" in capsys.readouterr().err
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
-    pq.write_table(pa.table({"image": ["red.png"] * 4, "caption": [f"caption {i}" for i in range(4)]}),
-                   tmp_path / "t.parquet")  # fmt: skip
+    pq.write_table(
+        pa.table({"image": ["red.png"] * 4, "caption": [f"caption {i}" for i in range(4)]}),
+        tmp_path / "t.parquet",
+    )
     assert main(["data", "table", str(tmp_path / "t.parquet"), "--out", str(tmp_path / "o"), *PIXELS]) == 2
     assert "t.parquet: 4 rows, more than the 3 vsekit reads" in capsys.readouterr().err
     monkeypatch.setattr(own_sources, "MAX_TABLE_LINE_BYTES", 100)

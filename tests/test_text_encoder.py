@@ -7,8 +7,16 @@ import torch
 from vsekit.config import PoolingConfig, TextEncoderConfig
 from vsekit.models.text import TransformerTextEncoder, default_transformer_path, load_tokenizer
 
-CAPTIONS = ["cat", "a red fire truck with a long ladder and flashing lights on a city street at night",
-            "tree", "an old sailing ship", "sun", "a bicycle leaning against a brick wall", "x", "two dogs"]  # fmt: skip
+CAPTIONS = [
+    "cat",
+    "a red fire truck with a long ladder and flashing lights on a city street at night",
+    "tree",
+    "an old sailing ship",
+    "sun",
+    "a bicycle leaning against a brick wall",
+    "x",
+    "two dogs",
+]
 
 
 def _batch():
@@ -24,7 +32,9 @@ def test_length_sorted_chunks_give_the_padded_batch_embeddings_and_gradients(poo
     out, grads = [], []
     for chunk in (0, 3):
         torch.manual_seed(0)
-        cfg = TextEncoderConfig(kind="transformer", length_sorted_chunk=chunk, pooling=PoolingConfig(name=pool))
+        cfg = TextEncoderConfig(
+            kind="transformer", length_sorted_chunk=chunk, pooling=PoolingConfig(name=pool)
+        )
         enc = TransformerTextEncoder(16, cfg).eval()
         x = enc(tokens, lengths)
         x.square().sum().backward()
@@ -43,7 +53,9 @@ def _frozen(cache_mb: int) -> TransformerTextEncoder:
 
 def _count_body_rows(enc: TransformerTextEncoder) -> list[int]:
     seen: list[int] = []
-    enc.body.register_forward_hook(lambda module, args, kwargs, out: seen.append(len(kwargs["input_ids"])), with_kwargs=True)
+    enc.body.register_forward_hook(
+        lambda module, args, kwargs, out: seen.append(len(kwargs["input_ids"])), with_kwargs=True
+    )
     return seen
 
 
@@ -91,10 +103,35 @@ def test_nltk_tokenizer_gives_the_treebank_tokens_scan_vocabularies_hold():
     from vsekit.data.text import Vocabulary, tokenize_words
 
     caption = "A man's black-and-white T-shirt doesn't fit."
-    assert tokenize_words(caption, "nltk") == ["a", "man", "'s", "black-and-white", "t-shirt", "does", "n't", "fit", "."]
-    assert tokenize_words(caption, "regex") == ["a", "man's", "black", "-", "and", "-", "white", "t", "-", "shirt",
-                                                "doesn't", "fit", "."]  # fmt: skip
-    vocab = Vocabulary(["<pad>", "<start>", "<end>", "<unk>", "man", "'s", "t-shirt", "<mask>"], tokenizer="nltk")
+    assert tokenize_words(caption, "nltk") == [
+        "a",
+        "man",
+        "'s",
+        "black-and-white",
+        "t-shirt",
+        "does",
+        "n't",
+        "fit",
+        ".",
+    ]
+    assert tokenize_words(caption, "regex") == [
+        "a",
+        "man's",
+        "black",
+        "-",
+        "and",
+        "-",
+        "white",
+        "t",
+        "-",
+        "shirt",
+        "doesn't",
+        "fit",
+        ".",
+    ]
+    vocab = Vocabulary(
+        ["<pad>", "<start>", "<end>", "<unk>", "man", "'s", "t-shirt", "<mask>"], tokenizer="nltk"
+    )
     assert vocab.encode("man's t-shirt") == [1, 4, 5, 6, 2]
     with pytest.raises(ValueError, match="unknown tokenizer"):
         Vocabulary(["<pad>", "<start>", "<end>", "<unk>", "<mask>"], tokenizer="spacy")
@@ -113,8 +150,19 @@ def test_nltk_tokens_are_the_treebank_ones_and_regex_is_unchanged():
     treebank = TreebankWordTokenizer().tokenize(caption.lower())
     assert treebank == ["a", "man", "'s", "black-and-white", "dog", "does", "n't", "run", "."]
     assert tokenize_words(caption, "nltk") == treebank
-    assert tokenize_words(caption, "regex") == ["a", "man's", "black", "-", "and", "-", "white", "dog", "doesn't",
-                                                "run", "."]  # fmt: skip
+    assert tokenize_words(caption, "regex") == [
+        "a",
+        "man's",
+        "black",
+        "-",
+        "and",
+        "-",
+        "white",
+        "dog",
+        "doesn't",
+        "run",
+        ".",
+    ]
 
 
 def test_nltk_tokens_split_sentences_as_the_released_word_tokenize():
@@ -123,8 +171,26 @@ def test_nltk_tokens_split_sentences_as_the_released_word_tokenize():
     from vsekit.data.text import tokenize_words
 
     assert tokenize_words("A man rides a bike. He wears a helmet.", "nltk") == [
-        "a", "man", "rides", "a", "bike", ".", "he", "wears", "a", "helmet", "."]  # fmt: skip
-    assert tokenize_words("Crowds on St. Patrick's day", "nltk") == ["crowds", "on", "st.", "patrick", "'s", "day"]
+        "a",
+        "man",
+        "rides",
+        "a",
+        "bike",
+        ".",
+        "he",
+        "wears",
+        "a",
+        "helmet",
+        ".",
+    ]
+    assert tokenize_words("Crowds on St. Patrick's day", "nltk") == [
+        "crowds",
+        "on",
+        "st.",
+        "patrick",
+        "'s",
+        "day",
+    ]
     assert tokenize_words("", "nltk") == []
 
 
@@ -137,8 +203,15 @@ def test_scan_vocabulary_keeps_possessives_and_negations(tmp_path, recwarn):
 
     words = ["<pad>", "<start>", "<end>", "<unk>", "a", "man", "'s", "dog", "does", "n't", "run", "."]
     path = tmp_path / "f30k_precomp_vocab.json"
-    path.write_text(json.dumps({"word2idx": {w: i for i, w in enumerate(words)},
-                                "idx2word": {str(i): w for i, w in enumerate(words)}, "idx": len(words)}))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                "word2idx": {w: i for i, w in enumerate(words)},
+                "idx2word": {str(i): w for i, w in enumerate(words)},
+                "idx": len(words),
+            }
+        )
+    )
     caption = "A man's dog doesn't run."
     vocab = Vocabulary.load(path)
     ids = vocab.encode(caption)
@@ -152,7 +225,11 @@ def test_scan_vocabulary_keeps_possessives_and_negations(tmp_path, recwarn):
     spec = DataSpec(img_dim=8)
     with pytest.warns(UserWarning):
         text = load_text_processor(recipe, ["unused"], spec)
-    assert recipe.model.text.tokenizer == "nltk" and text.encode(caption) == ids and spec.vocab_words == words + ["<mask>"]
+    assert (
+        recipe.model.text.tokenizer == "nltk"
+        and text.encode(caption) == ids
+        and spec.vocab_words == words + ["<mask>"]
+    )
 
 
 @pytest.mark.parametrize("name", BIGRU_RECIPES)
@@ -161,7 +238,9 @@ def test_bigru_recipes_default_to_the_releases_tokens_and_scan_min_count(name):
 
     text = load_recipe(name).model.text
     assert (text.kind, text.tokenizer, text.vocab_min_count) == ("bigru", "nltk", 4)
-    assert load_recipe(name, ["model.text.tokenizer=regex"]).model.text.tokenizer == "regex"  # still an option
+    assert (
+        load_recipe(name, ["model.text.tokenizer=regex"]).model.text.tokenizer == "regex"
+    )  # still an option
 
 
 def test_small_data_keeps_min_count_one():

@@ -95,8 +95,16 @@ def test_backbone_warmup_ramps_the_loss_or_the_lr(synthetic_dir, tmp_path, monke
         return out
 
     monkeypatch.setattr(Trainer, "train_step", spy)
-    r = load_recipe("vsepp", SMALL + ["train.epochs=2", "data.train_fraction=0.2", "train.batch_size=64",
-                                      f"model.image.backbone_warmup={mode}"])  # fmt: skip
+    r = load_recipe(
+        "vsepp",
+        SMALL
+        + [
+            "train.epochs=2",
+            "data.train_fraction=0.2",
+            "train.batch_size=64",
+            f"model.image.backbone_warmup={mode}",
+        ],
+    )
     Trainer(r, synthetic_dir, tmp_path / "run", progress=False, log=lambda *_: None).fit()
     n = seen[0][3]
     first = seen[:n]

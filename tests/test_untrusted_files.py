@@ -69,11 +69,15 @@ def secret_file(path: Path) -> Path:
 
 def written_text(folder: Path) -> str:
     """Every file under `folder` as text (bytes that are not UTF-8 replaced)."""
-    return "".join(p.read_bytes().decode("utf-8", "replace") for p in sorted(folder.rglob("*")) if p.is_file())
+    return "".join(
+        p.read_bytes().decode("utf-8", "replace") for p in sorted(folder.rglob("*")) if p.is_file()
+    )
 
 
 def shas_of_set(out: Path) -> set[str]:
-    return {json.loads(line)["sha256"] for p in out.glob("*_meta.jsonl") for line in p.read_text().splitlines()}
+    return {
+        json.loads(line)["sha256"] for p in out.glob("*_meta.jsonl") for line in p.read_text().splitlines()
+    }
 
 
 def run_bounded(argv: list[str], cwd: Path, memory: int = MEMORY_LIMIT) -> subprocess.CompletedProcess:
@@ -85,15 +89,21 @@ def run_bounded(argv: list[str], cwd: Path, memory: int = MEMORY_LIMIT) -> subpr
         from vsekit.cli import main
         sys.exit(main(sys.argv[1:]))
     """)
-    return subprocess.run([sys.executable, "-c", code, *argv], cwd=cwd, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", code, *argv], cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
 
 
 def run_python_bounded(code: str, cwd: Path) -> subprocess.CompletedProcess:
     """Python `code` in a child process under the same limits as `run_bounded`."""
     head = f"import resource\nresource.setrlimit(resource.RLIMIT_AS, ({MEMORY_LIMIT}, {MEMORY_LIMIT}))\n"
-    return subprocess.run([sys.executable, "-c", head + textwrap.dedent(code)], cwd=cwd, capture_output=True,
-                          text=True, timeout=TIMEOUT_S)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", head + textwrap.dedent(code)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
 
 
 # --------------------------------------------------------------------------------- the rules themselves
@@ -110,9 +120,13 @@ def test_resolve_inside_takes_relative_names_inside_the_root_only(tmp_path):
     assert resolve_inside(root, "a/../a/x.png") == real / "a" / "x.png"  # '..' that stays inside
     assert resolve_inside(root, "inner_link.png") == real / "a" / "x.png"
     assert resolve_inside(root, str(real / "a" / "x.png"), absolute_ok=True) == real / "a" / "x.png"
-    refused = {"../outside.png": "points outside", "a/../../outside.png": "points outside",
-               str(tmp_path / "outside.png"): "points outside", "~/x.png": "'~' is not expanded",
-               "a/out_link.png": "through a symbolic link"}  # fmt: skip
+    refused = {
+        "../outside.png": "points outside",
+        "a/../../outside.png": "points outside",
+        str(tmp_path / "outside.png"): "points outside",
+        "~/x.png": "'~' is not expanded",
+        "a/out_link.png": "through a symbolic link",
+    }
     for name, why in refused.items():
         with pytest.raises(UntrustedFileError, match=why) as e:
             resolve_inside(root, name, label="the folder", absolute_ok=name.startswith("/"))
@@ -131,7 +145,9 @@ def test_read_bounded_checks_the_size_before_reading_and_never_follows_a_last_li
     with pytest.raises(UntrustedFileError, match="is a symbolic link") as e:
         read_bounded(tmp_path / "link.bin", 10_000)
     assert e.value.kind == OUTSIDE
-    assert read_bounded(tmp_path / "link.bin", 10_000, follow_symlinks=True) == b"x" * 1000  # a path the user typed
+    assert (
+        read_bounded(tmp_path / "link.bin", 10_000, follow_symlinks=True) == b"x" * 1000
+    )  # a path the user typed
     with pytest.raises(UntrustedFileError, match="is a folder, expected a caption file") as e:
         read_inside(tmp_path, ".", 10, expected="a caption file")
     assert e.value.kind == NOT_REGULAR
@@ -140,7 +156,8 @@ def test_read_bounded_checks_the_size_before_reading_and_never_follows_a_last_li
 @needs_fifo
 def test_a_fifo_and_a_device_are_refused_without_waiting_on_them(tmp_path):
     os.mkfifo(tmp_path / "pipe.png")
-    result = run_python_bounded(f"""
+    result = run_python_bounded(
+        f"""
         import os
         from vsekit.data.untrusted import UntrustedFileError, read_bounded
         for path in ({str(tmp_path / "pipe.png")!r}, os.devnull):
@@ -148,11 +165,15 @@ def test_a_fifo_and_a_device_are_refused_without_waiting_on_them(tmp_path):
                 read_bounded(path, 1 << 20, follow_symlinks=True)
             except UntrustedFileError as e:
                 print(e.kind, "|", e)
-    """, tmp_path)  # fmt: skip
+    """,
+        tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines == [f"not a regular file | {tmp_path / 'pipe.png'}: is a FIFO (named pipe), expected a regular file",
-                     f"not a regular file | {os.devnull}: is a character device, expected a regular file"]  # fmt: skip
+    assert lines == [
+        f"not a regular file | {tmp_path / 'pipe.png'}: is a FIFO (named pipe), expected a regular file",
+        f"not a regular file | {os.devnull}: is a character device, expected a regular file",
+    ]
 
 
 # ------------------------------------------------------------------------------ vse data folder (S1, S4)
@@ -164,8 +185,24 @@ def test_folder_caption_link_out_of_the_folder_is_never_read(tmp_path, capsys):
     (root / "p0.txt").unlink()
     os.symlink(secret_file(tmp_path / "secret.txt"), root / "p0.txt")
     out = tmp_path / "out"
-    assert main(["data", "folder", str(root), "--out", str(out), "--pixels", "--no-progress", "--dev", "0",
-                 "--test", "0"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "data",
+                "folder",
+                str(root),
+                "--out",
+                str(out),
+                "--pixels",
+                "--no-progress",
+                "--dev",
+                "0",
+                "--test",
+                "0",
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     assert SECRET not in written_text(out) and SECRET not in err
     said = [line for line in (out / "problems.txt").read_text().splitlines() if line.startswith("p0.txt")]
@@ -181,8 +218,25 @@ def test_folder_picture_link_out_of_the_folder_is_never_read(tmp_path, capsys):
     (root / "link.txt").write_text("a picture from elsewhere\n")
     for copy in ([], ["--copy-images"]):
         out = tmp_path / f"out{len(copy)}"
-        assert main(["data", "folder", str(root), "--out", str(out), "--pixels", "--no-progress", "--dev", "0",
-                     "--test", "0", *copy]) == 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "data",
+                    "folder",
+                    str(root),
+                    "--out",
+                    str(out),
+                    "--pixels",
+                    "--no-progress",
+                    "--dev",
+                    "0",
+                    "--test",
+                    "0",
+                    *copy,
+                ]
+            )
+            == 0
+        )
         assert "link.png: unreadable picture" in capsys.readouterr().err
         assert hashlib.sha256(outside).hexdigest() not in shas_of_set(out)
         assert (out / "train_ids.txt").read_text().split() == ["p0", "p1"]
@@ -201,14 +255,18 @@ def test_folder_fifos_and_links_to_dev_zero_neither_hang_nor_exhaust_memory(tmp_
     (root / "zero.txt").write_text("zeros\n")
     picture(root / "zero_caption.png", (8, 8, 8))
     os.symlink("/dev/zero", root / "zero_caption.txt")
-    result = run_bounded(["data", "folder", "in", "--out", "out", "--pixels", "--no-progress", "--dev", "1",
-                          "--test", "1"], tmp_path)  # fmt: skip
+    result = run_bounded(
+        ["data", "folder", "in", "--out", "out", "--pixels", "--no-progress", "--dev", "1", "--test", "1"],
+        tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     problems = (tmp_path / "out" / "problems.txt").read_text()
-    expected = {"fifo_caption.txt: unreadable captions: is a FIFO (named pipe), expected a caption file",
-                "fifo_picture.png: unreadable picture: cannot be read (is a FIFO (named pipe), expected a picture file)",
-                "zero.png: unreadable picture: 'zero.png' points outside the folder",
-                "zero_caption.txt: unreadable captions: 'zero_caption.txt' points outside the folder"}  # fmt: skip
+    expected = {
+        "fifo_caption.txt: unreadable captions: is a FIFO (named pipe), expected a caption file",
+        "fifo_picture.png: unreadable picture: cannot be read (is a FIFO (named pipe), expected a picture file)",
+        "zero.png: unreadable picture: 'zero.png' points outside the folder",
+        "zero_caption.txt: unreadable captions: 'zero_caption.txt' points outside the folder",
+    }
     assert all(any(line.startswith(e) for line in problems.splitlines()) for e in expected), problems
     ids = {s: (tmp_path / "out" / f"{s}_ids.txt").read_text().split() for s in ("train", "dev", "test")}
     assert sorted(sum(ids.values(), [])) == [f"p{i}" for i in range(5)]
@@ -221,8 +279,24 @@ def test_x_jpg_and_x_png_beside_x_txt_are_both_reported_and_skipped(tmp_path, ca
     Image.new("RGB", (16, 16), (100, 1, 1)).save(root / "x.jpg")
     (root / "x.txt").write_text("which one am I?\n")
     out = tmp_path / "out"
-    assert main(["data", "folder", str(root), "--out", str(out), "--pixels", "--no-progress", "--dev", "0",
-                 "--test", "0"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "data",
+                "folder",
+                str(root),
+                "--out",
+                str(out),
+                "--pixels",
+                "--no-progress",
+                "--dev",
+                "0",
+                "--test",
+                "0",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     problems = (out / "problems.txt").read_text().splitlines()
     assert [line.split(": ")[:2] for line in problems] == [["x.jpg", "name clash"], ["x.png", "name clash"]]
@@ -240,8 +314,24 @@ def test_a_file_that_is_not_a_picture_is_reported_by_its_name(tmp_path, capsys):
     (root / "notes.png").write_bytes(b"just some text, no picture")
     (root / "notes.txt").write_text("a caption\n")
     out = tmp_path / "out"
-    assert main(["data", "folder", str(root), "--out", str(out), "--pixels", "--no-progress", "--dev", "0",
-                 "--test", "0"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "data",
+                "folder",
+                str(root),
+                "--out",
+                str(out),
+                "--pixels",
+                "--no-progress",
+                "--dev",
+                "0",
+                "--test",
+                "0",
+            ]
+        )
+        == 0
+    )
     line = next(x for x in capsys.readouterr().err.splitlines() if "notes.png" in x)
     assert "notes.png: unreadable picture: cannot read image" in line
     assert "object at 0x" not in line and "BytesIO" not in line
@@ -252,24 +342,48 @@ def test_a_file_that_is_not_a_picture_is_reported_by_its_name(tmp_path, capsys):
 
 @pytest.mark.parametrize("copy", [False, True], ids=["referenced", "copied"])
 def test_table_rows_outside_its_folder_are_refused_and_the_images_root_stays_the_tables_folder(
-        copy, tmp_path, monkeypatch, capsys):  # fmt: skip
+    copy, tmp_path, monkeypatch, capsys
+):
     tab = tmp_path / "tables"
     kept = picture(tab / "pics" / "good.png", (10, 200, 10))
     outside = [picture(tmp_path / f"outside{i}.png", (200, 10 * i, 10)) for i in range(3)]
     home = tmp_path / "home"
     outside.append(picture(home / "x.png", (10, 10, 200)))
     monkeypatch.setenv("HOME", str(home))  # '~/x.png' would name a real picture if it were expanded
-    rows = [("pics/good.png", "the good one"), (str(tmp_path / "outside0.png"), "an absolute path"),
-            ("../outside1.png", "a parent path"), ("pics/../../outside2.png", "a longer way out"),
-            ("~/x.png", "a home path")]  # fmt: skip
+    rows = [
+        ("pics/good.png", "the good one"),
+        (str(tmp_path / "outside0.png"), "an absolute path"),
+        ("../outside1.png", "a parent path"),
+        ("pics/../../outside2.png", "a longer way out"),
+        ("~/x.png", "a home path"),
+    ]
     (tab / "t.csv").write_text("image,caption\n" + "".join(f"{a},{b}\n" for a, b in rows))
     out = tmp_path / "out"
-    assert main(["data", "table", str(tab / "t.csv"), "--out", str(out), "--pixels", "--no-progress", "--dev", "0",
-                 "--test", "0", *(["--copy-images"] if copy else [])]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "data",
+                "table",
+                str(tab / "t.csv"),
+                "--out",
+                str(out),
+                "--pixels",
+                "--no-progress",
+                "--dev",
+                "0",
+                "--test",
+                "0",
+                *(["--copy-images"] if copy else []),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     problems = (out / "problems.txt").read_text().splitlines()
     for name, _ in rows[1:]:
-        assert any(line.startswith(f"{name}: ") and "points outside the table's folder" in line for line in problems), name
+        assert any(
+            line.startswith(f"{name}: ") and "points outside the table's folder" in line for line in problems
+        ), name
     assert shas_of_set(out) == {hashlib.sha256(kept).hexdigest()}
     assert not any(p.read_bytes() in outside for p in out.rglob("*.png"))
     assert (out / "train_caps.txt").read_text() == "the good one\n"
@@ -299,7 +413,8 @@ def test_a_fifo_a_folder_and_a_device_named_in_a_table_are_reported_as_what_they
     (tmp_path / "d.csv").write_text(f"image,caption\n{dev.name},a\n")
     got = read_table(tmp_path / "d.csv", images_root=dev.parent)
     assert [f"{p.kind}: {p.detail}" for p in got.problems] == [
-        "unreadable picture: is a character device, expected a picture file (named at d.csv:2); not read"]
+        "unreadable picture: is a character device, expected a picture file (named at d.csv:2); not read"
+    ]
 
 
 # ---------------------------------------------------------------------------- pictures lists of sets (S2)
@@ -311,8 +426,11 @@ def test_index_refuses_a_split_whose_picture_list_points_outside_its_images_root
         picture(data / name, (5, 5, 5))
     picture(tmp_path / "outside.png", (6, 6, 6))
     (data / "test_images.txt").write_text("a.png\n../outside.png\nb.png\n")
-    with pytest.raises(DataFormatError, match=r"test_images.txt \(image row 1\): '../outside.png' points outside "
-                                              "the images root"):  # fmt: skip
+    with pytest.raises(
+        DataFormatError,
+        match=r"test_images.txt \(image row 1\): '../outside.png' points outside "
+        "the images root",
+    ):
         resolve_source(f"{data}:test")
     assert not check_dataset(data, splits=["test"]).ok  # the same rule `vse data check` applies
     (data / "test_images.txt").write_text("a.png\nb.png\nb.png\n")
@@ -331,8 +449,10 @@ def test_link_images_never_links_a_file_that_resolves_outside_the_images_folder(
     assert main(["data", "link-images", str(data), "--images", str(pics), "--splits", "test"]) == 0
     err = capsys.readouterr().err
     assert "a/COCO_val2014_000000000042.jpg' points outside --images" in err and "skipped" in err
-    assert (data / "test_images.txt").read_text().split() == ["b/COCO_val2014_000000000042.jpg",
-                                                              "b/COCO_val2014_000000000043.jpg"]  # fmt: skip
+    assert (data / "test_images.txt").read_text().split() == [
+        "b/COCO_val2014_000000000042.jpg",
+        "b/COCO_val2014_000000000043.jpg",
+    ]
     (pics / "b" / "COCO_val2014_000000000042.jpg").unlink()  # now the only candidate is the link out
     before = (data / "test_images.txt").read_text()
     assert main(["data", "link-images", str(data), "--images", str(pics), "--splits", "test"]) == 2
@@ -383,7 +503,9 @@ def test_vse_index_reads_no_caption_or_picture_that_links_out_of_the_folder(shap
     assert main(["index", str(run), str(root), "--out", str(idx), "--device", "cpu", "--quiet"]) == 0
     capsys.readouterr()
     stored = written_text(idx)
-    assert SECRET not in stored and "OUTSIDE-PICTURE" not in stored  # link.png is named only among the skipped
+    assert (
+        SECRET not in stored and "OUTSIDE-PICTURE" not in stored
+    )  # link.png is named only among the skipped
     (segment,) = idx.glob("segments/*/pictures.jsonl")
     pictures = [json.loads(line)["path"] for line in segment.read_text().splitlines()]
     assert pictures == ["p0.png", "p1.png", "p2.png"]
@@ -398,10 +520,15 @@ def test_vse_search_image_refuses_a_fifo_at_once(shapes_model, tmp_path, capsys)
     data, run = shapes_model
     shapes_folder(data, tmp_path / "in", 2)
     idx = tmp_path / "idx"
-    assert main(["index", str(run), str(tmp_path / "in"), "--out", str(idx), "--device", "cpu", "--quiet"]) == 0
+    assert (
+        main(["index", str(run), str(tmp_path / "in"), "--out", str(idx), "--device", "cpu", "--quiet"]) == 0
+    )
     capsys.readouterr()
     os.mkfifo(tmp_path / "query.png")  # nobody writes to it: opening it to read blocks forever
-    result = run_bounded(["search", str(idx), "--image", "query.png", "--device", "cpu"], tmp_path,
-                         memory=8 << 30)  # fmt: skip  # torch and FAISS map far more address space than they use
+    result = run_bounded(
+        ["search", str(idx), "--image", "query.png", "--device", "cpu"], tmp_path, memory=8 << 30
+    )  # torch and FAISS map far more address space than they use
     assert result.returncode == 2, result.stderr[-3000:]
-    assert result.stderr.strip().endswith("query.png: is a FIFO (named pipe), expected a picture file"), result.stderr
+    assert result.stderr.strip().endswith("query.png: is a FIFO (named pipe), expected a picture file"), (
+        result.stderr
+    )

@@ -18,6 +18,7 @@ from vsekit_lab.datasets.synthetic import make_synthetic_precomp
 def _one_thread(_threads):
     torch.set_num_threads(1)  # tiny models: a second thread only adds spin-waiting on a shared CPU
 
+
 @pytest.fixture
 def data(tmp_path):
     return make_synthetic_precomp(tmp_path / "d", n_train=40, n_dev=10, n_test=10, regions=4, dim=8)
@@ -75,9 +76,13 @@ def test_layout_and_ids_problems(data):
     (data / "test_caps.txt").write_text(caps)
     (data / "test_cap2img.txt").write_text("\n".join(c2i) + "\n")
     ids = _lines(data / "train_ids.txt")
-    (data / "train_ids.txt").write_text("\n".join([i for i in ids for _ in range(5)][:-1] + ["train00099"]) + "\n")
+    (data / "train_ids.txt").write_text(
+        "\n".join([i for i in ids for _ in range(5)][:-1] + ["train00099"]) + "\n"
+    )
     report = check_dataset(data)
-    assert _found(report, "dev_caps.txt", "", "49 captions do not fit 10 image rows with 5 captions per image")
+    assert _found(
+        report, "dev_caps.txt", "", "49 captions do not fit 10 image rows with 5 captions per image"
+    )
     assert _found(report, "test_cap2img.txt", ":50", "expected one integer, got 'x'")
     assert _found(report, "train_ids.txt", ":200", "id 'train00099' differs from 'train00039'")
     (data / "test_cap2img.txt").write_text("\n".join(["0"] * 49 + ["10"]) + "\n")
@@ -85,7 +90,12 @@ def test_layout_and_ids_problems(data):
     assert list(report.splits) == ["test"]
     assert _found(report, "test_cap2img.txt", ":50", "image row 10 outside 0..9")
     (data / "test_cap2img.txt").write_text("\n".join(["0"] * 50) + "\n")
-    assert _found(check_dataset(data, splits=["test"]), "test_cap2img.txt", "", "image row 1 has no caption (9 such rows)")
+    assert _found(
+        check_dataset(data, splits=["test"]),
+        "test_cap2img.txt",
+        "",
+        "image row 1 has no caption (9 such rows)",
+    )
 
 
 def test_unreadable_features_and_picture_paths(data):
@@ -97,7 +107,9 @@ def test_unreadable_features_and_picture_paths(data):
     paths = ["images/a.png"] * 38 + ["../../etc/passwd", "images/missing.png"]
     (data / "train_images.txt").write_text("\n".join(paths) + "\n")
     report = check_dataset(data)
-    assert _found(report, "dev_ims.npy", "", "not a plain numeric .npy array")  # open_npy's words, as a load's
+    assert _found(
+        report, "dev_ims.npy", "", "not a plain numeric .npy array"
+    )  # open_npy's words, as a load's
     assert _found(report, "test_ims.npy", "", "expected shape (images, regions, dim), got (10, 8)")
     assert _found(report, "train_images.txt", ":39", "points outside the dataset directory")
     assert _found(report, "train_images.txt", ":40", "no such picture")
@@ -142,7 +154,9 @@ def test_check_applies_the_load_rules_and_lists_every_problem(data):
         load_precomp_split(data, "train")
     report = check_dataset(data)
     listed = [f"{p.path}{p.where}: {p.message}" for p in report.errors]
-    assert str(e.value) in listed and str(e.value).endswith("train_ims_lengths.txt:39: expected one integer, got 'x'")
+    assert str(e.value) in listed and str(e.value).endswith(
+        "train_ims_lengths.txt:39: expected one integer, got 'x'"
+    )
     assert _found(report, "train_ims_lengths.txt", ":38", "set size 0 outside 1..4") is False  # not read: 'x'
     (data / "train_ims_lengths.txt").write_text("4\n" * 37 + "0\n4\n9\n")
     report = check_dataset(data)

@@ -32,8 +32,18 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-TINY = ["model.embed_dim=32", "model.text.word_dim=16", "model.text.vocab_min_count=1", "model.image.mlp_hidden=32",
-        "train.batch_size=32", "train.log_every=0", "train.epochs=1", "optim.lr=1.0e-3"]  # fmt: skip
+
+
+TINY = [
+    "model.embed_dim=32",
+    "model.text.word_dim=16",
+    "model.text.vocab_min_count=1",
+    "model.image.mlp_hidden=32",
+    "train.batch_size=32",
+    "train.log_every=0",
+    "train.epochs=1",
+    "optim.lr=1.0e-3",
+]
 
 
 # --------------------------------------------------------------------------------------------- protocol
@@ -123,8 +133,10 @@ def test_frame_count_variants_hold_the_same_clips_and_captions(tmp_path):
         assert lo <= frames.lengths.min() and frames.lengths.max() <= hi
         scripts = [json.loads(line) for line in (root / "test_clips.jsonl").read_text().splitlines()]
         assert [s["frames"] for s in scripts] == frames.lengths.tolist()
-    events = [[json.loads(line)["events"] for line in (tmp_path / d / "test_clips.jsonl").read_text().splitlines()]
-              for d in ("short", "long")]  # fmt: skip
+    events = [
+        [json.loads(line)["events"] for line in (tmp_path / d / "test_clips.jsonl").read_text().splitlines()]
+        for d in ("short", "long")
+    ]
     assert events[0] == events[1]
 
 
@@ -136,7 +148,9 @@ def _position(caption: str, event: dict) -> int:
 
 
 def test_captions_name_every_event_in_its_order(tmp_path):
-    build_moving_shapes(tmp_path, clips={"train": 40}, captions=(5, 10), features=CHEAP, progress=False, seed=2)
+    build_moving_shapes(
+        tmp_path, clips={"train": 40}, captions=(5, 10), features=CHEAP, progress=False, seed=2
+    )
     split = load_precomp_split(tmp_path, "train")
     scripts = [json.loads(line) for line in (tmp_path / "train_clips.jsonl").read_text().splitlines()]
     assert split.n_images == 40 and len(scripts) == 40
@@ -172,7 +186,19 @@ def test_efficientnet_features_are_one_1280_vector_per_frame(tmp_path):
 
 def test_cli_refuses_to_overwrite_without_the_flag(tmp_path, capsys):
     out = tmp_path / "ms"
-    args = ["data", "moving-shapes", "--out", str(out), "--clips", "4", "2", "2", "--features", CHEAP, "--no-progress"]
+    args = [
+        "data",
+        "moving-shapes",
+        "--out",
+        str(out),
+        "--clips",
+        "4",
+        "2",
+        "2",
+        "--features",
+        CHEAP,
+        "--no-progress",
+    ]
     assert main(args) == 0
     assert json.loads((out / "manifest.json").read_text())["splits"]["train"]["clips"] == 4
     before = (out / "train_caps.txt").read_bytes()
@@ -192,7 +218,11 @@ def test_video_recipes_follow_the_paper_appendix():
     for name, pool in (("vse_infty_video", "gpo"), ("vsepp_video", "avg")):
         r = load_recipe(name)
         assert r.model.image.pooling.name == pool and r.model.text.pooling.name == pool
-        assert r.model.image.kind == "precomp" and r.model.image.feature_type == "region" and r.model.text.kind == "bigru"
+        assert (
+            r.model.image.kind == "precomp"
+            and r.model.image.feature_type == "region"
+            and r.model.text.kind == "bigru"
+        )
         assert (r.model.embed_dim, r.loss.margin, r.train.epochs, r.train.batch_size) == (1024, 0.2, 35, 128)
         assert r.optim.lr == 1e-4 and r.optim.lr_decay_epochs == [25] and r.optim.lr_decay == 0.1
         assert r.data.size_augment and r.data.region_keep_prob == 0.8
@@ -211,8 +241,26 @@ def two_video_runs(tiny_clips, tmp_path_factory) -> list[Path]:
     runs = []
     for seed in (0, 1):
         run = base / f"seed{seed}"
-        assert main(["train", "--data", str(tiny_clips), "--out", str(run), "--recipe", "vse_infty_video",
-                     "--no-progress", "--device", "cpu", "--seed", str(seed), *sum((["--set", s] for s in TINY), [])]) == 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "train",
+                    "--data",
+                    str(tiny_clips),
+                    "--out",
+                    str(run),
+                    "--recipe",
+                    "vse_infty_video",
+                    "--no-progress",
+                    "--device",
+                    "cpu",
+                    "--seed",
+                    str(seed),
+                    *sum((["--set", s] for s in TINY), []),
+                ]
+            )
+            == 0
+        )
         runs.append(run)
     return runs
 
@@ -221,16 +269,50 @@ def test_eval_and_ensemble_over_clips(tiny_clips, two_video_runs, tmp_path):
     singles = []
     for i, run in enumerate(two_video_runs):
         out = tmp_path / f"{i}.json"
-        assert main(["eval", str(run), "--split", "test", "--device", "cpu", "--save-sims", str(tmp_path / f"{i}.npy"),
-                     "--json-out", str(out)]) == 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "eval",
+                    str(run),
+                    "--split",
+                    "test",
+                    "--device",
+                    "cpu",
+                    "--save-sims",
+                    str(tmp_path / f"{i}.npy"),
+                    "--json-out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         singles.append(np.load(tmp_path / f"{i}.npy"))
         split = load_precomp_split(tiny_clips, "test")
         assert singles[-1].shape == (12, split.n_captions)
-        assert json.loads(out.read_text())["rsum"] == pytest.approx(evaluate_sims(singles[-1], split.cap2img)["rsum"])
+        assert json.loads(out.read_text())["rsum"] == pytest.approx(
+            evaluate_sims(singles[-1], split.cap2img)["rsum"]
+        )
     out = tmp_path / "ens.json"
-    assert main(["eval", *map(str, two_video_runs), "--split", "test", "--device", "cpu",
-                 "--save-sims", str(tmp_path / "ens.npy"), "--json-out", str(out)]) == 0  # fmt: skip
-    np.testing.assert_allclose(np.load(tmp_path / "ens.npy"), (singles[0].astype(np.float64) + singles[1]) / 2, atol=1e-6)
+    assert (
+        main(
+            [
+                "eval",
+                *map(str, two_video_runs),
+                "--split",
+                "test",
+                "--device",
+                "cpu",
+                "--save-sims",
+                str(tmp_path / "ens.npy"),
+                "--json-out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    np.testing.assert_allclose(
+        np.load(tmp_path / "ens.npy"), (singles[0].astype(np.float64) + singles[1]) / 2, atol=1e-6
+    )
     assert json.loads(out.read_text())["ensemble_of"] == [str(r) for r in two_video_runs]
 
 
@@ -238,12 +320,18 @@ def test_index_and_search_over_clips(tiny_clips, two_video_runs, tmp_path, capsy
     pytest.importorskip("faiss")
     run = two_video_runs[0]
     index = tmp_path / "idx"
-    assert main(["index", str(run), f"{tiny_clips}:test", "--out", str(index), "--quiet", "--device", "cpu"]) == 0
+    assert (
+        main(["index", str(run), f"{tiny_clips}:test", "--out", str(index), "--quiet", "--device", "cpu"])
+        == 0
+    )
     split = load_precomp_split(tiny_clips, "test")
     meta = json.loads((index / "index.json").read_text())
     assert meta["counts"] == {"pictures": 12, "captions": split.n_captions}
     assert meta["segments"][0]["embedded_from"]["mode"] == "features"
-    assert main(["eval", str(run), "--split", "test", "--device", "cpu", "--save-sims", str(tmp_path / "s.npy")]) == 0
+    assert (
+        main(["eval", str(run), "--split", "test", "--device", "cpu", "--save-sims", str(tmp_path / "s.npy")])
+        == 0
+    )
     sims = np.load(tmp_path / "s.npy")
     for col in (0, split.n_captions - 1):  # search ranks the clips as evaluation scores them
         capsys.readouterr()
@@ -264,13 +352,41 @@ CHANCE_RSUM = 77.3
 @pytest.mark.slow
 def test_video_training_learns_on_moving_shapes(tmp_path):
     data = tmp_path / "ms"
-    build_moving_shapes(data, clips={"train": 200, "dev": 40, "test": 40}, captions=(5, 5), features=CHEAP,
-                        progress=False)  # fmt: skip
+    build_moving_shapes(
+        data, clips={"train": 200, "dev": 40, "test": 40}, captions=(5, 5), features=CHEAP, progress=False
+    )
     run = tmp_path / "run"
-    sets = ["model.embed_dim=64", "model.text.word_dim=32", "model.text.vocab_min_count=1", "model.image.mlp_hidden=64",
-            "train.log_every=0", "optim.lr=1.0e-3", "optim.lr_decay_epochs=[10]"]  # fmt: skip
-    assert main(["train", "--data", str(data), "--out", str(run), "--recipe", "vse_infty_video", "--epochs", "12",
-                 "--batch-size", "32", "--no-progress", "--device", "cpu", *sum((["--set", s] for s in sets), [])]) == 0  # fmt: skip
+    sets = [
+        "model.embed_dim=64",
+        "model.text.word_dim=32",
+        "model.text.vocab_min_count=1",
+        "model.image.mlp_hidden=64",
+        "train.log_every=0",
+        "optim.lr=1.0e-3",
+        "optim.lr_decay_epochs=[10]",
+    ]
+    assert (
+        main(
+            [
+                "train",
+                "--data",
+                str(data),
+                "--out",
+                str(run),
+                "--recipe",
+                "vse_infty_video",
+                "--epochs",
+                "12",
+                "--batch-size",
+                "32",
+                "--no-progress",
+                "--device",
+                "cpu",
+                *sum((["--set", s] for s in sets), []),
+            ]
+        )
+        == 0
+    )
     out = tmp_path / "m.json"
     assert main(["eval", str(run), "--split", "test", "--device", "cpu", "--json-out", str(out)]) == 0
     m = json.loads(out.read_text())

@@ -208,8 +208,12 @@ def make_tree(root: Path) -> Path:
     (data / "core/macros").mkdir(parents=True)
     (data / "core/macros/anims.cfg").write_text(MACROS)
     units = data / "core/units"
-    for sub, name, text in (("humans", "Spearman", SPEARMAN), ("humans", "Pikeman", PIKEMAN),
-                            ("monsters", "Bat", BAT), ("humans", "Mage", MAGE)):  # fmt: skip
+    for sub, name, text in (
+        ("humans", "Spearman", SPEARMAN),
+        ("humans", "Pikeman", PIKEMAN),
+        ("monsters", "Bat", BAT),
+        ("humans", "Mage", MAGE),
+    ):
         (units / sub).mkdir(parents=True, exist_ok=True)
         (units / sub / f"{name}.cfg").write_text(text)
     images = data / "core/images/units"
@@ -279,8 +283,12 @@ def test_parse_clips_captions_and_splits(tree: Path):
     # Spearman 8 branches (attack, 2 javelin, 2 defend, standing, death, idle), Pikeman 2, Bat 2 (not the #ifdef), Mage 2
     assert len(anims) == 14
     clips, stats = make_clips(data, units, anims)
-    assert stats == {"frames_referenced": 35, "frames_missing": 2, "dropped_static_or_missing": 2,
-                     "dropped_duplicate_sequence": 1}  # fmt: skip
+    assert stats == {
+        "frames_referenced": 35,
+        "frames_missing": 2,
+        "dropped_static_or_missing": 2,
+        "dropped_duplicate_sequence": 1,
+    }
     by_id = {c.id: c for c in clips}
     assert list(by_id) == [
         "Mage/idle/-/-/-",
@@ -318,8 +326,12 @@ def test_parse_clips_captions_and_splits(tree: Path):
     assert frames["Mage/death/-/-/-"] == [f"mage-die-{i}.png" for i in (1, 2, 3)]
     assert sum(len(c.frames) for c in clips) == 29
     # families: Spearman -> Pikeman is one; md5 order: 'Vampire Bat' (test), 'Pikeman' (dev), 'Mage' (train)
-    assert families(units) == {"Spearman": "Pikeman", "Pikeman": "Pikeman", "Vampire Bat": "Vampire Bat",
-                               "Mage": "Mage"}  # fmt: skip
+    assert families(units) == {
+        "Spearman": "Pikeman",
+        "Pikeman": "Pikeman",
+        "Vampire Bat": "Vampire Bat",
+        "Mage": "Mage",
+    }
     splits = assign_splits(clips, units)
     assert {s: len(v) for s, v in splits.items()} == {"train": 2, "dev": 7, "test": 2}
     assert {c.unit for c in splits["dev"]} == {"Spearman", "Pikeman"}

@@ -38,10 +38,16 @@ REPO = Path(__file__).resolve().parents[2]
 # the small, fast config every variant shares (openclipart: EfficientNet-Lite0 grid features, BiGRU text).
 # d1 = 128 and d2 = 64 keep the paper's block layout (d1/d2 = 2 caption blocks, 2 views -> 4 image blocks).
 SMALL = [
-    "model.embed_dim=128", "model.image.feature_type=grid", "model.text.kind=bigru", "model.text.vocab_min_count=1",
-    "model.text.word_dim=300", "train.batch_size=128", "data.captions_per_image=1", "train.log_every=0",
+    "model.embed_dim=128",
+    "model.image.feature_type=grid",
+    "model.text.kind=bigru",
+    "model.text.vocab_min_count=1",
+    "model.text.word_dim=300",
+    "train.batch_size=128",
+    "data.captions_per_image=1",
+    "train.log_every=0",
     "train.eval_batch_size=512",
-]  # fmt: skip
+]
 AVSE_SMALL = ["model.similarity.block_dim=64"]
 
 # key -> (table label, recipe, overrides)
@@ -52,23 +58,59 @@ VARIANTS: dict[str, tuple[str, str, list[str]]] = {
     "floor": ("Floor: bag of words (linear, `bow` recipe)", "bow", []),
     "vse_infty": ("VSE∞ (1 view, cosine)", "vse_infty", []),
     "avse": ("AVSE: 2 views, d2 = d1/2, c = 20, L_reg", "avse", AVSE_SMALL),
-    "views1": ("1 view (AEOM, no L_reg: needs 2 views)", "avse", AVSE_SMALL + ["model.image.views=1", "loss.view_reg_weight=0"]),
+    "views1": (
+        "1 view (AEOM, no L_reg: needs 2 views)",
+        "avse",
+        AVSE_SMALL + ["model.image.views=1", "loss.view_reg_weight=0"],
+    ),
     "views4": ("4 views", "avse", AVSE_SMALL + ["model.image.views=4"]),
     "d2_32": ("d2 = d1/4 (32)", "avse", ["model.similarity.block_dim=32"]),
     "d2_128": ("d2 = d1 (128)", "avse", ["model.similarity.block_dim=128"]),
-    "no_sinkhorn": ("no Sinkhorn (released code: block max-sum)", "avse", AVSE_SMALL + ["model.similarity.use_sinkhorn=false"]),
+    "no_sinkhorn": (
+        "no Sinkhorn (released code: block max-sum)",
+        "avse",
+        AVSE_SMALL + ["model.similarity.use_sinkhorn=false"],
+    ),
     "c5": ("c = 5 Sinkhorn iterations", "avse", AVSE_SMALL + ["model.similarity.sinkhorn_iters=5"]),
     "c50": ("c = 50 Sinkhorn iterations", "avse", AVSE_SMALL + ["model.similarity.sinkhorn_iters=50"]),
     "no_reg": ("no L_reg", "avse", AVSE_SMALL + ["loss.view_reg_weight=0"]),
     "reg_paper": ("L_reg as Eq. 3 (no /B)", "avse", AVSE_SMALL + ["loss.view_reg_variant=paper"]),
-    "readout_plan": ("AEOM reads the plan's probabilities (Eq. 2 literally)", "avse", AVSE_SMALL + ["model.similarity.readout=plan"]),
-    "views_after_aug": ("views drawn after size augmentation (~60 % per view)", "avse", AVSE_SMALL + ["model.image.view_size_augment=true"]),
-    "earlier_defaults": ("vsekit's earlier defaults (plan readout, Eq. 3 L_reg, views after size aug., wd 1e-4)", "avse",
-                         AVSE_SMALL + ["model.similarity.readout=plan", "loss.view_reg_variant=paper",
-                                       "model.image.view_size_augment=true", "optim.weight_decay=1e-4"]),
-}  # fmt: skip
-DEFAULT_VARIANTS = ["floor", "vse_infty", "avse", "no_sinkhorn", "no_reg", "views1", "views4", "d2_128", "c5", "readout_plan",
-                    "reg_paper", "views_after_aug"]  # fmt: skip
+    "readout_plan": (
+        "AEOM reads the plan's probabilities (Eq. 2 literally)",
+        "avse",
+        AVSE_SMALL + ["model.similarity.readout=plan"],
+    ),
+    "views_after_aug": (
+        "views drawn after size augmentation (~60 % per view)",
+        "avse",
+        AVSE_SMALL + ["model.image.view_size_augment=true"],
+    ),
+    "earlier_defaults": (
+        "vsekit's earlier defaults (plan readout, Eq. 3 L_reg, views after size aug., wd 1e-4)",
+        "avse",
+        AVSE_SMALL
+        + [
+            "model.similarity.readout=plan",
+            "loss.view_reg_variant=paper",
+            "model.image.view_size_augment=true",
+            "optim.weight_decay=1e-4",
+        ],
+    ),
+}
+DEFAULT_VARIANTS = [
+    "floor",
+    "vse_infty",
+    "avse",
+    "no_sinkhorn",
+    "no_reg",
+    "views1",
+    "views4",
+    "d2_128",
+    "c5",
+    "readout_plan",
+    "reg_paper",
+    "views_after_aug",
+]
 KEYS = ["i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "rsum"]
 BEGIN = (
     "<!-- ablation:begin (written by scripts/experiments/avse_ablation.py; edits here are overwritten) -->"
@@ -105,19 +147,33 @@ def run_one(key: str, seed: int, args: argparse.Namespace) -> dict:
     load_weights(trainer.model, run_dir / "best.safetensors")
     ratio_best = view_reg_grad_ratio(trainer.model, probe, recipe.loss) if probe else None
     t1 = time.perf_counter()
-    test, _, _ = evaluate_model(trainer.model, args.data, "test", batch_size=recipe.train.eval_batch_size,
-                                device=trainer.device, progress=False)  # fmt: skip
+    test, _, _ = evaluate_model(
+        trainer.model,
+        args.data,
+        "test",
+        batch_size=recipe.train.eval_batch_size,
+        device=trainer.device,
+        progress=False,
+    )
     eval_s = time.perf_counter() - t1
     best = json.loads((run_dir / "best.json").read_text())
     dustbin = getattr(trainer.model.sim, "dustbin", None)
     result = {
-        "variant": key, "label": label, "recipe": recipe_name, "seed": seed, "overrides": over,
-        "test": {k: test[k] for k in KEYS}, "best_dev_epoch": best["epoch"], "best_dev_rsum": best["rsum"],
-        "train_s": train_s, "test_eval_s": eval_s,
+        "variant": key,
+        "label": label,
+        "recipe": recipe_name,
+        "seed": seed,
+        "overrides": over,
+        "test": {k: test[k] for k in KEYS},
+        "best_dev_epoch": best["epoch"],
+        "best_dev_rsum": best["rsum"],
+        "train_s": train_s,
+        "test_eval_s": eval_s,
         "dustbin": None if dustbin is None else dustbin.item(),
-        "reg_grad_ratio_init": ratio_init, "reg_grad_ratio_best": ratio_best,
+        "reg_grad_ratio_init": ratio_init,
+        "reg_grad_ratio_best": ratio_best,
         "resolved_recipe": to_dict(recipe),
-    }  # fmt: skip
+    }
     done.write_text(json.dumps(result, indent=1))
     print(
         f"{key} seed {seed}: test rsum {test['rsum']:.1f} (best dev epoch {best['epoch']}) {train_s:.0f}s",
@@ -137,8 +193,10 @@ def mean_std(values: list[float]) -> str:
 
 
 def table(results: dict[str, list[dict]]) -> str:
-    head = ("| Variant | seeds | i2t R@1 | i2t R@5 | i2t R@10 | t2i R@1 | t2i R@5 | t2i R@10 | RSUM | Δ vs AVSE | z "
-            "| ‖∇reg‖/‖∇rank‖ init → best | train s |")  # fmt: skip
+    head = (
+        "| Variant | seeds | i2t R@1 | i2t R@5 | i2t R@10 | t2i R@1 | t2i R@5 | t2i R@10 | RSUM | Δ vs AVSE | z "
+        "| ‖∇reg‖/‖∇rank‖ init → best | train s |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     ref = results.get("avse")
     base = statistics.fmean(r["test"]["rsum"] for r in ref) if ref else None
@@ -166,16 +224,23 @@ def write_docs(results: dict[str, list[dict]], args: argparse.Namespace, command
         "RSUM = sum of the six; z = learned dustbin score at the end of training (mean over seeds); "
         "‖∇reg‖/‖∇rank‖ = gradient-norm ratio of weight × L_reg to the hardest-negative ranking loss on the image "
         "embedding, first training batch, at initialisation → best checkpoint (mean over seeds).",
-        "" if not missing else f"**Partial grid**: fewer than {len(args.seeds)} seeds finished for: {', '.join(missing)}.",
+        ""
+        if not missing
+        else f"**Partial grid**: fewer than {len(args.seeds)} seeds finished for: {', '.join(missing)}.",
         "",
         table(results),
         "",
-        "Shared overrides: `" + " ".join(SMALL + ["train.seed=S", f"train.epochs={args.epochs}",
-                                                 f"optim.lr_decay_epochs=[{args.decay_epoch}]"] + args.set) + "`.",
+        "Shared overrides: `"
+        + " ".join(
+            SMALL
+            + ["train.seed=S", f"train.epochs={args.epochs}", f"optim.lr_decay_epochs=[{args.decay_epoch}]"]
+            + args.set
+        )
+        + "`.",
         "",
         "Command: `" + command + "`",
         END,
-    ]  # fmt: skip
+    ]
     text = path.read_text(encoding="utf-8") if path.is_file() else ""
     if BEGIN in text and END in text:
         text = text[: text.index(BEGIN)] + "\n".join(block) + text[text.index(END) + len(END) :]

@@ -29,15 +29,24 @@ def main() -> None:
     rows = []
     for variant in [v for v in VARIANTS if v.name in args.variants]:
         run_dir = Path(args.out) / variant.name
-        recipe = load_recipe(variant.recipe, demo_overrides(variant, args.epochs)
-                             + [f"train.seed={args.seed}", f"train.collapse_steps={args.steps}"])  # fmt: skip
+        recipe = load_recipe(
+            variant.recipe,
+            demo_overrides(variant, args.epochs)
+            + [f"train.seed={args.seed}", f"train.collapse_steps={args.steps}"],
+        )
         Trainer(recipe, args.data, run_dir, overwrite=run_dir.exists(), progress=False).fit()
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         fired = [r for r in records if r.get("kind") == "collapse"]
         vals = [r["rsum"] for r in records if r.get("kind") == "val"]
         state = json.loads((run_dir / "last_state.json").read_text())["train_state"]
-        rows.append((variant.name, state["global_step"], vals[-1] if vals else float("nan"),
-                     f"fired at step {fired[0]['step']}" if fired else "silent"))  # fmt: skip
+        rows.append(
+            (
+                variant.name,
+                state["global_step"],
+                vals[-1] if vals else float("nan"),
+                f"fired at step {fired[0]['step']}" if fired else "silent",
+            )
+        )
     print(f"| run | steps trained | last dev rsum | alarm (train.collapse_steps={args.steps}) |")
     print("|---|---|---|---|")
     for name, steps, rsum, verdict in rows:

@@ -54,14 +54,29 @@ class Study:
     jobs: list[Job] = field(default_factory=list)
 
 
-def demo_job(group: str, variant_name: str, seed: int, fraction: float, extra: tuple[str, ...] = (),
-             name: str | None = None, label: str = "") -> Job:  # fmt: skip
+def demo_job(
+    group: str,
+    variant_name: str,
+    seed: int,
+    fraction: float,
+    extra: tuple[str, ...] = (),
+    name: str | None = None,
+    label: str = "",
+) -> Job:
     from vsekit_lab.demo import DEMO_EPOCHS, VARIANTS, demo_overrides
 
     v = next(v for v in VARIANTS if v.name == variant_name)
     overrides = tuple(demo_overrides(v, DEMO_EPOCHS)) + extra + (f"data.train_fraction={fraction}",)
-    return Job(group, name or variant_name, v.recipe, overrides, seed, fraction,
-               demo_variant=variant_name if not extra else "", label=label or v.label)  # fmt: skip
+    return Job(
+        group,
+        name or variant_name,
+        v.recipe,
+        overrides,
+        seed,
+        fraction,
+        demo_variant=variant_name if not extra else "",
+        label=label or v.label,
+    )
 
 
 # The small-data recipe (src/vsekit/recipes/small_data.yaml) scored against the floor
@@ -69,16 +84,33 @@ SMALL_DATA = ("small_data", "Small data: MiniLM (frozen) + InfoNCE")
 
 # One change per row from the demo's VSE++ BiGRU run (triplet, hardest negative, 512-d, 8 epochs, decay at 6)
 WHY_ROWS = [
-    ("all_negatives", ("loss.max_violation=false", "loss.warmup_epochs=0"), "triplet over all negatives (VSE0)"),
+    (
+        "all_negatives",
+        ("loss.max_violation=false", "loss.warmup_epochs=0"),
+        "triplet over all negatives (VSE0)",
+    ),
     ("infonce", ("loss.name=infonce",), "InfoNCE over all negatives (τ 0.05)"),
     ("embed256", ("model.embed_dim=256",), "embedding 256-d"),
     ("embed1024", ("model.embed_dim=1024",), "embedding 1024-d (the recipe's)"),
-    ("schedule30", ("train.epochs=30", "optim.lr_decay_epochs=[]"), "30 epochs, no decay (the floor's schedule)"),
+    (
+        "schedule30",
+        ("train.epochs=30", "optim.lr_decay_epochs=[]"),
+        "30 epochs, no decay (the floor's schedule)",
+    ),
     ("no_augment", ("data.size_augment=false",), "no feature / word augmentation"),
     # all of the floor's training at once, so only the encoders differ from the floor (BiGRU vs bag of words)
-    ("floor_training", ("loss.name=infonce", "train.epochs=30", "optim.lr_decay_epochs=[]", "optim.lr=1e-3",
-                        "optim.weight_decay=0", "optim.grad_clip=0"),
-     "the floor's loss and schedule together (InfoNCE, Adam 1e-3, no decay, 30 epochs)"),
+    (
+        "floor_training",
+        (
+            "loss.name=infonce",
+            "train.epochs=30",
+            "optim.lr_decay_epochs=[]",
+            "optim.lr=1e-3",
+            "optim.weight_decay=0",
+            "optim.grad_clip=0",
+        ),
+        "the floor's loss and schedule together (InfoNCE, Adam 1e-3, no decay, 30 epochs)",
+    ),
 ]
 
 
@@ -86,31 +118,77 @@ def build_jobs(groups: list[str], seeds: tuple[int, ...]) -> list[Job]:
     jobs: list[Job] = []
     for seed in seeds:
         if "floor" in groups or "ensemble" in groups:
-            jobs.append(Job("floor", "bow", "bow", ("train.log_every=0", "data.train_fraction=1.0"), seed,
-                            demo_variant="bow", label="Floor: bag of words (linear)"))  # fmt: skip
-            jobs.append(Job("floor", "bow_noaug", "bow", ("train.log_every=0", "data.size_augment=false"), seed,
-                            label="bag of words, no augmentation"))  # fmt: skip
-            jobs.append(Job("floor", "bow_bare", "bow", ("train.log_every=0", "data.size_augment=false",
-                                                         "loss.mask_same_image=false", "model.text.tokenizer=regex"),
-                            seed, label="bag of words, no augmentation, same-image captions as negatives, regex tokens"))  # fmt: skip
+            jobs.append(
+                Job(
+                    "floor",
+                    "bow",
+                    "bow",
+                    ("train.log_every=0", "data.train_fraction=1.0"),
+                    seed,
+                    demo_variant="bow",
+                    label="Floor: bag of words (linear)",
+                )
+            )
+            jobs.append(
+                Job(
+                    "floor",
+                    "bow_noaug",
+                    "bow",
+                    ("train.log_every=0", "data.size_augment=false"),
+                    seed,
+                    label="bag of words, no augmentation",
+                )
+            )
+            jobs.append(
+                Job(
+                    "floor",
+                    "bow_bare",
+                    "bow",
+                    (
+                        "train.log_every=0",
+                        "data.size_augment=false",
+                        "loss.mask_same_image=false",
+                        "model.text.tokenizer=regex",
+                    ),
+                    seed,
+                    label="bag of words, no augmentation, same-image captions as negatives, regex tokens",
+                )
+            )
         if "curve" in groups:
             for fraction in FRACTIONS:
-                jobs.append(Job("curve", "bow", "bow", ("train.log_every=0", f"data.train_fraction={fraction}"), seed,
-                                fraction, demo_variant="bow", label="Floor: bag of words (linear)"))  # fmt: skip
+                jobs.append(
+                    Job(
+                        "curve",
+                        "bow",
+                        "bow",
+                        ("train.log_every=0", f"data.train_fraction={fraction}"),
+                        seed,
+                        fraction,
+                        demo_variant="bow",
+                        label="Floor: bag of words (linear)",
+                    )
+                )
                 for variant in ("vsepp_bigru", "vse_infty_bigru", "vsepp_minilm", "vse_infty_minilm"):
                     if variant == "vsepp_minilm" and fraction < 1.0:
                         continue  # in the demo table, not on the curve
                     jobs.append(demo_job("curve", variant, seed, fraction))
         if "small" in groups or "ensemble" in groups:
-            jobs.append(Job("small", SMALL_DATA[0], SMALL_DATA[0], ("train.log_every=0",), seed, label=SMALL_DATA[1]))
+            jobs.append(
+                Job("small", SMALL_DATA[0], SMALL_DATA[0], ("train.log_every=0",), seed, label=SMALL_DATA[1])
+            )
         if "why" in groups:
             for name, extra, label in WHY_ROWS:
                 jobs.append(demo_job("why", "vsepp_bigru", seed, 1.0, extra, name=name, label=label))
     # what the tables need most comes first (the demo table, the floor, the small-data margin), so a study
     # cut short still fills them; seeds inside each tier
     tier = {"floor": 0, "small": 2, "why": 4}
-    return sorted(jobs, key=lambda j: (1 if j.group == "curve" and j.fraction == 1.0 else 3 if j.group == "curve"
-                                       else tier[j.group], j.seed))  # fmt: skip
+    return sorted(
+        jobs,
+        key=lambda j: (
+            1 if j.group == "curve" and j.fraction == 1.0 else 3 if j.group == "curve" else tier[j.group],
+            j.seed,
+        ),
+    )
 
 
 def run_job(job: Job, data: str, out: str, demo_out: str | None, threads: int) -> dict:
@@ -133,8 +211,15 @@ def run_job(job: Job, data: str, out: str, demo_out: str | None, threads: int) -
     if not run_is_complete(run_dir, recipe.train.epochs):
         resume = (run_dir / "last_state.json").is_file()
         t0 = time.perf_counter()
-        Trainer(recipe, data, run_dir, resume=resume, overwrite=not resume and run_dir.exists(), progress=False,
-                log=lambda *_: None).fit()  # fmt: skip
+        Trainer(
+            recipe,
+            data,
+            run_dir,
+            resume=resume,
+            overwrite=not resume and run_dir.exists(),
+            progress=False,
+            log=lambda *_: None,
+        ).fit()
         atomic_write_json(timing, {"train_time_s": time.perf_counter() - t0})
     scores = {}
     for tag in ("best", "last"):
@@ -144,12 +229,20 @@ def run_job(job: Job, data: str, out: str, demo_out: str | None, threads: int) -
     best = json.loads((run_dir / "best.json").read_text())
     model, _ = load_run(run_dir, "best", "cpu")
     result = {
-        "group": job.group, "name": job.name, "label": job.label, "recipe": job.recipe, "seed": job.seed,
-        "fraction": job.fraction, "train_images": None, "overrides": list(job.overrides),
-        "best_epoch": best.get("epoch"), "test": scores["best"], "test_last_epoch": scores["last"],
+        "group": job.group,
+        "name": job.name,
+        "label": job.label,
+        "recipe": job.recipe,
+        "seed": job.seed,
+        "fraction": job.fraction,
+        "train_images": None,
+        "overrides": list(job.overrides),
+        "best_epoch": best.get("epoch"),
+        "test": scores["best"],
+        "test_last_epoch": scores["last"],
         "train_time_s": json.loads(timing.read_text())["train_time_s"] if timing.is_file() else None,
         "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
-    }  # fmt: skip
+    }
     log = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     result["dev_rsum"] = [h["rsum"] for h in log if h.get("kind") == "val"]
     atomic_write_json(result_file, result)
@@ -192,9 +285,13 @@ def recall_table(rows: dict, extra_cols: bool = True) -> str:
         line = f"| {runs[0]['label']} | {len(runs)} | " + " | ".join(cells)
         if extra_cols:
             times = [r["train_time_s"] for r in runs if r["train_time_s"]]
-            line += (f" | {mean_std([r['test_last_epoch']['rsum'] for r in runs])}"
-                     f" | {', '.join(str(r['best_epoch']) for r in runs)} | {runs[0]['parameters']:,}"
-                     f" | {statistics.fmean(times):.0f} |" if times else " | – |")  # fmt: skip
+            line += (
+                f" | {mean_std([r['test_last_epoch']['rsum'] for r in runs])}"
+                f" | {', '.join(str(r['best_epoch']) for r in runs)} | {runs[0]['parameters']:,}"
+                f" | {statistics.fmean(times):.0f} |"
+                if times
+                else " | – |"
+            )
         else:
             line += " |"
         lines.append(line)
@@ -207,18 +304,28 @@ def curve_table(results: list[dict], n_train: int) -> tuple[str, dict]:
     for name, _ in rows:
         if name not in names:
             names.append(name)
-    lines = ["| model | " + " | ".join(f"{f:.0%} ({round(n_train * f):,} images)" for f in FRACTIONS) + " |",
-             "|---|" + "---|" * len(FRACTIONS)]  # fmt: skip
+    lines = [
+        "| model | " + " | ".join(f"{f:.0%} ({round(n_train * f):,} images)" for f in FRACTIONS) + " |",
+        "|---|" + "---|" * len(FRACTIONS),
+    ]
     curve = {}
     for name in names:
         label = next(r for (n, _), rs in rows.items() if n == name for r in rs)["label"]
         cells, pts = [], []
         for f in FRACTIONS:
             runs = rows.get((name, f), [])
-            cells.append(mean_std([r["test"]["rsum"] for r in runs]) + (f" (n={len(runs)})" if len(runs) != 3 else ""))
+            cells.append(
+                mean_std([r["test"]["rsum"] for r in runs]) + (f" (n={len(runs)})" if len(runs) != 3 else "")
+            )
             if runs:
                 vals = [r["test"]["rsum"] for r in runs]
-                pts.append((round(n_train * f), statistics.fmean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0))
+                pts.append(
+                    (
+                        round(n_train * f),
+                        statistics.fmean(vals),
+                        statistics.stdev(vals) if len(vals) > 1 else 0.0,
+                    )
+                )
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
         curve[label] = pts
     return "\n".join(lines), curve
@@ -266,21 +373,33 @@ def oov_stats(data: str) -> str:
     tokens = [w for c in test.captions for w in tokenize_words(c, "nltk")]
     unseen = [w for w in tokens if w not in known]
     caps_with = sum(any(w not in known for w in tokenize_words(c, "nltk")) for c in test.captions)
-    return (f"training vocabulary {len(known):,} words (min count 1, nltk tokens); test captions: "
-            f"{len(unseen):,} of {len(tokens):,} tokens unseen in training ({100 * len(unseen) / len(tokens):.1f} %), "
-            f"{len(set(unseen)):,} distinct unseen words; {caps_with:,} of {len(test.captions):,} test captions "
-            f"({100 * caps_with / len(test.captions):.1f} %) hold at least one")  # fmt: skip
+    return (
+        f"training vocabulary {len(known):,} words (min count 1, nltk tokens); test captions: "
+        f"{len(unseen):,} of {len(tokens):,} tokens unseen in training ({100 * len(unseen) / len(tokens):.1f} %), "
+        f"{len(set(unseen)):,} distinct unseen words; {caps_with:,} of {len(test.captions):,} test captions "
+        f"({100 * caps_with / len(test.captions):.1f} %) hold at least one"
+    )
 
 
 # Two-model ensembles scored as `vse eval RUN_A RUN_B` scores them (mean of the two similarity matrices):
 # the small-data preset (bow + small_data, same seed) and, as controls for what ensembling alone gives, two
 # bow runs and two small_data runs of different seeds. (name, label, member A, member B, seed offset of B)
 ENSEMBLES = [
-    ("bow+small_data", "Preset: `bow` + `small_data` (same seed), mean similarity", ("floor", "bow"),
-     ("small", SMALL_DATA[0]), 0),
+    (
+        "bow+small_data",
+        "Preset: `bow` + `small_data` (same seed), mean similarity",
+        ("floor", "bow"),
+        ("small", SMALL_DATA[0]),
+        0,
+    ),
     ("bow+bow", "Control: `bow` + `bow` (seeds s, s+1)", ("floor", "bow"), ("floor", "bow"), 1),
-    ("small_data+small_data", "Control: `small_data` + `small_data` (seeds s, s+1)", ("small", SMALL_DATA[0]),
-     ("small", SMALL_DATA[0]), 1),
+    (
+        "small_data+small_data",
+        "Control: `small_data` + `small_data` (seeds s, s+1)",
+        ("small", SMALL_DATA[0]),
+        ("small", SMALL_DATA[0]),
+        1,
+    ),
 ]
 
 
@@ -299,7 +418,11 @@ def ensemble_result(name: str, runs: list[Path], data: str, out: Path) -> dict:
         model, _ = load_run(run, "best", "cpu")
         _, sims, cap2img = evaluate_model(model, data, "test", progress=False)
         sims_sum = sims if sims_sum is None else sims_sum + sims
-    result = {"name": name, "runs": [str(r) for r in runs], "test": evaluate_sims(sims_sum / len(runs), cap2img)}
+    result = {
+        "name": name,
+        "runs": [str(r) for r in runs],
+        "test": evaluate_sims(sims_sum / len(runs), cap2img),
+    }
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps(result, indent=1))
     return result
@@ -310,24 +433,42 @@ def ensemble_section(results: list[dict], jobs: list[Job], args) -> list[str]:
     by_key = {(j.group, j.name, j.seed): j.run_dir(out, demo_out) for j in jobs}
     seeds = sorted({j.seed for j in jobs})
     floor = [r["test"]["rsum"] for r in results if r["group"] == "floor" and r["name"] == "bow"]
-    lines = ["| model | pairs | " + " | ".join(k.replace("_r", " R@") for k in KEYS) + " | vs floor | margin / std |",
-             "|" + "---|" * (len(KEYS) + 4)]  # fmt: skip
+    lines = [
+        "| model | pairs | "
+        + " | ".join(k.replace("_r", " R@") for k in KEYS)
+        + " | vs floor | margin / std |",
+        "|" + "---|" * (len(KEYS) + 4),
+    ]
     for name, label, (ga, na), (gb, nb), offset in ENSEMBLES:
         pairs = []
         for s in seeds:
-            a, b = by_key.get((ga, na, s)), by_key.get((gb, nb, seeds[(seeds.index(s) + offset) % len(seeds)]))
+            a, b = (
+                by_key.get((ga, na, s)),
+                by_key.get((gb, nb, seeds[(seeds.index(s) + offset) % len(seeds)])),
+            )
             if a and b and (a / "study_result.json").is_file() and (b / "study_result.json").is_file():
                 pairs.append(ensemble_result(name, [a, b], args.data, out))
         if not pairs:
             continue
         rs = [p["test"]["rsum"] for p in pairs]
         margin = statistics.fmean(rs) - statistics.fmean(floor) if floor else float("nan")
-        sd = max(statistics.stdev(floor), statistics.stdev(rs)) if len(floor) > 1 and len(rs) > 1 else float("nan")
-        lines.append(f"| {label} | {len(pairs)} | " + " | ".join(mean_std([p["test"][k] for p in pairs]) for k in KEYS)
-                     + f" | {margin:+.1f} | {margin / sd:.1f} |")  # fmt: skip
-    return ["## Two-model ensembles against the floor (mean similarity, as `vse eval RUN_A RUN_B`)\n",
-            "\n".join(lines), "", "margin / std: the margin over the floor divided by the larger seed std of the "
-            "floor and the row (the bar is > 2).\n"]  # fmt: skip
+        sd = (
+            max(statistics.stdev(floor), statistics.stdev(rs))
+            if len(floor) > 1 and len(rs) > 1
+            else float("nan")
+        )
+        lines.append(
+            f"| {label} | {len(pairs)} | "
+            + " | ".join(mean_std([p["test"][k] for p in pairs]) for k in KEYS)
+            + f" | {margin:+.1f} | {margin / sd:.1f} |"
+        )
+    return [
+        "## Two-model ensembles against the floor (mean similarity, as `vse eval RUN_A RUN_B`)\n",
+        "\n".join(lines),
+        "",
+        "margin / std: the margin over the floor divided by the larger seed std of the "
+        "floor and the row (the bar is > 2).\n",
+    ]
 
 
 def report(jobs: list[Job], args) -> str:
@@ -351,8 +492,13 @@ def report(jobs: list[Job], args) -> str:
     why = group_rows(results, "why")
     if why:
         base = {k: v for k, v in group_rows(results, "curve").items() if k == ("vsepp_bigru", 1.0)}
-        parts += ["## Why the BiGRU recipe sits below the floor (one change per row from the demo's VSE++ BiGRU)\n",
-                  recall_table({**base, **why}), "", oov_stats(args.data), ""]  # fmt: skip
+        parts += [
+            "## Why the BiGRU recipe sits below the floor (one change per row from the demo's VSE++ BiGRU)\n",
+            recall_table({**base, **why}),
+            "",
+            oov_stats(args.data),
+            "",
+        ]
     small = group_rows(results, "small")
     if small:
         parts += ["## Small-data recipe against the floor\n", recall_table({**floor, **small}), ""]
@@ -361,8 +507,10 @@ def report(jobs: list[Job], args) -> str:
         if len(f_rs) > 1 and len(s_rs) > 1:
             margin = statistics.fmean(s_rs) - statistics.fmean(f_rs)
             sd = max(statistics.stdev(f_rs), statistics.stdev(s_rs))
-            parts.append(f"Margin over the floor: {margin:+.1f} rsum; larger seed std of the two {sd:.1f}; "
-                         f"margin / std = {margin / sd:.1f} (the bar is > 2)\n")  # fmt: skip
+            parts.append(
+                f"Margin over the floor: {margin:+.1f} rsum; larger seed std of the two {sd:.1f}; "
+                f"margin / std = {margin / sd:.1f} (the bar is > 2)\n"
+            )
     if "ensemble" in args.groups:
         parts += ensemble_section(results, jobs, args)
     text = "\n".join(parts)
@@ -375,9 +523,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="data/openclipart")
     p.add_argument("--out", default="runs/floor")
-    p.add_argument("--demo-out", default=None, help="put the 100 %% demo-model runs where `vse demo --out` reuses them")
-    p.add_argument("--groups", nargs="+", default=["floor", "curve", "small", "why", "ensemble"],
-                   help="ensemble: the two-model ensembles of the floor and small runs (trains those if missing)")
+    p.add_argument(
+        "--demo-out", default=None, help="put the 100 %% demo-model runs where `vse demo --out` reuses them"
+    )
+    p.add_argument(
+        "--groups",
+        nargs="+",
+        default=["floor", "curve", "small", "why", "ensemble"],
+        help="ensemble: the two-model ensembles of the floor and small runs (trains those if missing)",
+    )
     p.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
     p.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per run (default: cores / jobs)")
@@ -394,8 +548,11 @@ def main() -> int:
                 j = futures[fut]
                 try:
                     r = fut.result()
-                    print(f"{j.group}/{j.name} f={j.fraction:g} seed {j.seed}: test rsum {r['test']['rsum']:.1f} "
-                          f"(last epoch {r['test_last_epoch']['rsum']:.1f})", flush=True)  # fmt: skip
+                    print(
+                        f"{j.group}/{j.name} f={j.fraction:g} seed {j.seed}: test rsum {r['test']['rsum']:.1f} "
+                        f"(last epoch {r['test_last_epoch']['rsum']:.1f})",
+                        flush=True,
+                    )
                 except Exception as e:  # one failed run must not lose the others
                     print(f"FAILED {j}: {type(e).__name__}: {e}", flush=True)
     print(report(jobs, args))

@@ -33,9 +33,12 @@ def device_matches_cpu(device: str, batch: int = 128, seed: int = 0) -> dict:
         lv, k = loss.levels(rel.to(dev), torch.eye(batch, dtype=torch.bool, device=dev))
         value, _ = loss(sims.to(dev), image_ids=ids.to(dev), relevance=rel.to(dev))
         out[dev] = (lv.cpu(), k.cpu(), float(value))
-    return {"levels_equal": bool(torch.equal(out["cpu"][0], out[device][0])),
-            "k_equal": bool(torch.equal(out["cpu"][1], out[device][1])),
-            "loss_cpu": out["cpu"][2], f"loss_{device}": out[device][2]}  # fmt: skip
+    return {
+        "levels_equal": bool(torch.equal(out["cpu"][0], out[device][0])),
+        "k_equal": bool(torch.equal(out["cpu"][1], out[device][1])),
+        "loss_cpu": out["cpu"][2],
+        f"loss_{device}": out[device][2],
+    }
 
 
 def main() -> int:

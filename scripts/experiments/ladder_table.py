@@ -34,16 +34,28 @@ from vsekit.runs import load_run
 from vsekit.training.trainer import Trainer
 
 # "bow": the floor every table carries, with its own recipe and schedule (none of SMALL)
-RECIPES = {"bow": "Floor: bag of words (linear)", "vsepp": "VSE++", "cvsepp": "CVSE++", "cvsepp_auto": "CVSE++ (Auto)"}
+RECIPES = {
+    "bow": "Floor: bag of words (linear)",
+    "vsepp": "VSE++",
+    "cvsepp": "CVSE++",
+    "cvsepp_auto": "CVSE++ (Auto)",
+}
 # vocab_min_count=1: the BiGRU recipes' SCAN count >= 4 leaves most of a small set's words <unk>.
 # warmup_epochs=0 for all three: the paper and the ladderloss release (VSE++ baseline included) use the hardest
 # negative from step 0; `cvsepp` has no warm-up, `vsepp` inherits VSE∞'s one all-negatives epoch, so without
 # this the rows would differ in more than the loss. Relevance threshold: the `cvsepp` default (share rule).
 SMALL = [
-    "model.embed_dim=256", "model.text.word_dim=128", "model.image.feature_type=grid", "model.text.kind=bigru",
-    "model.text.vocab_min_count=1", "train.batch_size=128", "optim.lr_decay_epochs=[4]",
-    "data.captions_per_image=1", "train.log_every=20", "loss.warmup_epochs=0",
-]  # fmt: skip
+    "model.embed_dim=256",
+    "model.text.word_dim=128",
+    "model.image.feature_type=grid",
+    "model.text.kind=bigru",
+    "model.text.vocab_min_count=1",
+    "train.batch_size=128",
+    "optim.lr_decay_epochs=[4]",
+    "data.captions_per_image=1",
+    "train.log_every=20",
+    "loss.warmup_epochs=0",
+]
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -64,8 +76,14 @@ def run_one(recipe: str, seed: int, args, relevance: np.ndarray) -> dict:
     metrics.update(coherence_metrics(sims, cap2img, relevance, args.cs_k))
     np.save(run_dir / "test_sims.npy", sims.astype(np.float32))
     best = json.loads((run_dir / "best.json").read_text())
-    out = {"recipe": recipe, "seed": seed, "best_epoch": best["epoch"], "train_s": train_s,
-           "overrides": overrides, **metrics}  # fmt: skip
+    out = {
+        "recipe": recipe,
+        "seed": seed,
+        "best_epoch": best["epoch"],
+        "train_s": train_s,
+        "overrides": overrides,
+        **metrics,
+    }
     result_file.write_text(json.dumps(out, indent=1))
     print(f"{recipe} seed {seed}: {json.dumps({k: round(v, 3) for k, v in metrics.items()})}", flush=True)
     return out
@@ -81,8 +99,19 @@ def random_row(args, relevance: np.ndarray, cap2img: np.ndarray, n_img: int) -> 
     return rows
 
 
-COLUMNS = [("i2t", "cs@{k}"), ("i2t", "meanr"), ("i2t", "r1"), ("i2t", "r5"), ("i2t", "r10"), ("i2t", "map"),
-           ("t2i", "cs@{k}"), ("t2i", "meanr"), ("t2i", "r1"), ("t2i", "r5"), ("t2i", "r10")]  # fmt: skip
+COLUMNS = [
+    ("i2t", "cs@{k}"),
+    ("i2t", "meanr"),
+    ("i2t", "r1"),
+    ("i2t", "r5"),
+    ("i2t", "r10"),
+    ("i2t", "map"),
+    ("t2i", "cs@{k}"),
+    ("t2i", "meanr"),
+    ("t2i", "r1"),
+    ("t2i", "r5"),
+    ("t2i", "r10"),
+]
 
 
 def _fmt(values: list[float], key: str) -> str:
@@ -102,8 +131,10 @@ def table(results: dict[str, list[dict]], ks: list[int]) -> str:
     def head(key: str) -> str:
         return "CS@" + key[3:] if key.startswith("cs@") else names[key]
 
-    lines = ["| Model | " + " | ".join(f"{'i→t' if d == 'i2t' else 't→i'} {head(k)}" for d, k in cols) + " |",
-             "|---" * (len(cols) + 1) + "|"]  # fmt: skip
+    lines = [
+        "| Model | " + " | ".join(f"{'i→t' if d == 'i2t' else 't→i'} {head(k)}" for d, k in cols) + " |",
+        "|---" * (len(cols) + 1) + "|",
+    ]
     for name, rows in results.items():
         cells = [_fmt([r[f"{d}_{k}"] for r in rows], k) for d, k in cols]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -122,8 +153,10 @@ def figure(args, out_png: Path, n_queries: int = 4, top: int = 10) -> None:
     rel = split_relevance(args.data, "test")
     rel_t2i = image_caption_relevance(rel, split.cap2img, "max", transpose=True).T  # [captions, images]
     seed = args.seeds[0]
-    sims = {name: np.load(Path(args.out) / f"{r}_s{seed}" / "test_sims.npy") for r, name in
-            (("vsepp", "VSE++"), ("cvsepp", "CVSE++"))}  # fmt: skip
+    sims = {
+        name: np.load(Path(args.out) / f"{r}_s{seed}" / "test_sims.npy")
+        for r, name in (("vsepp", "VSE++"), ("cvsepp", "CVSE++"))
+    }
     queries = np.random.default_rng(args.figure_seed).choice(split.n_captions, n_queries, replace=False)
     fig, axes = plt.subplots(2 * n_queries, top, figsize=(top * 1.05, 2 * n_queries * 1.35))
     for qi, c in enumerate(queries):
@@ -145,11 +178,20 @@ def figure(args, out_png: Path, n_queries: int = 4, top: int = 10) -> None:
             tau = coherent_scores(s[:, c][None], rel_t2i[c][None], top)[0]
             axes[row, 0].set_ylabel(f"{name}\nCS@{top} {tau:.2f}", fontsize=8)
         cap = split.captions[c]
-        axes[2 * qi, 0].annotate(f"query: “{cap[:90]}”", (0, 1.32), xycoords="axes fraction", fontsize=8,
-                                 fontweight="bold", annotation_clip=False)  # fmt: skip
-    fig.suptitle(f"Caption → image, top-{top} (test, seed {seed}). Number = relevance of the image to the query "
-                 f"(max MiniLM cosine over its captions); blue = ground truth, red = relevance < "
-                 f"{args.irrelevant_below}", fontsize=8)  # fmt: skip
+        axes[2 * qi, 0].annotate(
+            f"query: “{cap[:90]}”",
+            (0, 1.32),
+            xycoords="axes fraction",
+            fontsize=8,
+            fontweight="bold",
+            annotation_clip=False,
+        )
+    fig.suptitle(
+        f"Caption → image, top-{top} (test, seed {seed}). Number = relevance of the image to the query "
+        f"(max MiniLM cosine over its captions); blue = ground truth, red = relevance < "
+        f"{args.irrelevant_below}",
+        fontsize=8,
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.98), h_pad=1.6)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=72)
@@ -164,7 +206,9 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--cs-k", type=int, nargs="+", default=[100, 500])
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--report-only", action="store_true", help="only rebuild the table/figure from finished runs")
+    p.add_argument(
+        "--report-only", action="store_true", help="only rebuild the table/figure from finished runs"
+    )
     p.add_argument("--docs", default=str(REPO / "docs"))
     p.add_argument("--figure-seed", type=int, default=3)
     p.add_argument("--irrelevant-below", type=float, default=0.2)
@@ -176,7 +220,10 @@ def main() -> int:
     for recipe, name in RECIPES.items():
         rows = []
         for seed in args.seeds:
-            if args.report_only and not (Path(args.out) / f"{recipe}_s{seed}" / "test_metrics.json").is_file():
+            if (
+                args.report_only
+                and not (Path(args.out) / f"{recipe}_s{seed}" / "test_metrics.json").is_file()
+            ):
                 continue
             rows.append(run_one(recipe, seed, args, relevance))
         if rows:
@@ -184,15 +231,18 @@ def main() -> int:
     md = table(results, args.cs_k)
     n_seeds = {k: len(v) for k, v in results.items()}
     cmd = "nice -n 10 .venv/bin/python scripts/experiments/ladder_table.py " + " ".join(
-        shlex.quote(a) for a in sys.argv[1:] if a != "--report-only")  # fmt: skip
+        shlex.quote(a) for a in sys.argv[1:] if a != "--report-only"
+    )
     train_s = {RECIPES[r["recipe"]]: r["train_s"] for rows in results.values() for r in rows if "recipe" in r}
-    doc = (f"<!-- generated by scripts/experiments/ladder_table.py -->\n\n"
-           f"Test split of {args.data} ({split.n_images} images, {split.n_captions} captions); CS@K by the paper's "
-           f"protocol (one caption per image, each image's first; K above {split.n_images} = all), mean ± std over "
-           f"seeds {n_seeds}; best-on-dev epoch of {args.epochs} (the floor: of its own 30). Overrides for the three "
-           f"VSE models (the floor is the `bow` recipe as it is): `{' '.join(SMALL)} train.epochs={args.epochs}`.\n\n{md}\n\nCommand: `{cmd}`\n\n"
-           f"Training seconds of the last seed per model (1 CPU thread, shared machine): "
-           f"{json.dumps({k: round(v) for k, v in train_s.items()})}\n")  # fmt: skip
+    doc = (
+        f"<!-- generated by scripts/experiments/ladder_table.py -->\n\n"
+        f"Test split of {args.data} ({split.n_images} images, {split.n_captions} captions); CS@K by the paper's "
+        f"protocol (one caption per image, each image's first; K above {split.n_images} = all), mean ± std over "
+        f"seeds {n_seeds}; best-on-dev epoch of {args.epochs} (the floor: of its own 30). Overrides for the three "
+        f"VSE models (the floor is the `bow` recipe as it is): `{' '.join(SMALL)} train.epochs={args.epochs}`.\n\n{md}\n\nCommand: `{cmd}`\n\n"
+        f"Training seconds of the last seed per model (1 CPU thread, shared machine): "
+        f"{json.dumps({k: round(v) for k, v in train_s.items()})}\n"
+    )
     Path(args.docs, "coherent_results.md").write_text(doc, encoding="utf-8")
     print(doc)
     if split.image_paths is None:

@@ -51,8 +51,9 @@ def openclipart_train_captions(svg_root: str, seed: int = 0) -> list[str]:
     return [c for i in train for c in by_id[i].captions]
 
 
-def epoch_stats(tokens: np.ndarray, sort_key: np.ndarray | None, batch: int, buckets: int, epochs: int,
-                seed: int) -> dict:  # fmt: skip
+def epoch_stats(
+    tokens: np.ndarray, sort_key: np.ndarray | None, batch: int, buckets: int, epochs: int, seed: int
+) -> dict:
     """Per-epoch means of one setting. `tokens`: the token lengths the widths are cut from; `sort_key`: what
     the sampler sorts by with length bucketing (None: random batches; the trainer sorts by word counts)."""
     widths = caption_widths(tokens, buckets)
@@ -69,22 +70,38 @@ def epoch_stats(tokens: np.ndarray, sort_key: np.ndarray | None, batch: int, buc
             padded += w * len(b)
             n_batches += 1
             shapes.add((len(b), w))
-    return {"caption_buckets": buckets, "widths": list(widths), "batches_per_epoch": n_batches / epochs,
-            "top_width_share": top / n_batches, "gru_steps_per_epoch": steps / epochs,
-            "padded_tokens_per_epoch": padded / epochs, "real_tokens_per_epoch": int(tokens.sum()),
-            "batch_shapes": len(shapes)}  # fmt: skip
+    return {
+        "caption_buckets": buckets,
+        "widths": list(widths),
+        "batches_per_epoch": n_batches / epochs,
+        "top_width_share": top / n_batches,
+        "gru_steps_per_epoch": steps / epochs,
+        "padded_tokens_per_epoch": padded / epochs,
+        "real_tokens_per_epoch": int(tokens.sum()),
+        "batch_shapes": len(shapes),
+    }
 
 
-HEADER = ("| caption_buckets | length_bucketing | widths | batches at the top width | BiGRU steps / epoch | "
-          "vs 1 bucket, random | padded tokens / epoch | real tokens | batch shapes |")  # fmt: skip
+HEADER = (
+    "| caption_buckets | length_bucketing | widths | batches at the top width | BiGRU steps / epoch | "
+    "vs 1 bucket, random | padded tokens / epoch | real tokens | batch shapes |"
+)
 
 
 def table_row(r: dict, base_steps: float) -> str:
     widths = ", ".join(map(str, r["widths"])) or "own longest"
     steps = r["gru_steps_per_epoch"]
-    cells = [str(r["caption_buckets"]), r["length_bucketing"], widths, f"{100 * r['top_width_share']:.1f} %",
-             f"{steps:,.0f}", f"{steps / base_steps:.2f}", f"{r['padded_tokens_per_epoch']:,.0f}",
-             f"{r['real_tokens_per_epoch']:,}", str(r["batch_shapes"])]  # fmt: skip
+    cells = [
+        str(r["caption_buckets"]),
+        r["length_bucketing"],
+        widths,
+        f"{100 * r['top_width_share']:.1f} %",
+        f"{steps:,.0f}",
+        f"{steps / base_steps:.2f}",
+        f"{r['padded_tokens_per_epoch']:,.0f}",
+        f"{r['real_tokens_per_epoch']:,}",
+        str(r["batch_shapes"]),
+    ]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -118,14 +135,20 @@ def main() -> None:
     for nb in (1, 4, 0):
         for name, key in keys.items():
             if nb == 4 or name != "true, by tokens":
-                rows.append({"length_bucketing": name, **epoch_stats(tokens, key, args.batch, nb, args.epochs,
-                                                                     args.seed)})  # fmt: skip
+                rows.append(
+                    {
+                        "length_bucketing": name,
+                        **epoch_stats(tokens, key, args.batch, nb, args.epochs, args.seed),
+                    }
+                )
     widths4 = next(r["widths"] for r in rows if r["caption_buckets"] == 4)
     third = widths4[-2] if len(widths4) > 1 else 0
     p_top = float((tokens > third).mean())
     hit = 1 - (1 - p_top) ** args.batch
-    print(f"captions longer than the third of 4 widths ({third} tokens): p = {p_top:.3f}; a random batch of "
-          f"{args.batch} holds one with probability 1 - (1 - p)^B = {hit:.6f}")  # fmt: skip
+    print(
+        f"captions longer than the third of 4 widths ({third} tokens): p = {p_top:.3f}; a random batch of "
+        f"{args.batch} holds one with probability 1 - (1 - p)^B = {hit:.6f}"
+    )
     print(f"\nbatch {args.batch}, means over {args.epochs} epochs of seed {args.seed}\n")
     print(HEADER)
     print("|---|---|---|---|---|---|---|---|---|")

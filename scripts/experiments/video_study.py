@@ -50,16 +50,29 @@ VARIANTS = (
     Variant("floor", "floor: `bow` (linear, mean of frames / words)", "bow", (), cpu=False),
     Variant("vsepp", "VSE++ `vsepp_video` (avg frames, avg words)", "vsepp_video", ()),
     Variant("vse_infty", "VSE∞ `vse_infty_video` (GPO frames, GPO words)", "vse_infty_video", ()),
-    Variant("max", "`vsepp_video`, max over frames (avg words)", "vsepp_video", ("model.image.pooling.name=max",)),
-    Variant("gpo_frames", "`vsepp_video`, GPO over frames (avg words)", "vsepp_video", ("model.image.pooling.name=gpo",)),
+    Variant(
+        "max", "`vsepp_video`, max over frames (avg words)", "vsepp_video", ("model.image.pooling.name=max",)
+    ),
+    Variant(
+        "gpo_frames",
+        "`vsepp_video`, GPO over frames (avg words)",
+        "vsepp_video",
+        ("model.image.pooling.name=gpo",),
+    ),
 )
 KEYS = ("i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "rsum")
 
 
 def cpu_overrides(epochs: int, embed_dim: int, lr: float) -> list[str]:
     decay = max(1, epochs - max(1, epochs // 4))
-    return [f"model.embed_dim={embed_dim}", f"train.epochs={epochs}", f"optim.lr={lr:g}",
-            f"optim.lr_decay_epochs=[{decay}]", "model.text.vocab_min_count=1", "train.log_every=0"]  # fmt: skip
+    return [
+        f"model.embed_dim={embed_dim}",
+        f"train.epochs={epochs}",
+        f"optim.lr={lr:g}",
+        f"optim.lr_decay_epochs=[{decay}]",
+        "model.text.vocab_min_count=1",
+        "train.log_every=0",
+    ]
 
 
 class Runner:
@@ -82,25 +95,57 @@ class Runner:
         if rc != 0:
             raise SystemExit(f"{what} failed (exit {rc}); see {self.out / 'logs' / f'{what}.log'}")
         with open(self.log_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"what": what, "command": shown, "seconds": round(time.time() - start, 1)}) + "\n")
+            f.write(
+                json.dumps({"what": what, "command": shown, "seconds": round(time.time() - start, 1)}) + "\n"
+            )
 
 
 def build(run: Runner, out: Path, clips: list[int], seed: int) -> None:
     common = ["--seed", str(seed), "--no-progress"]
     if not (out / "data" / "manifest.json").is_file():
-        run(["data", "moving-shapes", "--out", str(out / "data"), "--clips", *map(str, clips), *common], "build_data")
+        run(
+            ["data", "moving-shapes", "--out", str(out / "data"), "--clips", *map(str, clips), *common],
+            "build_data",
+        )
     for name, frames in (("data_short", ("2", "4")), ("data_long", ("24", "32"))):
         if not (out / name / "manifest.json").is_file():
-            run(["data", "moving-shapes", "--out", str(out / name), "--clips", *map(str, clips), "--splits", "test",
-                 "--frames", *frames, *common], f"build_{name}")  # fmt: skip
+            run(
+                [
+                    "data",
+                    "moving-shapes",
+                    "--out",
+                    str(out / name),
+                    "--clips",
+                    *map(str, clips),
+                    "--splits",
+                    "test",
+                    "--frames",
+                    *frames,
+                    *common,
+                ],
+                f"build_{name}",
+            )
 
 
 def train_and_eval(run: Runner, out: Path, v: Variant, seed: int, shrink: list[str]) -> None:
     run_dir = out / "runs" / f"{v.name}_s{seed}"
     overrides = [*(shrink if v.cpu else ["train.log_every=0"]), *v.overrides]
     if not (run_dir / "done.json").is_file():  # written after `vse train` returned 0
-        args = ["train", "--data", str(out / "data"), "--out", str(run_dir), "--recipe", v.recipe, "--seed", str(seed),
-                "--device", "cpu", "--no-progress", "--overwrite"]  # fmt: skip
+        args = [
+            "train",
+            "--data",
+            str(out / "data"),
+            "--out",
+            str(run_dir),
+            "--recipe",
+            v.recipe,
+            "--seed",
+            str(seed),
+            "--device",
+            "cpu",
+            "--no-progress",
+            "--overwrite",
+        ]
         for o in overrides:
             args += ["--set", o]
         run(args, f"train_{v.name}_s{seed}")
@@ -110,8 +155,21 @@ def train_and_eval(run: Runner, out: Path, v: Variant, seed: int, shrink: list[s
     for test, data, _ in TESTS:
         target = out / "eval" / f"{v.name}_s{seed}_{test}.json"
         if not target.is_file():
-            run(["eval", str(run_dir), "--data", str(out / data), "--split", "test", "--device", "cpu",
-                 "--json-out", str(target)], f"eval_{v.name}_s{seed}_{test}")  # fmt: skip
+            run(
+                [
+                    "eval",
+                    str(run_dir),
+                    "--data",
+                    str(out / data),
+                    "--split",
+                    "test",
+                    "--device",
+                    "cpu",
+                    "--json-out",
+                    str(target),
+                ],
+                f"eval_{v.name}_s{seed}_{test}",
+            )
 
 
 def ensemble(run: Runner, out: Path, seed: int) -> None:
@@ -120,14 +178,35 @@ def ensemble(run: Runner, out: Path, seed: int) -> None:
         target = out / "eval" / f"ensemble_s{seed}_{test}.json"
         if not target.is_file():
             runs = [str(out / "runs" / f"{n}_s{seed}") for n in ("vsepp", "vse_infty")]
-            run(["eval", *runs, "--data", str(out / data), "--split", "test", "--device", "cpu",
-                 "--json-out", str(target)], f"eval_ensemble_s{seed}_{test}")  # fmt: skip
+            run(
+                [
+                    "eval",
+                    *runs,
+                    "--data",
+                    str(out / data),
+                    "--split",
+                    "test",
+                    "--device",
+                    "cpu",
+                    "--json-out",
+                    str(target),
+                ],
+                f"eval_ensemble_s{seed}_{test}",
+            )
 
 
 # --------------------------------------------------------------------------------------------- probes
 
-OPPOSITE = {"left": "right", "right": "left", "up": "down", "down": "up", "grow": "shrink", "shrink": "grow",
-            "appear": "disappear", "disappear": "appear"}  # fmt: skip
+OPPOSITE = {
+    "left": "right",
+    "right": "left",
+    "up": "down",
+    "down": "up",
+    "grow": "shrink",
+    "shrink": "grow",
+    "appear": "disappear",
+    "disappear": "appear",
+}
 
 
 def phrase(e: dict, action: str | None = None) -> str:
@@ -156,20 +235,26 @@ def probe(run_dir: Path, data_dir: Path) -> dict:
     pairs: dict[str, list[tuple[int, str, str]]] = {"order": [], "action": []}
     for i, ev in enumerate(scripts):
         if len(ev) == 2:
-            pairs["order"].append((i, f"{phrase(ev[0])}, then {phrase(ev[1])}", f"{phrase(ev[1])}, then {phrase(ev[0])}"))
+            pairs["order"].append(
+                (i, f"{phrase(ev[0])}, then {phrase(ev[1])}", f"{phrase(ev[1])}, then {phrase(ev[0])}")
+            )
         for k in range(len(ev)):
             right = [phrase(e) for e in ev]
             wrong = [phrase(e, OPPOSITE[e["action"]]) if j == k else phrase(e) for j, e in enumerate(ev)]
             pairs["action"].append((i, ", then ".join(right), ", then ".join(wrong)))
     out: dict = {}
     with torch.no_grad():
-        clips = torch.cat([api.encode_image(model, np.asarray(frames[i], dtype=np.float32)) for i in range(len(frames))])
+        clips = torch.cat(
+            [api.encode_image(model, np.asarray(frames[i], dtype=np.float32)) for i in range(len(frames))]
+        )
         for name, items in pairs.items():
             idx = torch.tensor([i for i, _, _ in items])
             right = api.encode_text(model, [r for _, r, _ in items])
             wrong = api.encode_text(model, [w for _, _, w in items])
             s_right, s_wrong = (clips[idx] * right).sum(1), (clips[idx] * wrong).sum(1)
-            tie = (s_right - s_wrong).abs() < 1e-5  # the same bag of words summed in another order: float noise
+            tie = (
+                s_right - s_wrong
+            ).abs() < 1e-5  # the same bag of words summed in another order: float noise
             acc = ((s_right > s_wrong) & ~tie).float().mean() + 0.5 * tie.float().mean()
             out[name] = round(100 * float(acc), 2)
             out[f"n_{name}"] = len(items)
@@ -224,11 +309,16 @@ def chance_rsum(out: Path) -> str:
 def report(out: Path, seeds: list[int], shrink: list[str], doc: Path) -> str:
     lines = []
     manifest = json.loads((out / "data" / "manifest.json").read_text())
-    lines.append(f"Set: `{out / 'data'}`: " + ", ".join(f"{k} {v['clips']} clips / {v['captions']} captions / "
-                 f"{v['frames']} frames" for k, v in manifest["splits"].items())
-                 + f"; features {manifest['extractor']['name']} ({manifest['extractor']['dim']}-d a frame). "
-                 f"Random ranking of its test split: rsum {chance_rsum(out)}. Seeds {', '.join(map(str, seeds))}; "
-                 "mean ± sample std over seeds; best-on-dev checkpoint.")  # fmt: skip
+    lines.append(
+        f"Set: `{out / 'data'}`: "
+        + ", ".join(
+            f"{k} {v['clips']} clips / {v['captions']} captions / {v['frames']} frames"
+            for k, v in manifest["splits"].items()
+        )
+        + f"; features {manifest['extractor']['name']} ({manifest['extractor']['dim']}-d a frame). "
+        f"Random ranking of its test split: rsum {chance_rsum(out)}. Seeds {', '.join(map(str, seeds))}; "
+        "mean ± sample std over seeds; best-on-dev checkpoint."
+    )
     lines.append("")
     lines.append(f"CPU shrink, every row but the floor: `{' '.join('--set ' + s for s in shrink)}`.")
     lines.append("")
@@ -236,41 +326,64 @@ def report(out: Path, seeds: list[int], shrink: list[str], doc: Path) -> str:
     lines.append("")
     lines.append("| model | V→T R@1 | R@5 | R@10 | T→V R@1 | R@5 | R@10 | rsum |")
     lines.append("|---|---|---|---|---|---|---|---|")
-    rows = [(v.label, v.name) for v in VARIANTS] + [("ensemble VSE++ + VSE∞ (same seed, mean similarity)", "ensemble")]
-    rows = [(label, name) for label, name in rows if load_metrics(out, name, seeds, "test")]  # variants not run: no row
+    rows = [(v.label, v.name) for v in VARIANTS] + [
+        ("ensemble VSE++ + VSE∞ (same seed, mean similarity)", "ensemble")
+    ]
+    rows = [
+        (label, name) for label, name in rows if load_metrics(out, name, seeds, "test")
+    ]  # variants not run: no row
     for label, name in rows:
         ms = load_metrics(out, name, seeds, "test")
         lines.append(f"| {label} | " + " | ".join(cell([m[k] for m in ms]) for k in KEYS) + " |")
     lines.append("")
-    lines.append("**Frame-count generalisation: rsum on the same test clips and captions rendered with other "
-                 "frame counts (models trained on 6–16 frames).**")  # fmt: skip
+    lines.append(
+        "**Frame-count generalisation: rsum on the same test clips and captions rendered with other "
+        "frame counts (models trained on 6–16 frames).**"
+    )
     lines.append("")
     lines.append("| model | " + " | ".join(f"{frames} frames" for _, _, frames in TESTS) + " |")
     lines.append("|---|" + "---|" * len(TESTS))
     for label, name in rows:
-        lines.append(f"| {label} | " + " | ".join(cell([m["rsum"] for m in load_metrics(out, name, seeds, t)])
-                                                 for t, _, _ in TESTS) + " |")  # fmt: skip
+        lines.append(
+            f"| {label} | "
+            + " | ".join(cell([m["rsum"] for m in load_metrics(out, name, seeds, t)]) for t, _, _ in TESTS)
+            + " |"
+        )
     lines.append("")
-    lines.append("**Probes: does the model tell the right caption from a minimally wrong one?** Accuracy over test "
-                 "clips (chance 50 %). *Order*: two-event clips, \"A, then B\" against \"B, then A\". *Action*: one "
-                 "event's action against its opposite (left/right, up/down, grow/shrink, appear/disappear). Canonical "
-                 "wording; `probe()` in the script.")  # fmt: skip
+    lines.append(
+        "**Probes: does the model tell the right caption from a minimally wrong one?** Accuracy over test "
+        'clips (chance 50 %). *Order*: two-event clips, "A, then B" against "B, then A". *Action*: one '
+        "event's action against its opposite (left/right, up/down, grow/shrink, appear/disappear). Canonical "
+        "wording; `probe()` in the script."
+    )
     lines.append("")
-    lines.append("| model | " + " | ".join(f"order, {f} frames | action, {f} frames" for _, _, f in TESTS) + " |")
+    lines.append(
+        "| model | " + " | ".join(f"order, {f} frames | action, {f} frames" for _, _, f in TESTS) + " |"
+    )
     lines.append("|---|" + "---|---|" * len(TESTS))
     for v in VARIANTS:
         if not load_metrics(out, v.name, seeds, "test"):
             continue
         cells = []
         for t, _, _ in TESTS:
-            ps = [json.loads(p.read_text()) for s in seeds if (p := out / "eval" / f"{v.name}_s{s}_{t}_probe.json").is_file()]
+            ps = [
+                json.loads(p.read_text())
+                for s in seeds
+                if (p := out / "eval" / f"{v.name}_s{s}_{t}_probe.json").is_file()
+            ]
             cells += [cell([x["order"] for x in ps]), cell([x["action"] for x in ps])]
         lines.append(f"| {v.label} | " + " | ".join(cells) + " |")
     lines.append("")
-    cmds = [json.loads(x) for x in (out / "commands.jsonl").read_text().splitlines()] if (out / "commands.jsonl").is_file() else []
+    cmds = (
+        [json.loads(x) for x in (out / "commands.jsonl").read_text().splitlines()]
+        if (out / "commands.jsonl").is_file()
+        else []
+    )
     if cmds:
-        lines.append("<details><summary>Every command of the study, with its wall time on the shared 2-core machine"
-                     "</summary>\n\n```")  # fmt: skip
+        lines.append(
+            "<details><summary>Every command of the study, with its wall time on the shared 2-core machine"
+            "</summary>\n\n```"
+        )
         lines += [f"{c['command']}    # {c['seconds']:.0f} s" for c in cmds]
         lines.append("```\n</details>")
     table = "\n".join(lines)
@@ -294,8 +407,12 @@ def main() -> None:
     p.add_argument("--embed-dim", type=int, default=256)
     p.add_argument("--lr", type=float, default=5e-4)
     # gpo_frames (GPO over frames, average over words) isolates the frame pooling; off by default for CPU time
-    p.add_argument("--variants", nargs="+", default=["floor", "vsepp", "vse_infty", "max"],
-                   choices=[v.name for v in VARIANTS])
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=["floor", "vsepp", "vse_infty", "max"],
+        choices=[v.name for v in VARIANTS],
+    )
     p.add_argument("--doc", type=Path, default=REPO / "docs" / "video.md")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
@@ -315,7 +432,11 @@ def main() -> None:
             if {"vsepp", "vse_infty"} <= set(args.variants):
                 ensemble(run, out, seed)
     if not args.dry_run:
-        run_probes(out, [v for v in args.variants if v != "floor"] + (["floor"] if "floor" in args.variants else []), args.seeds)
+        run_probes(
+            out,
+            [v for v in args.variants if v != "floor"] + (["floor"] if "floor" in args.variants else []),
+            args.seeds,
+        )
         print(report(out, args.seeds, shrink, args.doc))
 
 

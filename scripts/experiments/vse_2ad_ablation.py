@@ -35,9 +35,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 # the small, fast config every variant shares (openclipart: EfficientNet-Lite0 grid features, BiGRU text)
 SMALL = [
-    "model.embed_dim=256", "model.image.feature_type=grid", "model.text.kind=bigru", "model.text.vocab_min_count=1",
-    "train.batch_size=128", "data.captions_per_image=1", "train.log_every=10", "train.eval_batch_size=512",
-]  # fmt: skip
+    "model.embed_dim=256",
+    "model.image.feature_type=grid",
+    "model.text.kind=bigru",
+    "model.text.vocab_min_count=1",
+    "train.batch_size=128",
+    "data.captions_per_image=1",
+    "train.log_every=10",
+    "train.eval_batch_size=512",
+]
 
 # key -> (table label, recipe, overrides, dense dev evaluation)
 VARIANTS: dict[str, tuple[str, str, list[str], bool]] = {
@@ -45,27 +51,60 @@ VARIANTS: dict[str, tuple[str, str, list[str], bool]] = {
     "floor": ("Floor: bag of words (linear, `bow` recipe)", "bow", [], False),
     # the recipe's defaults: the released code's ADPOOL scorer (D x D + ReLU) and K rule (docs/reproduce.md)
     "full": ("VSE+2AD (ADPOOL + ADOPT)", "vse_2ad", [], True),
-    "no_tok": ("− *tok* ADPOOL (embedding-level only)", "vse_2ad",
-               ["model.image.pooling.token_level=false", "model.text.pooling.token_level=false"], False),
-    "no_emb": ("− *emb* ADPOOL (token-level only)", "vse_2ad",
-               ["model.image.pooling.embedding_level=false", "model.text.pooling.embedding_level=false"], False),
-    "no_adpool": ("− ADPOOL (mean pooling)", "vse_2ad",
-                  ["model.image.pooling.name=avg", "model.text.pooling.name=avg"], False),
-    "no_adopt": ("− ADOPT (hardest-negative triplet)", "vse_2ad",
-                 ["loss.name=triplet", "loss.margin=0.2", "loss.max_violation=true", "loss.warmup_epochs=0"], True),
+    "no_tok": (
+        "− *tok* ADPOOL (embedding-level only)",
+        "vse_2ad",
+        ["model.image.pooling.token_level=false", "model.text.pooling.token_level=false"],
+        False,
+    ),
+    "no_emb": (
+        "− *emb* ADPOOL (token-level only)",
+        "vse_2ad",
+        ["model.image.pooling.embedding_level=false", "model.text.pooling.embedding_level=false"],
+        False,
+    ),
+    "no_adpool": (
+        "− ADPOOL (mean pooling)",
+        "vse_2ad",
+        ["model.image.pooling.name=avg", "model.text.pooling.name=avg"],
+        False,
+    ),
+    "no_adopt": (
+        "− ADOPT (hardest-negative triplet)",
+        "vse_2ad",
+        ["loss.name=triplet", "loss.margin=0.2", "loss.max_violation=true", "loss.warmup_epochs=0"],
+        True,
+    ),
     "vse_infty": ("VSE∞ (GPO + triplet, 1 warm-up epoch)", "vse_infty", [], False),
-    "no_adopt_warmup": ("− ADOPT, triplet after 1 all-negatives warm-up epoch", "vse_2ad",
-                        ["loss.name=triplet", "loss.margin=0.2", "loss.max_violation=true", "loss.warmup_epochs=1"],
-                        False),
+    "no_adopt_warmup": (
+        "− ADOPT, triplet after 1 all-negatives warm-up epoch",
+        "vse_2ad",
+        ["loss.name=triplet", "loss.margin=0.2", "loss.max_violation=true", "loss.warmup_epochs=1"],
+        False,
+    ),
     "infonce": ("ADOPT → InfoNCE over all in-batch negatives", "vse_2ad", ["loss.name=infonce"], False),
-    "paper": ("VSE+2AD, printed forms (Eq. 3 one weight per rank + Eq. 6 K rule)", "vse_2ad",
-              ["model.image.pooling.adpool_variant=paper", "model.text.pooling.adpool_variant=paper",
-               "loss.adopt_variant=paper"], False),
+    "paper": (
+        "VSE+2AD, printed forms (Eq. 3 one weight per rank + Eq. 6 K rule)",
+        "vse_2ad",
+        [
+            "model.image.pooling.adpool_variant=paper",
+            "model.text.pooling.adpool_variant=paper",
+            "loss.adopt_variant=paper",
+        ],
+        False,
+    ),
     # the recipe's defaults since they follow the released code: the same runs as `full` (kept for old grids)
-    "reference": ("VSE+2AD, released-code variants (ADPOOL + ADOPT)", "vse_2ad",
-                  ["model.image.pooling.adpool_variant=reference", "model.text.pooling.adpool_variant=reference",
-                   "loss.adopt_variant=reference"], False),
-}  # fmt: skip
+    "reference": (
+        "VSE+2AD, released-code variants (ADPOOL + ADOPT)",
+        "vse_2ad",
+        [
+            "model.image.pooling.adpool_variant=reference",
+            "model.text.pooling.adpool_variant=reference",
+            "loss.adopt_variant=reference",
+        ],
+        False,
+    ),
+}
 DEFAULT_VARIANTS = ["floor", "full", "no_tok", "no_emb", "no_adpool", "no_adopt", "vse_infty"]
 KEYS = ["i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "rsum"]
 
@@ -74,7 +113,12 @@ def overrides_for(key: str, seed: int, epochs: int, decay: int, extra: list[str]
     _, recipe, own, _ = VARIANTS[key]
     if recipe == "bow":  # the floor is one fixed recipe: only the seed changes
         return [f"train.seed={seed}", "train.log_every=0", "train.eval_batch_size=512"]
-    return SMALL + [f"train.seed={seed}", f"train.epochs={epochs}", f"optim.lr_decay_epochs=[{decay}]"] + own + extra
+    return (
+        SMALL
+        + [f"train.seed={seed}", f"train.epochs={epochs}", f"optim.lr_decay_epochs=[{decay}]"]
+        + own
+        + extra
+    )
 
 
 @torch.no_grad()
@@ -128,7 +172,9 @@ def branch_diagnostics(run_dir: Path, data: str, split_name: str = "test") -> di
             t, e = tok_only(x, lengths), ADPool(module.dim, token_level=False)(x, lengths)
             xs = x[:, : int(lengths.max())]
             valid = (torch.arange(xs.shape[1], device=x.device)[None] < lengths[:, None]).unsqueeze(-1)
-            spread = xs.masked_fill(~valid, float("-inf")).amax(1) - xs.masked_fill(~valid, float("inf")).amin(1)
+            spread = xs.masked_fill(~valid, float("-inf")).amax(1) - xs.masked_fill(
+                ~valid, float("inf")
+            ).amin(1)
             theta = w["token"] if w["token"].ndim == 2 else w["token"].mean(-1)
             uniform = valid[..., 0].float() / lengths[:, None].float()
             many = lengths > 1
@@ -141,8 +187,11 @@ def branch_diagnostics(run_dir: Path, data: str, split_name: str = "test") -> di
         return hook
 
     pools = {"image": model.image_encoder.pool, "text": model.text_encoder.pool}
-    hooks = [p.register_forward_hook(make_hook(side)) for side, p in pools.items()
-             if isinstance(p, ADPool) and p.token_level and p.embedding_level]  # fmt: skip
+    hooks = [
+        p.register_forward_hook(make_hook(side))
+        for side, p in pools.items()
+        if isinstance(p, ADPool) and p.token_level and p.embedding_level
+    ]
     try:
         encode_images(model, image_source_for(model, split))
         encode_captions(model, split.captions, text_processor_for(model))
@@ -167,22 +216,40 @@ def run_one(key: str, seed: int, args: argparse.Namespace) -> dict:
         curve.append({"step": 0, "epoch": 0, **trainer.validate()})
         while trainer.state.epoch < recipe.train.epochs:
             trainer.fit(max_steps=args.eval_every)
-            curve.append({"step": trainer.state.global_step, "epoch": trainer.state.epoch, **trainer.validate()})
+            curve.append(
+                {"step": trainer.state.global_step, "epoch": trainer.state.epoch, **trainer.validate()}
+            )
     trainer.fit()
     train_s = time.perf_counter() - t0
     load_weights(trainer.model, run_dir / "best.safetensors")
-    test, _, _ = evaluate_model(trainer.model, args.data, "test", batch_size=recipe.train.eval_batch_size,
-                                device=trainer.device, progress=False)  # fmt: skip
+    test, _, _ = evaluate_model(
+        trainer.model,
+        args.data,
+        "test",
+        batch_size=recipe.train.eval_batch_size,
+        device=trainer.device,
+        progress=False,
+    )
     best = json.loads((run_dir / "best.json").read_text())
     result = {
-        "variant": key, "label": label, "recipe": recipe_name, "seed": seed, "overrides": over,
-        "test": {k: test[k] for k in KEYS}, "best_dev_epoch": best["epoch"], "best_dev_rsum": best["rsum"],
-        "train_s": train_s, "curve": curve, **balance_weights(trainer),
+        "variant": key,
+        "label": label,
+        "recipe": recipe_name,
+        "seed": seed,
+        "overrides": over,
+        "test": {k: test[k] for k in KEYS},
+        "best_dev_epoch": best["epoch"],
+        "best_dev_rsum": best["rsum"],
+        "train_s": train_s,
+        "curve": curve,
+        **balance_weights(trainer),
         "resolved_recipe": to_dict(recipe),
-    }  # fmt: skip
+    }
     done.write_text(json.dumps(result, indent=1))
-    print(f"{key} seed {seed}: test rsum {test['rsum']:.1f} (best dev epoch {best['epoch']}) {train_s:.0f}s",
-          flush=True)  # fmt: skip
+    print(
+        f"{key} seed {seed}: test rsum {test['rsum']:.1f} (best dev epoch {best['epoch']}) {train_s:.0f}s",
+        flush=True,
+    )
     return result
 
 
@@ -207,8 +274,10 @@ def mean_std(values: list[float]) -> str:
 
 
 def table(results: dict[str, list[dict]]) -> str:
-    head = ("| Method | i2t R@1 | i2t R@5 | i2t R@10 | t2i R@1 | t2i R@5 | t2i R@10 | RSUM | Δ RSUM | dev RSUM | "
-            "best epoch | ω_tok img / txt | train s |")  # fmt: skip
+    head = (
+        "| Method | i2t R@1 | i2t R@5 | i2t R@10 | t2i R@1 | t2i R@5 | t2i R@10 | RSUM | Δ RSUM | dev RSUM | "
+        "best epoch | ω_tok img / txt | train s |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     full = results.get("full")
     base = statistics.fmean(r["test"]["rsum"] for r in full) if full else None
@@ -221,8 +290,9 @@ def table(results: dict[str, list[dict]]) -> str:
         om = [(r.get("omega_tok_image"), r.get("omega_tok_text")) for r in rs]
         cells.append(
             f"{statistics.fmean(o[0] for o in om):.2f} / {statistics.fmean(o[1] for o in om):.2f}"
-            if all(o[0] is not None and o[1] is not None for o in om) else "—"
-        )  # fmt: skip
+            if all(o[0] is not None and o[1] is not None for o in om)
+            else "—"
+        )
         cells.append(f"{statistics.fmean(r['train_s'] for r in rs):.0f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -247,15 +317,27 @@ def plot_convergence(results: dict[str, list[dict]], path: Path, out: Path) -> N
         ax.plot(steps[:n], mean, color=color, label=f"{label}, {len(rs)} seeds")
         ax.fill_between(steps[:n], mean - std, mean + std, color=color, alpha=0.2, lw=0)
     # rows without a dense curve: their end-of-epoch dev RSUM (mean over seeds), dashed with markers
-    for key, color in (("no_adopt_warmup", "tab:purple"), ("infonce", "tab:orange"), ("vse_infty", "tab:gray")):
+    for key, color in (
+        ("no_adopt_warmup", "tab:purple"),
+        ("infonce", "tab:orange"),
+        ("vse_infty", "tab:gray"),
+    ):
         per_run = [read_val_records(out / key / f"seed{r['seed']}") for r in results.get(key, [])]
         per_run = [v for v in per_run if v]
         if not per_run:
             continue
         n = min(len(v) for v in per_run)
         mean = np.mean([[v["rsum"] for v in vs[:n]] for vs in per_run], axis=0)
-        ax.plot([v["step"] for v in per_run[0][:n]], mean, ls="--", marker="o", ms=3, lw=1, color=color,
-                label=f"{VARIANTS[key][0]} (per epoch), {len(per_run)} seeds")  # fmt: skip
+        ax.plot(
+            [v["step"] for v in per_run[0][:n]],
+            mean,
+            ls="--",
+            marker="o",
+            ms=3,
+            lw=1,
+            color=color,
+            label=f"{VARIANTS[key][0]} (per epoch), {len(per_run)} seeds",
+        )
     ax.set_xlabel("iteration")
     ax.set_ylabel("dev RSUM")
     ax.set_title("Convergence with and without ADOPT (openclipart, mean ± std)")
@@ -266,7 +348,10 @@ def plot_convergence(results: dict[str, list[dict]], path: Path, out: Path) -> N
     plt.close(fig)
 
 
-K_RULES = {"full": ("default rule (released code)", "tab:green"), "paper": ("printed rule (Eq. 6)", "tab:red")}
+K_RULES = {
+    "full": ("default rule (released code)", "tab:green"),
+    "paper": ("printed rule (Eq. 6)", "tab:red"),
+}
 
 
 def plot_k(run_dirs: dict[str, list[Path]], path: Path, batch: int) -> None:
@@ -284,8 +369,14 @@ def plot_k(run_dirs: dict[str, list[Path]], path: Path, batch: int) -> None:
             recs = read_step_records(d)
             if not recs:
                 continue
-            ax.plot([r["step"] for r in recs], [r["K_i2t"] for r in recs], lw=0.9, color=color, alpha=1.0 - 0.25 * i,
-                    label=f"{label}, {d.name}")  # fmt: skip
+            ax.plot(
+                [r["step"] for r in recs],
+                [r["K_i2t"] for r in recs],
+                lw=0.9,
+                color=color,
+                alpha=1.0 - 0.25 * i,
+                label=f"{label}, {d.name}",
+            )
             for r in recs:
                 epoch_starts.setdefault(r["epoch"], r["step"])
     for _, s in sorted(epoch_starts.items())[1:]:
@@ -316,9 +407,13 @@ def k_summary(d: Path) -> str:
     for r in full:
         per_epoch.setdefault(r["epoch"], []).append(r["K_i2t"])
     last = full[-1]
-    return (f"{d.parent.name}/{d.name}: first {recs[0]['K_i2t']:.0f}, "
-            + ", ".join(f"epoch {e} mean {np.mean(v):.1f}" for e, v in sorted(per_epoch.items()))  # 1-based in metrics.jsonl
-            + f", last full batch {last['K_i2t']:.0f} (γ_align {last['align']:.2f}, γ_uniform {last['uniform']:.2f})")  # fmt: skip
+    return (
+        f"{d.parent.name}/{d.name}: first {recs[0]['K_i2t']:.0f}, "
+        + ", ".join(
+            f"epoch {e} mean {np.mean(v):.1f}" for e, v in sorted(per_epoch.items())
+        )  # 1-based in metrics.jsonl
+        + f", last full batch {last['K_i2t']:.0f} (γ_align {last['align']:.2f}, γ_uniform {last['uniform']:.2f})"
+    )
 
 
 def write_docs(results: dict[str, list[dict]], args: argparse.Namespace, command: str) -> None:
@@ -326,7 +421,9 @@ def write_docs(results: dict[str, list[dict]], args: argparse.Namespace, command
     figs = docs / "figures"
     figs.mkdir(parents=True, exist_ok=True)
     plot_convergence(results, figs / "vse_2ad_convergence.png", Path(args.out))
-    k_dirs = {key: [Path(args.out) / key / f"seed{r['seed']}" for r in results.get(key, [])] for key in K_RULES}
+    k_dirs = {
+        key: [Path(args.out) / key / f"seed{r['seed']}" for r in results.get(key, [])] for key in K_RULES
+    }
     batch = next(iter(results.values()))[0]["resolved_recipe"]["train"]["batch_size"]
     plot_k(k_dirs, figs / "vse_2ad_k_per_iteration.png", batch)
     k_stats = [k_summary(d) for dirs in k_dirs.values() for d in dirs]
@@ -339,46 +436,73 @@ def write_docs(results: dict[str, list[dict]], args: argparse.Namespace, command
         "",
         table(results),
         "",
-        "Shared overrides: `" + " ".join(SMALL + ["train.seed=S", f"train.epochs={args.epochs}",
-                                                  f"optim.lr_decay_epochs=[{args.decay_epoch}]"] + args.set)
+        "Shared overrides: `"
+        + " ".join(
+            SMALL
+            + ["train.seed=S", f"train.epochs={args.epochs}", f"optim.lr_decay_epochs=[{args.decay_epoch}]"]
+            + args.set
+        )
         + "`; each variant adds its own (see the script's `VARIANTS`).",
         "",
-        "ADOPT K per iteration (i2t; t2i is equal; epoch means over full batches): " + ("; ".join(k_stats) if k_stats else "n/a"),
+        "ADOPT K per iteration (i2t; t2i is equal; epoch means over full batches): "
+        + ("; ".join(k_stats) if k_stats else "n/a"),
         "",
         f"Command: `{command}`",
         "",
         f"Machine: {torch.get_num_threads()} torch thread(s), device {any_result['resolved_recipe']['train']['device']}, "
         f"torch {torch.__version__}.",
         "<!-- ablation:end -->",
-    ]  # fmt: skip
+    ]
     md = docs / "vse_2ad.md"
-    text = md.read_text(encoding="utf-8") if md.is_file() else "# VSE+2AD\n\n<!-- ablation:begin -->\n<!-- ablation:end -->\n"
+    text = (
+        md.read_text(encoding="utf-8")
+        if md.is_file()
+        else "# VSE+2AD\n\n<!-- ablation:begin -->\n<!-- ablation:end -->\n"
+    )
     start, end = text.find("<!-- ablation:begin"), text.find("<!-- ablation:end -->")
     if start < 0 or end < 0:
         text += "\n<!-- ablation:begin -->\n<!-- ablation:end -->\n"
         start, end = text.find("<!-- ablation:begin"), text.find("<!-- ablation:end -->")
     text = text[:start] + "\n".join(block) + text[end + len("<!-- ablation:end -->") :]
     md.write_text(text, encoding="utf-8")
-    (Path(args.out) / "summary.json").write_text(json.dumps(
-        {k: [{kk: r[kk] for kk in ("seed", "test", "best_dev_epoch", "best_dev_rsum", "train_s")} for r in v]
-         for k, v in results.items()}, indent=1))  # fmt: skip
+    (Path(args.out) / "summary.json").write_text(
+        json.dumps(
+            {
+                k: [
+                    {kk: r[kk] for kk in ("seed", "test", "best_dev_epoch", "best_dev_rsum", "train_s")}
+                    for r in v
+                ]
+                for k, v in results.items()
+            },
+            indent=1,
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="data/openclipart", help="precomp dataset folder (train/dev/test)")
     p.add_argument("--out", required=True, help="where runs go (outside the repo)")
-    p.add_argument("--docs", default=str(REPO / "docs"), help="docs folder to write vse_2ad.md and figures into")
+    p.add_argument(
+        "--docs", default=str(REPO / "docs"), help="docs folder to write vse_2ad.md and figures into"
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--decay-epoch", type=int, default=2, help="lr x0.1 once from this epoch")
-    p.add_argument("--eval-every", type=int, default=10, help="dev evaluation every N iterations (0 = per epoch)")
+    p.add_argument(
+        "--eval-every", type=int, default=10, help="dev evaluation every N iterations (0 = per epoch)"
+    )
     p.add_argument("--set", action="append", default=[], help="extra recipe override for every run")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--report-only", action="store_true", help="only rebuild the table/figures from finished runs")
-    p.add_argument("--diagnose", action="store_true",
-                   help="print ADPOOL branch diagnostics (spread, |tok-emb| gap, θ vs uniform, ω) of finished runs")
+    p.add_argument(
+        "--report-only", action="store_true", help="only rebuild the table/figures from finished runs"
+    )
+    p.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="print ADPOOL branch diagnostics (spread, |tok-emb| gap, θ vs uniform, ω) of finished runs",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.diagnose:
@@ -390,8 +514,11 @@ def main(argv: list[str] | None = None) -> None:
                 if not (run_dir / "result.json").is_file():
                     continue
                 for side, d in branch_diagnostics(run_dir, args.data).items():
-                    print(f"| {key}/seed{seed} | {side} | {d['spread']:.3f} | {d['gap']:.4f} | {d['theta_l1']:.3f} | "
-                          f"{d['omega_tok']:.4f} |", flush=True)  # fmt: skip
+                    print(
+                        f"| {key}/seed{seed} | {side} | {d['spread']:.3f} | {d['gap']:.4f} | {d['theta_l1']:.3f} | "
+                        f"{d['omega_tok']:.4f} |",
+                        flush=True,
+                    )
         return
     command = "nice -n 10 .venv/bin/python scripts/experiments/vse_2ad_ablation.py " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]) if a != "--report-only"

@@ -1,7 +1,7 @@
 """vsekit: visual-semantic embedding toolkit (VSE++, VSE∞/GPO, VSE+2AD, ladder loss, AVSE).
 
-    import vsekit
-    model = vsekit.load("runs/x")   # trained or imported (`vse import`) run -> encode_image / encode_text / similarity
+import vsekit
+model = vsekit.load("runs/x")   # trained or imported (`vse import`) run -> encode_image / encode_text / similarity
 """
 
 from __future__ import annotations

@@ -46,13 +46,16 @@ def load(run: str | Path, device: str | torch.device = "cpu", checkpoint: str = 
     from vsekit.utils.runtime import resolve_device
 
     if not isinstance(run, (str, os.PathLike)):
-        raise ModelInputTypeError(f"load: run must be the path of a run folder (str or pathlib.Path), got "
-                                  f"{type(run).__name__}")  # fmt: skip
+        raise ModelInputTypeError(
+            f"load: run must be the path of a run folder (str or pathlib.Path), got {type(run).__name__}"
+        )
     if not str(run).strip():
         raise ModelInputError("load: run is an empty path; give the run folder (vse train --out)")
     if not isinstance(device, (str, torch.device)):
-        raise ModelInputTypeError(f"load: device must be a name (cpu, cuda, cuda:N, mps, auto) or a torch.device, got "
-                                  f"{type(device).__name__}")  # fmt: skip
+        raise ModelInputTypeError(
+            f"load: device must be a name (cpu, cuda, cuda:N, mps, auto) or a torch.device, got "
+            f"{type(device).__name__}"
+        )
     if checkpoint not in CHECKPOINTS:
         raise ModelInputError(f"load: checkpoint {checkpoint!r}; choose one of {', '.join(CHECKPOINTS)}")
     check_device_name(str(device), "load: device", ModelInputError)

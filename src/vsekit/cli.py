@@ -87,10 +87,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vse", description="Visual-semantic embedding toolkit.")
     parser.add_argument("--version", action=_VersionAction, help="print vsekit's version and exit")
     loud = parser.add_mutually_exclusive_group()
-    loud.add_argument("-q", "--quiet", dest="vse_log_level", action="store_const", const=logging.WARNING,
-                      help="log warnings and errors only (what a verb prints as its result still prints)")
-    loud.add_argument("-v", "--verbose", dest="vse_log_level", action="store_const", const=logging.DEBUG,
-                      help="log debug messages too")  # fmt: skip
+    loud.add_argument(
+        "-q",
+        "--quiet",
+        dest="vse_log_level",
+        action="store_const",
+        const=logging.WARNING,
+        help="log warnings and errors only (what a verb prints as its result still prints)",
+    )
+    loud.add_argument(
+        "-v",
+        "--verbose",
+        dest="vse_log_level",
+        action="store_const",
+        const=logging.DEBUG,
+        help="log debug messages too",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMAND_MODULES:
         module.register(sub)
@@ -99,7 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     embed.register(sub)
     from vsekit.commands.plugins import COMMANDS_GROUP, register_verbs
 
-    register_verbs(COMMANDS_GROUP, sub)  # `vse demo`, `vse bench …`, `vse experiment …`: vsekit_lab's entry points
+    register_verbs(
+        COMMANDS_GROUP, sub
+    )  # `vse demo`, `vse bench …`, `vse experiment …`: vsekit_lab's entry points
     return parser
 
 
@@ -120,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     from vsekit.commands.plugins import verb_packages
 
     packages = verb_packages()
-    configure_logging(logging.INFO, packages)  # before the parser: a verb that cannot be loaded says so in one line
+    configure_logging(
+        logging.INFO, packages
+    )  # before the parser: a verb that cannot be loaded says so in one line
     parser = build_parser()
     from vsekit.commands.argtypes import OptionValueError
 
@@ -140,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         from vsekit.commands import jsonout
 
         jsonout.prepare(args)
-        if jsonout.wants_stdout(args):  # --json: the JSON alone on stdout, what the verb prints goes to stderr
+        if jsonout.wants_stdout(
+            args
+        ):  # --json: the JSON alone on stdout, what the verb prints goes to stderr
             args._json_stream = sys.stdout
             with contextlib.redirect_stdout(sys.stderr):
                 result = args.func(args)
@@ -167,8 +185,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if type(e).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch here
             return _out_of_memory(args, e)
-        print(f"vse {args.command}: internal error ({type(e).__name__}: {e}); this is a bug in vsekit: "
-              "rerun with VSE_DEBUG=1 for the full traceback and report it", file=sys.stderr)  # fmt: skip
+        print(
+            f"vse {args.command}: internal error ({type(e).__name__}: {e}); this is a bug in vsekit: "
+            "rerun with VSE_DEBUG=1 for the full traceback and report it",
+            file=sys.stderr,
+        )
         return 1
     return int(result or 0)
 
@@ -190,8 +211,15 @@ def _out_of_memory(args: argparse.Namespace, e: BaseException) -> int:
         raise e
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     # advice names only the options this command has (argparse sets every option's attribute)
-    tips = [tip for dest, tip in (("batch_size", "a smaller --batch-size"), ("image_size", "a smaller --image-size"),
-                                  ("device", "another --device")) if hasattr(args, dest)]  # fmt: skip
+    tips = [
+        tip
+        for dest, tip in (
+            ("batch_size", "a smaller --batch-size"),
+            ("image_size", "a smaller --image-size"),
+            ("device", "another --device"),
+        )
+        if hasattr(args, dest)
+    ]
     advice = "try " + " or ".join(tips) if tips else "free some memory or use a machine with more"
     print(f"vse {args.command}: error: out of memory ({first}); {advice}", file=sys.stderr)
     return 2

@@ -261,8 +261,9 @@ def convert_batchnorm(module: nn.Module, ctx: DistContext) -> nn.Module:
         return module
     for name, child in module.named_children():
         if type(child) is nn.BatchNorm1d:
-            new = GlobalBatchNorm1d(child.num_features, child.eps, child.momentum, child.affine,
-                                    child.track_running_stats)  # fmt: skip
+            new = GlobalBatchNorm1d(
+                child.num_features, child.eps, child.momentum, child.affine, child.track_running_stats
+            )
             new.ctx = ctx
             if child.affine:
                 new.weight, new.bias = child.weight, child.bias

@@ -113,10 +113,11 @@ def recipe_keys_markdown() -> str:
             continue
         kind = cls.part_kind
         lines += ["", f"## {title}: {KIND_TITLES[kind]}", "", f"`{prefix}{cls.selector}` names one of:", ""]
-        lines += [f"- `{p.name}`: {p.help}" for p in registry.parts(kind)]
+        # sorted by name: registration order depends on which module imported the parts first
+        lines += [f"- `{p.name}`: {p.help}" for p in sorted(registry.parts(kind), key=lambda p: p.name)]
         lines += ["", "| key | type | default | parts | meaning |", "|---|---|---|---|---|"]
         lines += [_row(prefix + name, tp, f, "") for name, tp, f in own]
-        for name, key in registry.keys(kind).items():
-            parts = "*every*" if key.shared else ", ".join(key.parts)
+        for name, key in sorted(registry.keys(kind).items()):
+            parts = "*every*" if key.shared else ", ".join(sorted(key.parts))
             lines.append(_row(prefix + name, key.type, key.field, parts))
     return "\n".join(lines) + "\n"

@@ -75,8 +75,13 @@ def _sentence_model(path: str, device: str):
     return tok, model
 
 
-def sentence_embeddings(captions: list[str], model_path: str | None = None, batch_size: int = 64,
-                        device: str = "cpu", max_tokens: int = 256) -> np.ndarray:  # fmt: skip
+def sentence_embeddings(
+    captions: list[str],
+    model_path: str | None = None,
+    batch_size: int = 64,
+    device: str = "cpu",
+    max_tokens: int = 256,
+) -> np.ndarray:
     """[len(captions), D] float32 L2-normalised Sentence-BERT embeddings (masked mean of the last layer).
 
     Captions are encoded in length order (less padding) and returned in input order; the result does not
@@ -95,8 +100,13 @@ def sentence_embeddings(captions: list[str], model_path: str | None = None, batc
     with torch.no_grad():
         for start in range(0, len(captions), batch_size):
             idx = order[start : start + batch_size]
-            enc = tok([captions[i] for i in idx], padding=True, truncation=True, max_length=max_tokens,
-                      return_tensors="pt").to(device)  # fmt: skip
+            enc = tok(
+                [captions[i] for i in idx],
+                padding=True,
+                truncation=True,
+                max_length=max_tokens,
+                return_tensors="pt",
+            ).to(device)
             hidden = model(**enc).last_hidden_state
             mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
             emb = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
@@ -161,9 +171,15 @@ def _meta_matches(meta: dict, captions_sha: str, n: int, model_sha: str | None) 
     )
 
 
-def split_caption_embeddings(data_dir: str | Path, split: str, captions: list[str] | None = None,
-                             cache_dir: str | Path | None = None, model_path: str | None = None,
-                             device: str = "cpu", log: Callable[[str], None] = print) -> np.ndarray:  # fmt: skip
+def split_caption_embeddings(
+    data_dir: str | Path,
+    split: str,
+    captions: list[str] | None = None,
+    cache_dir: str | Path | None = None,
+    model_path: str | None = None,
+    device: str = "cpu",
+    log: Callable[[str], None] = print,
+) -> np.ndarray:
     """[captions, D] float32 sentence embeddings of a split, computed once and cached as float16."""
     from vsekit.models.text import default_transformer_path
 
@@ -186,18 +202,32 @@ def split_caption_embeddings(data_dir: str | Path, split: str, captions: list[st
     emb = sentence_embeddings(captions, path, device=device)
     where.mkdir(parents=True, exist_ok=True)
     atomic_save_npy(emb_file, emb.astype(np.float16))
-    atomic_write_json(meta_file, {
-        "format": FORMAT, "split": split, "n_captions": len(captions), "captions_sha256": cap_sha,
-        "model": _model_name(path), "model_sha256": model_sha, "pooling": POOLING, "dim": int(emb.shape[1]),
-        "has_matrix": False,
-    })  # fmt: skip
+    atomic_write_json(
+        meta_file,
+        {
+            "format": FORMAT,
+            "split": split,
+            "n_captions": len(captions),
+            "captions_sha256": cap_sha,
+            "model": _model_name(path),
+            "model_sha256": model_sha,
+            "pooling": POOLING,
+            "dim": int(emb.shape[1]),
+            "has_matrix": False,
+        },
+    )
     log(f"relevance: cached {emb_file}")
     return emb.astype(np.float16).astype(np.float32)  # what a later cache hit returns
 
 
-def split_relevance(data_dir: str | Path, split: str, cache_dir: str | Path | None = None,
-                    model_path: str | None = None, device: str = "cpu",
-                    log: Callable[[str], None] = print) -> np.ndarray:  # fmt: skip
+def split_relevance(
+    data_dir: str | Path,
+    split: str,
+    cache_dir: str | Path | None = None,
+    model_path: str | None = None,
+    device: str = "cpu",
+    log: Callable[[str], None] = print,
+) -> np.ndarray:
     """[captions, captions] float16 caption relevance of a split (computed from the cached embeddings
     and cached itself as `{split}_relevance.npy`; files are readable like the dataset's own, umask allowing)."""
     data_dir = Path(data_dir)
@@ -266,8 +296,9 @@ def pair_relevance_from_matrix(relevance: np.ndarray, cap2img: np.ndarray) -> np
     return rel[i[keep], j[keep]].astype(np.float64)
 
 
-def pair_relevance_from_embeddings(emb: np.ndarray, cap2img: np.ndarray, max_pairs: int = PAIR_SAMPLE,
-                                   seed: int = 0, block: int = 512) -> np.ndarray:  # fmt: skip
+def pair_relevance_from_embeddings(
+    emb: np.ndarray, cap2img: np.ndarray, max_pairs: int = PAIR_SAMPLE, seed: int = 0, block: int = 512
+) -> np.ndarray:
     """Relevance (cosine of the L2-normalised rows of `emb`, as the ladder loss computes it) of the caption
     pairs i < j of different images: all of them when there are at most `max_pairs`, else `max_pairs` pairs
     drawn uniformly with `seed` (deterministic), as 1-D float64."""
@@ -322,9 +353,16 @@ def threshold_for_share(values: np.ndarray, share: float) -> float:
     return float(np.quantile(v, 1.0 - share))
 
 
-def split_pair_relevance(data_dir: str | Path, split: str, captions_per_image: int = 5,
-                         cache_dir: str | Path | None = None, model_path: str | None = None, device: str = "cpu",
-                         max_pairs: int = PAIR_SAMPLE, log: Callable[[str], None] = print) -> np.ndarray:  # fmt: skip
+def split_pair_relevance(
+    data_dir: str | Path,
+    split: str,
+    captions_per_image: int = 5,
+    cache_dir: str | Path | None = None,
+    model_path: str | None = None,
+    device: str = "cpu",
+    max_pairs: int = PAIR_SAMPLE,
+    log: Callable[[str], None] = print,
+) -> np.ndarray:
     """`pair_relevance_from_embeddings` of a split, from its cached sentence embeddings (computed on first use)."""
     from vsekit.data.precomp import load_precomp_split
 
@@ -333,7 +371,9 @@ def split_pair_relevance(data_dir: str | Path, split: str, captions_per_image: i
     return pair_relevance_from_embeddings(emb, s.cap2img, max_pairs)
 
 
-def prepare_ladder_relevance(loss_fn, data_dir: str | Path, train_split, log: Callable[[str], None] = print) -> None:
+def prepare_ladder_relevance(
+    loss_fn, data_dir: str | Path, train_split, log: Callable[[str], None] = print
+) -> None:
     """Give a ladder loss what it reads: the train captions' sentence embeddings (computed and cached on first
     use) and, with `threshold_share`, θ_1 := the value that share of the split's different-image caption pairs
     reach. The trainer calls this; losses take relevance as tensors and never load a sentence model."""
@@ -348,5 +388,7 @@ def prepare_ladder_relevance(loss_fn, data_dir: str | Path, train_split, log: Ca
     theta = threshold_for_share(values, share)
     loss_fn.set_derived_threshold(theta)
     at_paper = float(share_at_or_above(values, [0.40])[0])
-    log(f"ladder: θ_1 = {theta:.4f}, reached by {share:.1%} of {len(values):,} train caption pairs of different "
-        f"images (loss.ladder_threshold_share; θ = 0.40 would keep {at_paper:.1%})")  # fmt: skip
+    log(
+        f"ladder: θ_1 = {theta:.4f}, reached by {share:.1%} of {len(values):,} train caption pairs of different "
+        f"images (loss.ladder_threshold_share; θ = 0.40 would keep {at_paper:.1%})"
+    )

@@ -50,15 +50,20 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({e}); the file is corrupt or truncated") from e
+        raise CheckpointError(
+            f"{path}: not a readable safetensors file ({e}); the file is corrupt or truncated"
+        ) from e
 
 
 def write_run_config(run_dir: Path, recipe: Recipe, spec: DataSpec, extra: dict[str, Any]) -> None:
     cfg = {
         "format": RUN_FORMAT,
         "recipe": to_dict(recipe),
-        "data_spec": {"img_dim": spec.img_dim, "text_model_path": spec.text_model_path,
-                      **({"vision_config": spec.vision_config} if spec.vision_config else {})},
+        "data_spec": {
+            "img_dim": spec.img_dim,
+            "text_model_path": spec.text_model_path,
+            **({"vision_config": spec.vision_config} if spec.vision_config else {}),
+        },
         **extra,
     }
     if spec.vocab_words:  # before config.json, the file that makes the folder a run
@@ -76,7 +81,9 @@ def read_run_config(run_dir: str | Path) -> tuple[Recipe, DataSpec, dict]:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from e
     if not isinstance(cfg, dict) or cfg.get("format") != RUN_FORMAT:
-        raise CheckpointError(f"{path}: format {cfg.get('format') if isinstance(cfg, dict) else None!r}; this vsekit reads {RUN_FORMAT}")
+        raise CheckpointError(
+            f"{path}: format {cfg.get('format') if isinstance(cfg, dict) else None!r}; this vsekit reads {RUN_FORMAT}"
+        )
     try:
         recipe = recipe_from_dict(cfg["recipe"])
     except (ConfigError, KeyError, TypeError) as e:
@@ -89,16 +96,32 @@ def read_run_config(run_dir: str | Path) -> tuple[Recipe, DataSpec, dict]:
     text_path = spec_d.get("text_model_path", "")
     if text_path and not Path(text_path).is_absolute():  # imported runs carry their text model config inside
         text_path = str(run_dir / text_path)
-    spec = DataSpec(img_dim=int(spec_d.get("img_dim", 0)), vocab_words=vocab, text_model_path=text_path,
-                    vision_config=dict(spec_d.get("vision_config", {})))
+    spec = DataSpec(
+        img_dim=int(spec_d.get("img_dim", 0)),
+        vocab_words=vocab,
+        text_model_path=text_path,
+        vision_config=dict(spec_d.get("vision_config", {})),
+    )
     return recipe, spec, cfg
 
 
-RUN_ARTIFACTS = frozenset({
-    "config.json", "vocab.json", "metrics.jsonl", "tb", "ckpt", "text_model",
-    "last.safetensors", "last_optim.safetensors", "last_state.json", "last.manifest.json",
-    "best.safetensors", "best.json", "best.manifest.json",
-})  # fmt: skip
+RUN_ARTIFACTS = frozenset(
+    {
+        "config.json",
+        "vocab.json",
+        "metrics.jsonl",
+        "tb",
+        "ckpt",
+        "text_model",
+        "last.safetensors",
+        "last_optim.safetensors",
+        "last_state.json",
+        "last.manifest.json",
+        "best.safetensors",
+        "best.json",
+        "best.manifest.json",
+    }
+)
 """What vsekit itself writes in a run directory (`text_model/`: imported runs); `.*.tmp` are its temp files."""
 
 
@@ -166,7 +189,9 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
             parts.append(f"unexpected {len(unexpected)} (e.g. {unexpected[0]})")
         if wrong:
             k = wrong[0]
-            parts.append(f"wrong shape for {len(wrong)} (e.g. {k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)})")
+            parts.append(
+                f"wrong shape for {len(wrong)} (e.g. {k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)})"
+            )
         raise CheckpointError(f"{path}: weights do not fit the model: {'; '.join(parts)}")
     model.load_state_dict(state, strict=True)
 
@@ -175,7 +200,11 @@ def checkpoint_tag(run_dir: str | Path, which: str) -> str:
     """The checkpoint set `which` (best | last) names in a run: best falls back to last while the run has no best
     one (no best.safetensors and no best.manifest.json: no dev evaluation finished yet)."""
     run_dir = Path(run_dir)
-    if which == "best" and not (run_dir / "best.safetensors").is_file() and not _manifest_path(run_dir, "best").is_file():
+    if (
+        which == "best"
+        and not (run_dir / "best.safetensors").is_file()
+        and not _manifest_path(run_dir, "best").is_file()
+    ):
         return "last"
     return which
 
@@ -186,7 +215,9 @@ def weights_path(run_dir: str | Path, which: str = "best") -> Path:
     return Path(run_dir) / f"{checkpoint_tag(run_dir, which)}.safetensors"
 
 
-def load_run(run_dir: str | Path, which: str = "best", device: str | torch.device = "cpu") -> tuple[VSEModel, dict]:
+def load_run(
+    run_dir: str | Path, which: str = "best", device: str | torch.device = "cpu"
+) -> tuple[VSEModel, dict]:
     """Rebuild a trained model from its run directory (`which` = best | last)."""
     run_dir = Path(run_dir)
     recipe, spec, cfg = read_run_config(run_dir)
@@ -213,7 +244,9 @@ def optimizer_to_files(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torc
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
 
 
-def optimizer_from_files(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+def optimizer_from_files(
+    optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict
+) -> None:
     state: dict[int, dict] = {}
     for key, value in tensors.items():
         pid, name = key.split(".", 1)
@@ -250,7 +283,9 @@ def _publish(run_dir: Path, versioned: Path, name: str) -> None:
         atomic_write_bytes(target, versioned.read_bytes())
 
 
-def write_checkpoint_set(run_dir: Path, tag: str, parts: dict[str, bytes], info: dict[str, Any] | None = None) -> Path:
+def write_checkpoint_set(
+    run_dir: Path, tag: str, parts: dict[str, bytes], info: dict[str, Any] | None = None
+) -> Path:
     """Write one consistent set of files (`parts`: name suffix -> bytes, e.g. ".safetensors") and commit it.
 
     Order: every versioned file (atomic each), then the manifest with their sha256 (the commit point), then
@@ -270,11 +305,16 @@ def write_checkpoint_set(run_dir: Path, tag: str, parts: dict[str, bytes], info:
         rel = f"ckpt/{tag}-{seq:06d}{suffix}"
         atomic_write_bytes(run_dir / rel, data)
         files[suffix] = {"path": rel, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    atomic_write_json(manifest, {"format": CHECKPOINT_FORMAT, "tag": tag, "seq": seq, **(info or {}), "files": files})
+    atomic_write_json(
+        manifest, {"format": CHECKPOINT_FORMAT, "tag": tag, "seq": seq, **(info or {}), "files": files}
+    )
     for suffix, f in files.items():
         _publish(run_dir, run_dir / f["path"], f"{tag}{suffix}")
     keep = {Path(f["path"]).name for f in files.values()}
-    for old in [*ckpt.glob(f"{tag}-*"), *ckpt.glob(f".{tag}-*.tmp")]:  # older sets, temp files of killed writes
+    for old in [
+        *ckpt.glob(f"{tag}-*"),
+        *ckpt.glob(f".{tag}-*.tmp"),
+    ]:  # older sets, temp files of killed writes
         if old.name not in keep:
             old.unlink(missing_ok=True)
     return manifest
@@ -295,7 +335,9 @@ def read_checkpoint_set(run_dir: Path, tag: str, suffixes: tuple[str, ...]) -> d
         meta = json.loads(manifest.read_text(encoding="utf-8"))
         files = meta["files"]
         if meta.get("format") != CHECKPOINT_FORMAT:
-            raise CheckpointError(f"{manifest}: format {meta.get('format')!r}; this vsekit reads {CHECKPOINT_FORMAT}")
+            raise CheckpointError(
+                f"{manifest}: format {meta.get('format')!r}; this vsekit reads {CHECKPOINT_FORMAT}"
+            )
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         if isinstance(e, CheckpointError):
             raise
@@ -309,7 +351,9 @@ def read_checkpoint_set(run_dir: Path, tag: str, suffixes: tuple[str, ...]) -> d
         if not path.is_relative_to(run_dir.resolve()):
             raise CheckpointError(f"{manifest}: file {entry['path']!r} lies outside the run directory")
         if not path.is_file():
-            raise CheckpointError(f"{path}: missing; {manifest.name} (written last) lists it, so it was deleted afterwards")
+            raise CheckpointError(
+                f"{path}: missing; {manifest.name} (written last) lists it, so it was deleted afterwards"
+            )
         if path.stat().st_size != entry.get("bytes") or sha256_file(path) != entry.get("sha256"):
             raise CheckpointError(
                 f"{path}: size or sha256 differs from {manifest.name}; the file is corrupt or truncated, or was "
@@ -331,7 +375,9 @@ def read_checkpoint_set(run_dir: Path, tag: str, suffixes: tuple[str, ...]) -> d
         if path.parent == run_dir:
             continue
         try:
-            if not (run_dir / f"{tag}{suffix}").is_file() or not os.path.samefile(path, run_dir / f"{tag}{suffix}"):
+            if not (run_dir / f"{tag}{suffix}").is_file() or not os.path.samefile(
+                path, run_dir / f"{tag}{suffix}"
+            ):
                 _publish(run_dir, path, f"{tag}{suffix}")
         except OSError:
             pass  # a read-only run directory (e.g. shared): the verified files are used directly

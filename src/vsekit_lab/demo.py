@@ -52,7 +52,12 @@ class Variant:
             # weight decay 1e-4: the released VSE∞ code's value for its transformer (BERT) branch
             return ["model.text.kind=transformer", "model.text.freeze=true", "optim.weight_decay=0.0001"]
         # the released BiGRU code's settings: Treebank (nltk) tokens and AdamW's default weight decay 0.01
-        return ["model.text.kind=bigru", "model.text.word_dim=300", "model.text.tokenizer=nltk", "optim.weight_decay=0.01"]
+        return [
+            "model.text.kind=bigru",
+            "model.text.word_dim=300",
+            "model.text.tokenizer=nltk",
+            "optim.weight_decay=0.01",
+        ]
 
 
 VARIANTS = [
@@ -66,7 +71,10 @@ TABLE_KEYS = ["i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "rsu
 
 
 def dataset_ready(data_dir: Path) -> bool:
-    return all((data_dir / f"{s}_caps.txt").is_file() and (data_dir / f"{s}_ims.npy").is_file() for s in ("train", "dev", "test"))
+    return all(
+        (data_dir / f"{s}_caps.txt").is_file() and (data_dir / f"{s}_ims.npy").is_file()
+        for s in ("train", "dev", "test")
+    )
 
 
 def dataset_outdated(data_dir: Path) -> str | None:
@@ -104,21 +112,29 @@ def demo_overrides(variant: Variant, epochs: int) -> list[str]:
     if variant.own_schedule:
         return DEMO_OVERRIDES + variant.overrides()
     decay = max(1, round(epochs * 0.75))
-    return DEMO_OVERRIDES + variant.overrides() + [f"train.epochs={epochs}", f"optim.lr_decay_epochs=[{decay}]"]
+    return (
+        DEMO_OVERRIDES + variant.overrides() + [f"train.epochs={epochs}", f"optim.lr_decay_epochs=[{decay}]"]
+    )
 
 
-def train_variant(variant: Variant, data_dir: Path, run_dir: Path, seed: int, epochs: int, device: str) -> dict:
+def train_variant(
+    variant: Variant, data_dir: Path, run_dir: Path, seed: int, epochs: int, device: str
+) -> dict:
     """Train (or reuse / resume) one run and evaluate its best-on-dev weights on test."""
     from vsekit.evaluation import evaluate_model
     from vsekit.runs import load_run
     from vsekit.training.trainer import Trainer
 
-    recipe = load_recipe(variant.recipe, demo_overrides(variant, epochs) + [f"train.seed={seed}", f"train.device={device}"])
+    recipe = load_recipe(
+        variant.recipe, demo_overrides(variant, epochs) + [f"train.seed={seed}", f"train.device={device}"]
+    )
     epochs = recipe.train.epochs  # the floor's own schedule differs from the demo's
     timing_file = run_dir / "demo_timing.json"
     if not run_is_complete(run_dir, epochs):
         resume = (run_dir / "last_state.json").is_file()
-        trainer = Trainer(recipe, data_dir, run_dir, resume=resume, overwrite=not resume and run_dir.exists(), progress=True)
+        trainer = Trainer(
+            recipe, data_dir, run_dir, resume=resume, overwrite=not resume and run_dir.exists(), progress=True
+        )
         t0 = time.perf_counter()
         trainer.fit()
         spent = time.perf_counter() - t0
@@ -129,7 +145,9 @@ def train_variant(variant: Variant, data_dir: Path, run_dir: Path, seed: int, ep
     metrics, _, _ = evaluate_model(model, data_dir, "test", progress=False)
     history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     dev_rsum = [h["rsum"] for h in history if h.get("kind") == "val"][-epochs:]
-    train_time = json.loads(timing_file.read_text())["train_time_s"] if timing_file.is_file() else float("nan")
+    train_time = (
+        json.loads(timing_file.read_text())["train_time_s"] if timing_file.is_file() else float("nan")
+    )
     return {"metrics": metrics, "dev_rsum": dev_rsum, "train_time_s": train_time}
 
 
@@ -168,12 +186,16 @@ def plot_dev_rsum(results: dict[str, list[dict]], out_png: Path) -> None:
         curves = np.array([r["dev_rsum"] for r in runs if r["dev_rsum"]], dtype=float)
         if curves.size == 0:
             continue
-        if v.own_schedule:  # the floor trains on its own schedule: drawn as its best dev rsum, a level to clear
+        if (
+            v.own_schedule
+        ):  # the floor trains on its own schedule: drawn as its best dev rsum, a level to clear
             ax.axhline(curves.max(1).mean(), color="0.4", ls=":", lw=1.2, label=f"{v.label}, best dev")
             continue
         epochs = np.arange(1, curves.shape[1] + 1)
         mean = curves.mean(0)
-        (line,) = ax.plot(epochs, mean, marker="o", ms=3, label=v.label, ls="-" if "infty" in v.name else "--")
+        (line,) = ax.plot(
+            epochs, mean, marker="o", ms=3, label=v.label, ls="-" if "infty" in v.name else "--"
+        )
         if len(curves) > 1:
             ax.fill_between(epochs, curves.min(0), curves.max(0), color=line.get_color(), alpha=0.15)
     ax.set_xlabel("epoch")
@@ -187,9 +209,15 @@ def plot_dev_rsum(results: dict[str, list[dict]], out_png: Path) -> None:
     plt.close(fig)
 
 
-def run_demo(data_dir: str | Path = "data/openclipart", out_dir: str | Path = "runs/demo", seeds: int = 1,
-             epochs: int | None = None, device: str = "auto", variants: list[str] | None = None,
-             log: Callable[[str], None] = print) -> dict:  # fmt: skip
+def run_demo(
+    data_dir: str | Path = "data/openclipart",
+    out_dir: str | Path = "runs/demo",
+    seeds: int = 1,
+    epochs: int | None = None,
+    device: str = "auto",
+    variants: list[str] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Build (once), train, evaluate and tabulate the demo; `log` gets its report (run headers, test scores,
     the table, what was written, how to search), like the trainer's `log`; diagnostics go to `logging`."""
     data_dir, out_dir = Path(data_dir), Path(out_dir)
@@ -198,7 +226,9 @@ def run_demo(data_dir: str | Path = "data/openclipart", out_dir: str | Path = "r
     if variants:
         unknown = set(variants) - {v.name for v in VARIANTS}
         if unknown:
-            raise VseInputError(f"unknown demo variant(s) {sorted(unknown)}; choose from {[v.name for v in VARIANTS]}")
+            raise VseInputError(
+                f"unknown demo variant(s) {sorted(unknown)}; choose from {[v.name for v in VARIANTS]}"
+            )
     t_start = time.perf_counter()
     if not dataset_ready(data_dir):
         from vsekit_lab.datasets.openclipart import build_openclipart
@@ -206,8 +236,12 @@ def run_demo(data_dir: str | Path = "data/openclipart", out_dir: str | Path = "r
         logger.info("building the openclipart set in %s (one time, a few minutes)…", data_dir)
         build_openclipart(data_dir)
     elif reason := dataset_outdated(data_dir):
-        logger.warning("%s; results will differ from the README's table. Refresh the set (rendered pictures and "
-                       "features are reused) with:  vse data openclipart --out %s", reason, data_dir)  # fmt: skip
+        logger.warning(
+            "%s; results will differ from the README's table. Refresh the set (rendered pictures and "
+            "features are reused) with:  vse data openclipart --out %s",
+            reason,
+            data_dir,
+        )
     results: dict[str, list[dict]] = {}
     for v in chosen:
         for seed in range(seeds):
@@ -215,19 +249,27 @@ def run_demo(data_dir: str | Path = "data/openclipart", out_dir: str | Path = "r
             res = train_variant(v, data_dir, out_dir / v.name / f"seed{seed}", seed, epochs, device)
             results.setdefault(v.name, []).append(res)
             m = res["metrics"]
-            log(f"   test: i2t R@1 {m['i2t_r1']:.1f} t2i R@1 {m['t2i_r1']:.1f} rsum {m['rsum']:.1f} "
-                f"({res['train_time_s']:.0f} s training)")  # fmt: skip
+            log(
+                f"   test: i2t R@1 {m['i2t_r1']:.1f} t2i R@1 {m['t2i_r1']:.1f} rsum {m['rsum']:.1f} "
+                f"({res['train_time_s']:.0f} s training)"
+            )
     table = results_table(results, seeds)
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = f"vse demo --seeds {seeds}" + (f" --epochs {epochs}" if epochs != DEMO_EPOCHS else "")
-    md = (f"# vsekit demo: openclipart test split\n\nCommand: `{cmd}`; {seeds} seed(s)"
-          f"{', mean ± std' if seeds > 1 else ''}; {epochs} epochs; recalls in %.\n\n{table}\n")  # fmt: skip
+    md = (
+        f"# vsekit demo: openclipart test split\n\nCommand: `{cmd}`; {seeds} seed(s)"
+        f"{', mean ± std' if seeds > 1 else ''}; {epochs} epochs; recalls in %.\n\n{table}\n"
+    )
     atomic_write_text(out_dir / "results.md", md)
-    atomic_write_json(out_dir / "results.json", {"command": cmd, "epochs": epochs, "seeds": seeds, "runs": results})
+    atomic_write_json(
+        out_dir / "results.json", {"command": cmd, "epochs": epochs, "seeds": seeds, "runs": results}
+    )
     plot_dev_rsum(results, out_dir / "dev_rsum.png")
     log("\n" + table)
-    log(f"\nwrote {out_dir / 'results.md'}, {out_dir / 'results.json'}, {out_dir / 'dev_rsum.png'} "
-        f"(total {time.perf_counter() - t_start:.0f} s)")  # fmt: skip
+    log(
+        f"\nwrote {out_dir / 'results.md'}, {out_dir / 'results.json'}, {out_dir / 'dev_rsum.png'} "
+        f"(total {time.perf_counter() - t_start:.0f} s)"
+    )
     best = out_dir / chosen[-1].name / "seed0"
     log(search_hint(best, data_dir))
     return results
@@ -237,6 +279,6 @@ def search_hint(run_dir: Path, data_dir: Path) -> str:
     return (
         "\nSearch the test pictures with the trained model:\n"
         f"  vse index {run_dir} {data_dir}:test --out {run_dir.parent.parent / 'index'}\n"
-        f"  vse search {run_dir.parent.parent / 'index'} \"a red apple\" -k 5\n"
+        f'  vse search {run_dir.parent.parent / "index"} "a red apple" -k 5\n'
         f"  vse serve {run_dir.parent.parent / 'index'}    # then open http://127.0.0.1:8000"
     )

@@ -56,7 +56,9 @@ def at_least(low: int) -> type[argparse.Action]:
 
 def between(low: int, high: int) -> type[argparse.Action]:
     """Each value in [`low`, `high`] (a size whose top end would exhaust memory: a picture side in pixels)."""
-    return checked(lambda v: None if low <= v <= high else f"must lie in {low}..{high}", f"Between{low}And{high}")
+    return checked(
+        lambda v: None if low <= v <= high else f"must lie in {low}..{high}", f"Between{low}And{high}"
+    )
 
 
 def finite() -> type[argparse.Action]:
@@ -66,7 +68,9 @@ def finite() -> type[argparse.Action]:
 
 def positive_number() -> type[argparse.Action]:
     """Each value a finite number above 0 (a learning rate, a duration in seconds)."""
-    return checked(lambda v: None if math.isfinite(v) and v > 0 else "must be a finite number above 0", "PositiveNumber")
+    return checked(
+        lambda v: None if math.isfinite(v) and v > 0 else "must be a finite number above 0", "PositiveNumber"
+    )
 
 
 def fraction() -> type[argparse.Action]:
@@ -74,7 +78,9 @@ def fraction() -> type[argparse.Action]:
     return checked(lambda v: None if 0.0 < v <= 1.0 else "must lie in (0, 1]", "Fraction")
 
 
-def in_range(low: float, high: float | None = INT32_MAX, note: str = "", finite: bool = False) -> type[argparse.Action]:
+def in_range(
+    low: float, high: float | None = INT32_MAX, note: str = "", finite: bool = False
+) -> type[argparse.Action]:
     """Each value in [`low`, `high`] (`high=None`: no upper bound; the default keeps a C int from overflowing)
     and, with `finite`, a finite number (NaN and infinity would silently turn a limit off); `note` says what a
     special value means ("0 = automatic")."""

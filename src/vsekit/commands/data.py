@@ -49,11 +49,23 @@ def run_relevance_share(args: argparse.Namespace) -> int:
     """Share of a split's different-image caption pairs at or above each θ, and the θ of a target share."""
     from vsekit.relevance import share_at_or_above, split_pair_relevance, threshold_for_share
 
-    values = split_pair_relevance(args.data, args.split, args.captions_per_image, args.cache_dir,
-                                  device=args.device, max_pairs=args.max_pairs)  # fmt: skip
-    how = "every pair" if len(values) < args.max_pairs else f"a fixed-seed sample (--max-pairs {args.max_pairs:,})"
-    print(f"{args.split}: {len(values):,} caption pairs of different images ({how}), MiniLM relevance "
-          f"mean {values.mean():.3f}")  # fmt: skip
+    values = split_pair_relevance(
+        args.data,
+        args.split,
+        args.captions_per_image,
+        args.cache_dir,
+        device=args.device,
+        max_pairs=args.max_pairs,
+    )
+    how = (
+        "every pair"
+        if len(values) < args.max_pairs
+        else f"a fixed-seed sample (--max-pairs {args.max_pairs:,})"
+    )
+    print(
+        f"{args.split}: {len(values):,} caption pairs of different images ({how}), MiniLM relevance "
+        f"mean {values.mean():.3f}"
+    )
     out: dict = {"split": args.split, "pairs": len(values), "thresholds": {}, "shares": {}}
     print(f"  {'θ':>6}  {'share >= θ':>10}  {'per query, batch ' + str(args.batch):>22}")
     for theta, share in zip(args.theta, share_at_or_above(values, args.theta)):
@@ -81,14 +93,21 @@ def run_link_images(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     p = sub.add_parser("data", help="build, inspect and check datasets")
     dsub = p.add_subparsers(dest="data_command", required=True, metavar="ACTION")
-    k = dsub.add_parser("karpathy", help="convert a Karpathy JSON (dataset_coco.json / dataset_flickr30k.json)")
+    k = dsub.add_parser(
+        "karpathy", help="convert a Karpathy JSON (dataset_coco.json / dataset_flickr30k.json)"
+    )
     k.add_argument("json", help="dataset_flickr30k.json or dataset_coco.json")
-    k.add_argument("--images", help="folder the JSON's filepath/filename are relative to (default: the JSON's)")
+    k.add_argument(
+        "--images", help="folder the JSON's filepath/filename are relative to (default: the JSON's)"
+    )
     k.add_argument("--out", required=True)
     k.add_argument("--splits", nargs="+", default=["train", "dev", "test"], help="dev = the JSON's 'val'")
     k.set_defaults(func=run_karpathy)
-    li = dsub.add_parser("link-images", help="write {split}_images.txt of a COCO / Flickr30K precomp folder from its "
-                         "{split}_ids.txt and a folder of the pictures (so vse serve shows them)")  # fmt: skip
+    li = dsub.add_parser(
+        "link-images",
+        help="write {split}_images.txt of a COCO / Flickr30K precomp folder from its "
+        "{split}_ids.txt and a folder of the pictures (so vse serve shows them)",
+    )
     li.add_argument("data", help="the precomp folder (with {split}_ids.txt)")
     li.add_argument("--images", required=True, help="folder holding the pictures (searched recursively)")
     li.add_argument("--splits", nargs="+", help="default: every split with a {split}_ids.txt")
@@ -106,21 +125,40 @@ def register(sub) -> None:
     c.add_argument("data")
     c.add_argument("--captions-per-image", type=int, action=at_least(1), default=5)
     c.set_defaults(func=run_check)
-    r = dsub.add_parser("relevance", help="cache caption x caption relevance (MiniLM) for CS@K and the ladder loss")
+    r = dsub.add_parser(
+        "relevance", help="cache caption x caption relevance (MiniLM) for CS@K and the ladder loss"
+    )
     r.add_argument("data")
     r.add_argument("--split", nargs="+", default=["test"])
     r.add_argument("--cache-dir", help="where to cache (default: the dataset directory when writable)")
     r.add_argument("--device", default="cpu")
     r.set_defaults(func=run_relevance)
-    rs = dsub.add_parser("relevance-share", help="share of caption pairs at or above a ladder threshold θ, and the "
-                         "θ of a given share (the rule of loss.ladder_threshold_share)")  # fmt: skip
+    rs = dsub.add_parser(
+        "relevance-share",
+        help="share of caption pairs at or above a ladder threshold θ, and the "
+        "θ of a given share (the rule of loss.ladder_threshold_share)",
+    )
     rs.add_argument("data")
     rs.add_argument("--split", default="train")
     rs.add_argument("--theta", type=float, action=finite(), nargs="+", default=[0.2, 0.3, 0.4, 0.5])
     rs.add_argument("--share", type=float, action=fraction(), nargs="+", default=[0.15])
-    rs.add_argument("--batch", type=int, action=at_least(2), default=128, help="batch size for the per-query count")
-    rs.add_argument("--captions-per-image", type=int, action=at_least(1), default=5, help="SCAN layout without a cap2img file")
-    rs.add_argument("--max-pairs", type=int, action=at_least(1), default=20_000_000, help="above this many pairs, a sample of it")
+    rs.add_argument(
+        "--batch", type=int, action=at_least(2), default=128, help="batch size for the per-query count"
+    )
+    rs.add_argument(
+        "--captions-per-image",
+        type=int,
+        action=at_least(1),
+        default=5,
+        help="SCAN layout without a cap2img file",
+    )
+    rs.add_argument(
+        "--max-pairs",
+        type=int,
+        action=at_least(1),
+        default=20_000_000,
+        help="above this many pairs, a sample of it",
+    )
     rs.add_argument("--cache-dir", help="where the sentence embeddings are cached (as `vse data relevance`)")
     rs.add_argument("--device", default="cpu")
     add_json_args(rs, "the shares and thresholds", path_form=True)

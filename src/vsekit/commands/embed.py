@@ -10,21 +10,37 @@ from vsekit.commands.argtypes import POSITIVE, in_range
 
 
 def run_embed(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     import torch
 
+    from vsekit.commands.search import refuse_set_runs
     from vsekit.distributed import barrier, init_from_env, rank_device
     from vsekit.search.embed import embed_to_folder
     from vsekit.utils.runtime import resolve_device
 
+    if (Path(args.run) / "config.json").is_file():  # a late-interaction run: one line (else the usual checks)
+        refuse_set_runs(args.run)
     device = resolve_device(args.device)
     ctx = init_from_env(device.type)
     device = rank_device(device, ctx)
     try:
         meta = embed_to_folder(
-            args.run, args.input, args.out, checkpoint=args.checkpoint, device=device, batch_size=args.batch_size,
-            chunk_size=args.chunk_size, workers=args.workers, pixels=args.pixels, strict=args.strict,
-            progress=not args.no_progress, rank=ctx.rank, world_size=ctx.world_size, barrier=lambda: barrier(ctx),
-        )  # fmt: skip
+            args.run,
+            args.input,
+            args.out,
+            checkpoint=args.checkpoint,
+            device=device,
+            batch_size=args.batch_size,
+            chunk_size=args.chunk_size,
+            workers=args.workers,
+            pixels=args.pixels,
+            strict=args.strict,
+            progress=not args.no_progress,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            barrier=lambda: barrier(ctx),
+        )
     except KeyboardInterrupt:
         raise KeyboardInterrupt(_interrupt_hint(args)) from None
     finally:
@@ -33,9 +49,12 @@ def run_embed(args: argparse.Namespace) -> int:
     if meta is not None:
         skipped = f", {len(meta['skipped'])} unreadable skipped" if meta["skipped"] else ""
         what = "pictures" if meta["with_image"] else "captions"
-        print(f"embeddings {args.out}: {meta['written_rows']} {what} in {meta['chunks']} chunk(s)"
-              f"{', with caption embeddings' if meta['with_image'] and meta['with_text'] else ''}"
-              f"{skipped}", file=sys.stdout)  # fmt: skip
+        print(
+            f"embeddings {args.out}: {meta['written_rows']} {what} in {meta['chunks']} chunk(s)"
+            f"{', with caption embeddings' if meta['with_image'] and meta['with_text'] else ''}"
+            f"{skipped}",
+            file=sys.stdout,
+        )
     return 0
 
 
@@ -44,9 +63,13 @@ def embed_command(args: argparse.Namespace) -> str:
     import shlex
 
     parts = ["vse", "embed", str(args.run), str(args.input), "--out", str(args.out)]
-    for flag, attr, default in (("--chunk-size", "chunk_size", 10_000), ("--batch-size", "batch_size", 64),
-                                ("--workers", "workers", 0), ("--checkpoint", "checkpoint", "best"),
-                                ("--device", "device", "auto")):  # fmt: skip
+    for flag, attr, default in (
+        ("--chunk-size", "chunk_size", 10_000),
+        ("--batch-size", "batch_size", 64),
+        ("--workers", "workers", 0),
+        ("--checkpoint", "checkpoint", "best"),
+        ("--device", "device", "auto"),
+    ):
         if getattr(args, attr, default) != default:
             parts += [flag, str(getattr(args, attr))]
     for flag, attr in (("--pixels", "pixels"), ("--strict", "strict"), ("--no-progress", "no_progress")):
@@ -65,20 +88,46 @@ def _interrupt_hint(args: argparse.Namespace) -> str:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("embed", help="export a run's embeddings of pictures / captions (clip-retrieval layout; "
-                                     "resumable; torchrun for several processes)")  # fmt: skip
+    p = sub.add_parser(
+        "embed",
+        help="export a run's embeddings of pictures / captions (clip-retrieval layout; "
+        "resumable; torchrun for several processes)",
+    )
     p.add_argument("run", metavar="RUN_DIR")
-    p.add_argument("input", metavar="INPUT",
-                   help="a folder of pictures (x.txt beside x.png = its caption), DATASET_DIR:SPLIT (stored features "
-                        "when the run takes them), one picture, or a .txt file of captions (one per line)")  # fmt: skip
-    p.add_argument("--out", required=True, metavar="DIR",
-                   help="DIR/img_emb/img_emb_N.npy, DIR/text_emb/text_emb_N.npy, DIR/metadata/metadata_N.parquet")
-    p.add_argument("--chunk-size", type=int, action=POSITIVE, default=10_000, help="rows per file (the resume and sharding unit)")
+    p.add_argument(
+        "input",
+        metavar="INPUT",
+        help="a folder of pictures (x.txt beside x.png = its caption), DATASET_DIR:SPLIT (stored features "
+        "when the run takes them), one picture, or a .txt file of captions (one per line)",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="DIR/img_emb/img_emb_N.npy, DIR/text_emb/text_emb_N.npy, DIR/metadata/metadata_N.parquet",
+    )
+    p.add_argument(
+        "--chunk-size",
+        type=int,
+        action=POSITIVE,
+        default=10_000,
+        help="rows per file (the resume and sharding unit)",
+    )
     p.add_argument("--batch-size", type=int, action=POSITIVE, default=64)
-    p.add_argument("--workers", type=int, action=in_range(0, 1024), default=0, help="DataLoader workers decoding pictures")
+    p.add_argument(
+        "--workers",
+        type=int,
+        action=in_range(0, 1024),
+        default=0,
+        help="DataLoader workers decoding pictures",
+    )
     p.add_argument("--checkpoint", default="best", choices=("best", "last"))
-    p.add_argument("--pixels", action="store_true", help="embed a split from its pictures even when it has features")
-    p.add_argument("--strict", action="store_true", help="stop at the first unreadable picture instead of skipping it")
+    p.add_argument(
+        "--pixels", action="store_true", help="embed a split from its pictures even when it has features"
+    )
+    p.add_argument(
+        "--strict", action="store_true", help="stop at the first unreadable picture instead of skipping it"
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_embed)

@@ -45,8 +45,10 @@ def eccv_preflight(sims_shape: tuple[int, ...], source: str, cap2img: np.ndarray
     check_shape(sims_shape, source)
     if cap2img is not None and not np.array_equal(cap2img, np.arange(N_CAPTIONS) // CAPTIONS_PER_IMAGE):
         bad = int(np.flatnonzero(cap2img != np.arange(N_CAPTIONS) // CAPTIONS_PER_IMAGE)[0])
-        raise MetricsInputError(f"{source}: caption {bad} belongs to image {int(cap2img[bad])}; --eccv needs image i "
-                                f"to own captions 5i..5i+4 (eccv_caption's coco_test_ids.npy order)")  # fmt: skip
+        raise MetricsInputError(
+            f"{source}: caption {bad} belongs to image {int(cap2img[bad])}; --eccv needs image i "
+            f"to own captions 5i..5i+4 (eccv_caption's coco_test_ids.npy order)"
+        )
 
 
 def check_eccv_split(data: str, split: str, captions_per_image: int = 5) -> None:
@@ -59,8 +61,10 @@ def check_eccv_split(data: str, split: str, captions_per_image: int = 5) -> None
     where = f"{data} split {split!r}"
     sp = load_precomp_split(data, split, captions_per_image)
     if (sp.n_images, sp.n_captions) != (N_IMAGES, N_CAPTIONS):
-        raise VseInputError(f"--eccv: {where} has {sp.n_images:,} images x {sp.n_captions:,} captions, not COCO 5K "
-                            f"test's {N_IMAGES:,} x {N_CAPTIONS:,} (coco_precomp: --split testall)")  # fmt: skip
+        raise VseInputError(
+            f"--eccv: {where} has {sp.n_images:,} images x {sp.n_captions:,} captions, not COCO 5K "
+            f"test's {N_IMAGES:,} x {N_CAPTIONS:,} (coco_precomp: --split testall)"
+        )
     eccv_preflight((sp.n_images, sp.n_captions), where, sp.cap2img)
     ids_file = Path(data) / f"{split}_ids.txt"
     if not ids_file.is_file():
@@ -70,8 +74,10 @@ def check_eccv_split(data: str, split: str, captions_per_image: int = 5) -> None
     if got != expected:
         row = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
         how = "the same images in another order" if sorted(got) == sorted(expected) else "not the same images"
-        raise VseInputError(f"--eccv: {ids_file}: image row {row} has id {got[row]!r} where eccv_caption's COCO 5K "
-                            f"test order has {expected[row]!r} ({how}); ECCV Caption / CxC need that order")  # fmt: skip
+        raise VseInputError(
+            f"--eccv: {ids_file}: image row {row} has id {got[row]!r} where eccv_caption's COCO 5K "
+            f"test order has {expected[row]!r} ({how}); ECCV Caption / CxC need that order"
+        )
 
 
 def sims_source(paths: list[str]) -> str:
@@ -82,7 +88,9 @@ def non_finite_source(paths: list[str], e: NonFiniteScoresError) -> NonFiniteSco
     """The NaN/inf error naming the file(s) whose score at that entry is not finite (of an ensemble: those of
     the averaged files; none of them when only their mean overflowed)."""
     if len(paths) > 1:
-        culprits = [p for p in paths if not np.isfinite(open_npy(Path(p), MetricsInputError)[e.image, e.caption])]
+        culprits = [
+            p for p in paths if not np.isfinite(open_npy(Path(p), MetricsInputError)[e.image, e.caption])
+        ]
         where = ", ".join(culprits) if culprits else f"{sims_source(paths)} (their sum overflows)"
     else:
         where = paths[0]
@@ -102,8 +110,14 @@ def run_eval_sims(args: argparse.Namespace) -> int:
         eccv_preflight(sims.shape, sims_source(args.sims), cap2img)
     # the relevance path (not a loaded array) so that a missing or malformed file is a clear error naming it
     try:
-        metrics = evaluate_sims(sims, cap2img, fold5=args.fold5, relevance=args.relevance, cs_k=args.cs_k,
-                                cs_protocol=args.cs_protocol)  # fmt: skip
+        metrics = evaluate_sims(
+            sims,
+            cap2img,
+            fold5=args.fold5,
+            relevance=args.relevance,
+            cs_k=args.cs_k,
+            cs_protocol=args.cs_protocol,
+        )
     except NonFiniteScoresError as e:
         raise non_finite_source(args.sims, e) from None
     if args.eccv:
@@ -133,23 +147,29 @@ def eval_preflight(args: argparse.Namespace) -> str:
     run0, data0 = runs[0][0], runs[0][1]
     for run, data, _, _ in runs[1:]:
         if Path(data).resolve() != Path(data0).resolve():
-            raise VseInputError(f"{run} was trained on {data} and {run0} on {data0}: an ensemble scores every run "
-                                f"on one split; choose its dataset with --data DIR")  # fmt: skip
+            raise VseInputError(
+                f"{run} was trained on {data} and {run0} on {data0}: an ensemble scores every run "
+                f"on one split; choose its dataset with --data DIR"
+            )
     layout = None
     for run, data, recipe, spec in runs:
         split = load_precomp_split(data, args.split, recipe.data.captions_per_image)
         if not reads_pixels(recipe.model.image.kind):
             split.require_width(spec.img_dim, f"the run in {run}")
         elif split.image_paths is None:
-            raise VseInputError(f"{Path(data) / f'{args.split}_images.txt'}: missing; {run} encodes pictures "
-                                f"(model.image.kind={recipe.model.image.kind}) and this split lists none")  # fmt: skip
+            raise VseInputError(
+                f"{Path(data) / f'{args.split}_images.txt'}: missing; {run} encodes pictures "
+                f"(model.image.kind={recipe.model.image.kind}) and this split lists none"
+            )
         if layout is None:
             layout = (run, recipe.data.captions_per_image, split.n_images, split.cap2img)
         elif split.n_images != layout[2] or not np.array_equal(split.cap2img, layout[3]):
-            raise VseInputError(f"{data} split {args.split!r}: {run} reads it as {split.n_images:,} images x "
-                                f"{split.n_captions:,} captions ({recipe.data.captions_per_image} per image) and "
-                                f"{layout[0]} as {layout[2]:,} x {len(layout[3]):,} ({layout[1]} per image); an "
-                                f"ensemble needs one caption->image map: add {args.split}_cap2img.txt")  # fmt: skip
+            raise VseInputError(
+                f"{data} split {args.split!r}: {run} reads it as {split.n_images:,} images x "
+                f"{split.n_captions:,} captions ({recipe.data.captions_per_image} per image) and "
+                f"{layout[0]} as {layout[2]:,} x {len(layout[3]):,} ({layout[1]} per image); an "
+                f"ensemble needs one caption->image map: add {args.split}_cap2img.txt"
+            )
         if args.eccv:  # checked before the encoding, which takes minutes
             check_eccv_split(data, args.split, recipe.data.captions_per_image)
     note = coco_split_note(data0, args.split, layout[2] if layout else 0)
@@ -163,9 +183,11 @@ def coco_split_note(data: str | Path, split: str, n_images: int) -> str | None:
     score on `test` alone matches no paper's table (SCAN #14, vsepp #26). Say so, naming what papers report."""
     if split != "test" or not (Path(data) / "testall_caps.txt").is_file():
         return None
-    return (f"{data}: split 'test' ({n_images:,} images) is only the first 1K fold of COCO's 5K test images, and "
-            f"its scores match no paper's table: papers report COCO 1K as the mean over the five 1K folds "
-            f"(--split testall --fold5) and COCO 5K on all of them (--split testall)")
+    return (
+        f"{data}: split 'test' ({n_images:,} images) is only the first 1K fold of COCO's 5K test images, and "
+        f"its scores match no paper's table: papers report COCO 1K as the mean over the five 1K folds "
+        f"(--split testall --fold5) and COCO 5K on all of them (--split testall)"
+    )
 
 
 def check_result_files(args: argparse.Namespace, data: str) -> None:
@@ -175,7 +197,9 @@ def check_result_files(args: argparse.Namespace, data: str) -> None:
     if args.save_sims:
         check_output_file(args.save_sims, "--save-sims", command_inputs(args, data))
         if args.json_out and Path(args.json_out).resolve() == Path(args.save_sims).resolve():
-            raise VseInputError(f"--save-sims {args.save_sims} and --json-out {args.json_out}: the same file; name two")
+            raise VseInputError(
+                f"--save-sims {args.save_sims} and --json-out {args.json_out}: the same file; name two"
+            )
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -189,8 +213,9 @@ def run_eval(args: argparse.Namespace) -> int:
     sims_sum, cap2img, per_run = None, None, []
     for run in args.runs:
         model, _ = load_run(run, args.checkpoint, device)
-        metrics, sims, cap2img = evaluate_model(model, data, args.split, fold5=args.fold5, device=device,
-                                                batch_size=args.batch_size)  # fmt: skip
+        metrics, sims, cap2img = evaluate_model(
+            model, data, args.split, fold5=args.fold5, device=device, batch_size=args.batch_size
+        )
         per_run.append(metrics)
         if len(args.runs) > 1:
             print(f"{run}: {format_table(metrics)}")
@@ -203,8 +228,12 @@ def run_eval(args: argparse.Namespace) -> int:
     else:
         metrics = per_run[0]
     if args.save_sims:
-        atomic_save_npy(args.save_sims, sims_sum)  # exactly the named file, in .npy format whatever its suffix
-        print(f"wrote {args.save_sims} ({sims_sum.shape[0]:,} images x {sims_sum.shape[1]:,} captions, .npy format)")
+        atomic_save_npy(
+            args.save_sims, sims_sum
+        )  # exactly the named file, in .npy format whatever its suffix
+        print(
+            f"wrote {args.save_sims} ({sims_sum.shape[0]:,} images x {sims_sum.shape[1]:,} captions, .npy format)"
+        )
     from vsekit.relevance import cached_relevance
 
     relevance = cached_relevance(data, args.split)  # prepared by `vse data relevance DIR --split SPLIT`
@@ -213,7 +242,9 @@ def run_eval(args: argparse.Namespace) -> int:
 
         add_coherence(metrics, sims_sum, cap2img, relevance, args.cs_k, args.cs_protocol, args.fold5)
     else:
-        print(f"(no CS@K / mAP: run `vse data relevance {data} --split {args.split}` to prepare the relevance)")
+        print(
+            f"(no CS@K / mAP: run `vse data relevance {data} --split {args.split}` to prepare the relevance)"
+        )
     if args.eccv:
         from vsekit.metrics.eccv import eccv_metrics
 
@@ -222,11 +253,15 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-CS_PROTOCOL_HELP = ("paper: one caption per image (the first), as the paper's CS@100/CS@1000 on 1K images "
-                    "(keys i2t_cs@K); all_captions: every caption ranked (keys i2t_cs_allcap@K). With --fold5 "
-                    "both are means over the 1K folds")  # fmt: skip
-ECCV_HELP = ("COCO 5K test only: add COCO 1K/5K, CxC and ECCV Caption keys (mAP@R, R-Precision, R@1) computed "
-             "with the eccv-caption package, pip install 'vsekit[eccv]'; docs/evaluation.md")  # fmt: skip
+CS_PROTOCOL_HELP = (
+    "paper: one caption per image (the first), as the paper's CS@100/CS@1000 on 1K images "
+    "(keys i2t_cs@K); all_captions: every caption ranked (keys i2t_cs_allcap@K). With --fold5 "
+    "both are means over the 1K folds"
+)
+ECCV_HELP = (
+    "COCO 5K test only: add COCO 1K/5K, CxC and ECCV Caption keys (mAP@R, R-Precision, R@1) computed "
+    "with the eccv-caption package, pip install 'vsekit[eccv]'; docs/evaluation.md"
+)
 
 
 def register(sub) -> None:
@@ -237,13 +272,22 @@ def register(sub) -> None:
     p.add_argument("--fold5", action="store_true", help="COCO 1K: mean over five 1K-image folds")
     p.add_argument("--checkpoint", default="best", choices=("best", "last"))
     add_json_args(p, "the metrics", path_form=True)
-    p.add_argument("--save-sims", metavar="FILE",
-                   help="save the (ensemble) similarity matrix to FILE, exactly that name, in .npy format "
-                        "(its folder must exist; not inside a run or the dataset)")  # fmt: skip
+    p.add_argument(
+        "--save-sims",
+        metavar="FILE",
+        help="save the (ensemble) similarity matrix to FILE, exactly that name, in .npy format "
+        "(its folder must exist; not inside a run or the dataset)",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--batch-size", type=int, action=at_least(1), default=256)
-    p.add_argument("--cs-k", type=int, action=at_least(1), nargs="+", default=[100, 1000],
-                   help="K of CS@K, reported when the split's relevance is cached (vse data relevance)")
+    p.add_argument(
+        "--cs-k",
+        type=int,
+        action=at_least(1),
+        nargs="+",
+        default=[100, 1000],
+        help="K of CS@K, reported when the split's relevance is cached (vse data relevance)",
+    )
     p.add_argument("--cs-protocol", choices=CS_PROTOCOLS, default="paper", help=CS_PROTOCOL_HELP)
     p.add_argument("--eccv", action="store_true", help=ECCV_HELP + " (--split testall)")
     p.set_defaults(func=run_eval)
@@ -256,6 +300,10 @@ def register(sub) -> None:
     s.add_argument("--relevance", help="caption x caption relevance matrix (.npy) for CS@K and mAP")
     s.add_argument("--cs-k", type=int, action=at_least(1), nargs="+", default=[100, 1000])
     s.add_argument("--cs-protocol", choices=CS_PROTOCOLS, default="paper", help=CS_PROTOCOL_HELP)
-    s.add_argument("--eccv", action="store_true", help=ECCV_HELP + " (SIMS: 5,000 x 25,000, image i owns captions 5i..5i+4)")
+    s.add_argument(
+        "--eccv",
+        action="store_true",
+        help=ECCV_HELP + " (SIMS: 5,000 x 25,000, image i owns captions 5i..5i+4)",
+    )
     add_json_args(s, "the metrics", path_form=True)
     s.set_defaults(func=run_eval_sims)

@@ -26,17 +26,37 @@ from vsekit.errors import VseInputError
 from vsekit.utils.io import check_output_file
 
 # the argument names under which verbs take the files and folders they read (positionals and options)
-INPUT_ARGS = ("runs", "run", "index", "data", "sims", "image", "relevance", "cap2img", "source", "input", "resume")
+INPUT_ARGS = (
+    "runs",
+    "run",
+    "index",
+    "data",
+    "sims",
+    "image",
+    "relevance",
+    "cap2img",
+    "source",
+    "input",
+    "resume",
+)
 
-DEPRECATED_NOTE = "note: `--json FILE` is deprecated; use `--json-out FILE` (`--json` alone prints the JSON on stdout)"
+DEPRECATED_NOTE = (
+    "note: `--json FILE` is deprecated; use `--json-out FILE` (`--json` alone prints the JSON on stdout)"
+)
 
 
 def add_json_args(p: argparse.ArgumentParser, what: str, path_form: bool = False) -> None:
     """Add `--json` and `--json-out FILE`; `path_form`: `--json FILE` is also accepted (its old meaning)."""
     stdout_help = f"print {what} as JSON on stdout (everything else goes to stderr)"
     if path_form:
-        p.add_argument("--json", nargs="?", const=True, default=False, metavar="FILE",
-                       help=f"{stdout_help}. Deprecated form: `--json FILE` = `--json-out FILE`")  # fmt: skip
+        p.add_argument(
+            "--json",
+            nargs="?",
+            const=True,
+            default=False,
+            metavar="FILE",
+            help=f"{stdout_help}. Deprecated form: `--json FILE` = `--json-out FILE`",
+        )
     else:
         p.add_argument("--json", action="store_true", help=stdout_help)
     p.add_argument("--json-out", metavar="FILE", help=f"write {what} as JSON to FILE")
@@ -50,10 +70,14 @@ def prepare(args: argparse.Namespace) -> None:
     if isinstance(args.json, str):
         path = args.json
         if args.json_out:
-            raise VseInputError(f"--json {path} and --json-out {args.json_out}: give the file once, as --json-out FILE")
+            raise VseInputError(
+                f"--json {path} and --json-out {args.json_out}: give the file once, as --json-out FILE"
+            )
         if path.lower().endswith(".npy"):
-            raise VseInputError(f"--json {path}: --json takes no file now (it prints the JSON on stdout) and {path} "
-                                "looks like an input matrix; put --json after the inputs, or use --json-out FILE")  # fmt: skip
+            raise VseInputError(
+                f"--json {path}: --json takes no file now (it prints the JSON on stdout) and {path} "
+                "looks like an input matrix; put --json after the inputs, or use --json-out FILE"
+            )
         print(DEPRECATED_NOTE, file=sys.stderr)
         args.json, args.json_out = False, path
     args.json = bool(args.json)

@@ -35,8 +35,14 @@ def register_verbs(group: str, sub) -> list[str]:
         try:
             register = ep.load()
         except Exception as e:  # noqa: BLE001 - ImportError, AttributeError, a bug at import: one line, skipped
-            log.warning("the %s entry point %s = %s cannot be loaded (%s: %s); its verb is left out",
-                        group, ep.name, ep.value, type(e).__name__, e)  # fmt: skip
+            log.warning(
+                "the %s entry point %s = %s cannot be loaded (%s: %s); its verb is left out",
+                group,
+                ep.name,
+                ep.value,
+                type(e).__name__,
+                e,
+            )
             continue
         register(sub)
         done.append(ep.name)
@@ -45,4 +51,6 @@ def register_verbs(group: str, sub) -> list[str]:
 
 def verb_packages() -> list[str]:
     """The top-level packages that register verbs (their loggers are the CLI's too), without importing them."""
-    return sorted({ep.value.split(":", 1)[0].split(".", 1)[0] for group in GROUPS for ep in _entry_points(group)})
+    return sorted(
+        {ep.value.split(":", 1)[0].split(".", 1)[0] for group in GROUPS for ep in _entry_points(group)}
+    )

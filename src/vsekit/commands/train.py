@@ -12,17 +12,40 @@ from vsekit.errors import VseInputError
 
 
 def add_recipe_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--recipe", help=f"built-in ({', '.join(builtin_recipes())}) or a YAML file (default: vse_infty)")
-    p.add_argument("--epochs", type=int, action=at_least(1), help="override train.epochs; with --resume: train the run on to N epochs in all")
-    p.add_argument("--batch-size", type=int, action=at_least(2), help="override train.batch_size (at least 2: in-batch negatives)")
+    p.add_argument(
+        "--recipe", help=f"built-in ({', '.join(builtin_recipes())}) or a YAML file (default: vse_infty)"
+    )
+    p.add_argument(
+        "--epochs",
+        type=int,
+        action=at_least(1),
+        help="override train.epochs; with --resume: train the run on to N epochs in all",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        action=at_least(2),
+        help="override train.batch_size (at least 2: in-batch negatives)",
+    )
     p.add_argument("--device", help="cpu, cuda, cuda:1 … (default: cuda when available)")
     p.add_argument("--seed", type=int, action=at_least(0), help="override train.seed")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any recipe key, e.g. model.embed_dim=512")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any recipe key, e.g. model.embed_dim=512",
+    )
 
 
 def recipe_from_args(args: argparse.Namespace):
     overrides = list(args.set)
-    for flag, key in (("epochs", "train.epochs"), ("batch_size", "train.batch_size"), ("device", "train.device"), ("seed", "train.seed")):
+    for flag, key in (
+        ("epochs", "train.epochs"),
+        ("batch_size", "train.batch_size"),
+        ("device", "train.device"),
+        ("seed", "train.seed"),
+    ):
         value = getattr(args, flag, None)
         if value is not None:
             overrides.append(f"{key}={value}")
@@ -30,8 +53,13 @@ def recipe_from_args(args: argparse.Namespace):
 
 
 # flags a resumed run cannot take: it continues with the recipe, batches and folder it was started with
-_NOT_WITH_RESUME = (("recipe", "--recipe"), ("out", "--out"), ("batch_size", "--batch-size"),
-                    ("seed", "--seed"), ("overwrite", "--overwrite"))  # fmt: skip
+_NOT_WITH_RESUME = (
+    ("recipe", "--recipe"),
+    ("out", "--out"),
+    ("batch_size", "--batch-size"),
+    ("seed", "--seed"),
+    ("overwrite", "--overwrite"),
+)
 # recipe keys a resumed run may be given with --set: the lr schedule of the epochs still to train
 RESUME_KEYS = ("optim.lr_decay_epochs", "optim.lr_decay")
 
@@ -48,9 +76,22 @@ def _resume_command(args: argparse.Namespace) -> str:
 
 
 def _train_command(args: argparse.Namespace) -> str:
-    parts = ["vse", "train", "--recipe", args.recipe or "vse_infty", "--data", str(args.data), "--out", str(args.out)]
-    for flag, value in (("--epochs", args.epochs), ("--batch-size", args.batch_size), ("--device", args.device),
-                        ("--seed", args.seed)):  # fmt: skip
+    parts = [
+        "vse",
+        "train",
+        "--recipe",
+        args.recipe or "vse_infty",
+        "--data",
+        str(args.data),
+        "--out",
+        str(args.out),
+    ]
+    for flag, value in (
+        ("--epochs", args.epochs),
+        ("--batch-size", args.batch_size),
+        ("--device", args.device),
+        ("--seed", args.seed),
+    ):
         if value is not None:
             parts += [flag, str(value)]
     for item in args.set:
@@ -75,8 +116,11 @@ def _interrupt_hint(args: argparse.Namespace, before: tuple[int, int] | None) ->
     if args.resume:
         return f"{args.resume} keeps its last checkpoint; continue with: {_resume_command(args)}"
     if is_run_dir(args.out) and _config_stamp(args.out) != before:
-        resume = shlex.join(["vse", "train", "--resume", str(args.out)] + (["--no-progress"] if args.no_progress else [])
-                            + (["--report-to", args.report_to] if getattr(args, "report_to", None) else []))  # fmt: skip
+        resume = shlex.join(
+            ["vse", "train", "--resume", str(args.out)]
+            + (["--no-progress"] if args.no_progress else [])
+            + (["--report-to", args.report_to] if getattr(args, "report_to", None) else [])
+        )
         return f"{args.out} keeps its last checkpoint (or restarts from step 0 if none was saved); continue with: {resume}"
     kept = "the run already there is untouched" if is_run_dir(args.out) else "nothing was saved"
     return f"{args.out} was not set up yet, {kept}; start again with: {_train_command(args)}"
@@ -87,14 +131,18 @@ def run_train(args: argparse.Namespace) -> int:
         for attr, flag in _NOT_WITH_RESUME:
             value = getattr(args, attr, None)
             if not (value is None or value is False or value == []):  # `--seed 0` is given too
-                raise VseInputError(f"{flag} cannot be combined with --resume: a resumed run keeps its recipe, batches and "
-                                 f"folder ({args.resume}); only --epochs, --data, --device, --no-progress and "
-                                 f"--set {'/'.join(RESUME_KEYS)} apply")  # fmt: skip
+                raise VseInputError(
+                    f"{flag} cannot be combined with --resume: a resumed run keeps its recipe, batches and "
+                    f"folder ({args.resume}); only --epochs, --data, --device, --no-progress and "
+                    f"--set {'/'.join(RESUME_KEYS)} apply"
+                )
         for item in args.set:
             key = item.split("=", 1)[0].strip()
             if key not in RESUME_KEYS:
-                raise VseInputError(f"--set {item}: a resumed run keeps its recipe; with --resume only the lr schedule "
-                                    f"can change ({', '.join(RESUME_KEYS)}); start a new run to change {key}")  # fmt: skip
+                raise VseInputError(
+                    f"--set {item}: a resumed run keeps its recipe; with --resume only the lr schedule "
+                    f"can change ({', '.join(RESUME_KEYS)}); start a new run to change {key}"
+                )
     elif not args.data or not args.out:
         raise VseInputError("vse train needs --data DIR and --out RUN_DIR (or --resume RUN_DIR)")
     before = _config_stamp(args.out) if not args.resume else None
@@ -115,12 +163,24 @@ def run_train(args: argparse.Namespace) -> int:
             if args.device is not None:
                 recipe.train.device = args.device
             validate_recipe(recipe)
-            trainer = Trainer(recipe, args.data or cfg["data_dir"], args.resume, resume=True, progress=not args.no_progress,
-                              report_to=report_to)  # fmt: skip
+            trainer = Trainer(
+                recipe,
+                args.data or cfg["data_dir"],
+                args.resume,
+                resume=True,
+                progress=not args.no_progress,
+                report_to=report_to,
+            )
         else:
             recipe = recipe_from_args(args)
-            trainer = Trainer(recipe, args.data, args.out, overwrite=args.overwrite, progress=not args.no_progress,
-                              report_to=report_to)  # fmt: skip
+            trainer = Trainer(
+                recipe,
+                args.data,
+                args.out,
+                overwrite=args.overwrite,
+                progress=not args.no_progress,
+                report_to=report_to,
+            )
         result = trainer.fit()
     except KeyboardInterrupt:
         raise KeyboardInterrupt(_interrupt_hint(args, before)) from None
@@ -154,14 +214,22 @@ def register(sub) -> None:
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run exactly where it stopped")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
     p.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
-    p.add_argument("--report-to", choices=["wandb", "wandb-offline"], default=None,
-                   help="also log metrics.jsonl's records to Weights & Biases (pip install wandb); `wandb` is "
-                        "offline when no W&B credentials are found, `wandb-offline` always (docs/training.md)")  # fmt: skip
+    p.add_argument(
+        "--report-to",
+        choices=["wandb", "wandb-offline"],
+        default=None,
+        help="also log metrics.jsonl's records to Weights & Biases (pip install wandb); `wandb` is "
+        "offline when no W&B credentials are found, `wandb-offline` always (docs/training.md)",
+    )
     add_recipe_args(p)
     p.set_defaults(func=run_train)
-    r = sub.add_parser("recipes", help="list built-in recipes and the parts a recipe names, or print one fully resolved")
+    r = sub.add_parser(
+        "recipes", help="list built-in recipes and the parts a recipe names, or print one fully resolved"
+    )
     r.add_argument("name", nargs="?")
     r.add_argument(
-        "--keys", action="store_true", help="print every recipe key with its type, default and help (Markdown)"
+        "--keys",
+        action="store_true",
+        help="print every recipe key with its type, default and help (Markdown)",
     )
     r.set_defaults(func=run_recipes)

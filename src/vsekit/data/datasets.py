@@ -23,7 +23,9 @@ from vsekit.utils.runtime import derived_seed
 
 
 class TextEncoderInput(Protocol):
-    def encode(self, caption: str, rng: np.random.Generator | None = None, augment_prob: float = 0.0) -> list[int]: ...
+    def encode(
+        self, caption: str, rng: np.random.Generator | None = None, augment_prob: float = 0.0
+    ) -> list[int]: ...
 
 
 class ImageSource(Protocol):
@@ -59,8 +61,9 @@ def augment_set(feats: np.ndarray, rng: np.random.Generator, aug: AugmentConfig)
     return feats[keep]
 
 
-def set_keep_mask(lengths: torch.Tensor, width: int, generator: torch.Generator | None,
-                  aug: AugmentConfig) -> torch.Tensor:  # fmt: skip
+def set_keep_mask(
+    lengths: torch.Tensor, width: int, generator: torch.Generator | None, aug: AugmentConfig
+) -> torch.Tensor:
     """`augment_set` for a batch: which of each set's first `lengths[b]` vectors are kept, [B, width] bool.
 
     Regions: each kept with `aug.region_keep_prob`; grid: per image r ~ U(0, 1), every cell kept when
@@ -86,9 +89,18 @@ def pack_order(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices, keep.sum(1)
 
 
-def augment_token_batch(tokens: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None, prob: float,
-                        mask_id: int, random_range: tuple[int, int], start_id: int, end_id: int,
-                        pad_id: int = 0, keep_ends: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def augment_token_batch(
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    generator: torch.Generator | None,
+    prob: float,
+    mask_id: int,
+    random_range: tuple[int, int],
+    start_id: int,
+    end_id: int,
+    pad_id: int = 0,
+    keep_ends: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`Vocabulary.encode`'s augmentation for a batch of token rows [B, L] (each `<start> words <end>`, padded).
 
     Every token of a caption, `<start>` and `<end>` included as in the released VSE∞ code and in
@@ -155,8 +167,16 @@ class FeatureSource:
 class PairDataset(Dataset):
     """One item per caption: (image, caption tokens, image index, caption index) — the VSE∞ sampling."""
 
-    def __init__(self, images: ImageSource, captions: list[str], cap2img: np.ndarray, text: TextEncoderInput,
-                 train: bool, seed: int = 0, text_augment_prob: float = 0.2) -> None:  # fmt: skip
+    def __init__(
+        self,
+        images: ImageSource,
+        captions: list[str],
+        cap2img: np.ndarray,
+        text: TextEncoderInput,
+        train: bool,
+        seed: int = 0,
+        text_augment_prob: float = 0.2,
+    ) -> None:
         self.images = images
         self.captions = captions
         self.cap2img = cap2img
@@ -241,8 +261,14 @@ class Collate:
         if self.float32 and image_t.is_floating_point():
             image_t = image_t.float()
         tok_t, tok_len = pad_tokens(list(tokens), self.pad_id)
-        return Batch(images=image_t, image_lengths=image_len, tokens=tok_t, token_lengths=tok_len,
-                     image_index=torch.tensor(img_idx), caption_index=torch.tensor(cap_idx))
+        return Batch(
+            images=image_t,
+            image_lengths=image_len,
+            tokens=tok_t,
+            token_lengths=tok_len,
+            image_index=torch.tensor(img_idx),
+            caption_index=torch.tensor(cap_idx),
+        )
 
     def images(self, batch) -> ImageBatch:
         images, idx = zip(*batch)

@@ -90,12 +90,15 @@ def frame_array(path: Path, found: Findings) -> np.ndarray | None:
     return None
 
 
-def frame_offsets(path: Path, frames_path: Path, n_frames: int | None,
-                  found: Findings) -> tuple[np.ndarray | None, int | None]:  # fmt: skip
+def frame_offsets(
+    path: Path, frames_path: Path, n_frames: int | None, found: Findings
+) -> tuple[np.ndarray | None, int | None]:
     """(the offsets when they map `n_frames` frame rows to clips, else None; the clip count when known): every
     problem of `{split}_frame_offsets.npy` is reported to `found`, ` row I` naming the index into the offsets."""
     if not path.is_file():
-        found.error(path, "", f"missing; {frames_path.name} needs it (N + 1 clip offsets into its frame rows)")
+        found.error(
+            path, "", f"missing; {frames_path.name} needs it (N + 1 clip offsets into its frame rows)"
+        )
         return None, None
     try:
         arr = open_npy(path, found.error_type)
@@ -105,7 +108,9 @@ def frame_offsets(path: Path, frames_path: Path, n_frames: int | None,
         found.error(path, "", str(e).removeprefix(f"{path}: "))
         return None, None
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-        found.error(path, "", f"expected a 1-D integer array (N + 1 clip offsets), got {arr.dtype} {arr.shape}")
+        found.error(
+            path, "", f"expected a 1-D integer array (N + 1 clip offsets), got {arr.dtype} {arr.shape}"
+        )
         return None, None
     if len(arr) < 2:
         found.error(path, "", f"needs at least 2 offsets (N + 1 for N clips), got {len(arr)}")
@@ -115,23 +120,34 @@ def frame_offsets(path: Path, frames_path: Path, n_frames: int | None,
         found.error(path, " row 0", f"the first offset must be 0, got {off[0]}")
         ok = False
     if n_frames is not None and off[-1] != n_frames:
-        found.error(path, f" row {n_clips}", f"the last offset is {off[-1]} but {frames_path.name} has {n_frames} "
-                    "frame rows")  # fmt: skip
+        found.error(
+            path,
+            f" row {n_clips}",
+            f"the last offset is {off[-1]} but {frames_path.name} has {n_frames} frame rows",
+        )
         ok = False
-    outside = np.nonzero((off < 0) | (off > (n_frames if n_frames is not None else np.iinfo(np.int64).max)))[0]
+    outside = np.nonzero((off < 0) | (off > (n_frames if n_frames is not None else np.iinfo(np.int64).max)))[
+        0
+    ]
     if len(outside):
         i = int(outside[0])
-        found.error(path, f" row {i}", f"offset {off[i]} outside 0..{n_frames} (frame rows of {frames_path.name}; "
-                    f"{len(outside)} such offset(s))")  # fmt: skip
+        found.error(
+            path,
+            f" row {i}",
+            f"offset {off[i]} outside 0..{n_frames} (frame rows of {frames_path.name}; "
+            f"{len(outside)} such offset(s))",
+        )
         ok = False
     steps = np.diff(off)
     for bad, what in ((steps < 0, "decrease"), (steps == 0, "empty")):
         idx = np.nonzero(bad)[0]
         if len(idx):
             i = int(idx[0])
-            msg = (f"offsets decrease at clip {i} ({off[i]} then {off[i + 1]}; they must increase); {len(idx)} such clip(s)"
-                   if what == "decrease" else
-                   f"clip {i} has no frames (offsets[{i}] = offsets[{i + 1}] = {off[i]}); {len(idx)} empty clip(s)")  # fmt: skip
+            msg = (
+                f"offsets decrease at clip {i} ({off[i]} then {off[i + 1]}; they must increase); {len(idx)} such clip(s)"
+                if what == "decrease"
+                else f"clip {i} has no frames (offsets[{i}] = offsets[{i + 1}] = {off[i]}); {len(idx)} empty clip(s)"
+            )
             found.error(path, f" row {i}", msg)
             ok = False
     return (off if ok else None), n_clips
@@ -157,7 +173,9 @@ def write_frames(root: str | Path, split: str, clips: list[np.ndarray], dtype: t
         raise VseInputError(f"{split}: no clips to write")
     dims = {int(c.shape[1]) if c.ndim == 2 else -1 for c in clips}
     if len(dims) != 1 or -1 in dims:
-        raise VseInputError(f"{split}: every clip must be (frames, dim) with one dim; got dims {sorted(dims)}")
+        raise VseInputError(
+            f"{split}: every clip must be (frames, dim) with one dim; got dims {sorted(dims)}"
+        )
     empty = [i for i, c in enumerate(clips) if c.shape[0] == 0]
     if empty:
         raise VseInputError(f"{split}: clip {empty[0]} has no frames")

@@ -33,8 +33,9 @@ def picture_names(image_id: str) -> list[str]:
     return names
 
 
-def link_images(data_dir: str | Path, images_dir: str | Path, splits: list[str] | None = None,
-                captions_per_image: int = 5) -> dict[str, int]:  # fmt: skip
+def link_images(
+    data_dir: str | Path, images_dir: str | Path, splits: list[str] | None = None, captions_per_image: int = 5
+) -> dict[str, int]:
     """Write `{split}_images.txt` for each split (default: every split with `{split}_ids.txt`); returns the
     number of pictures linked per split."""
     root, pics = Path(data_dir), Path(images_dir)
@@ -44,7 +45,9 @@ def link_images(data_dir: str | Path, images_dir: str | Path, splits: list[str] 
     if splits is None:
         splits = sorted(p.name[: -len("_ids.txt")] for p in root.glob("*_ids.txt"))
     if not splits:
-        raise DataFormatError(f"{root}: no {{split}}_ids.txt files: the image ids are what the pictures are found by")
+        raise DataFormatError(
+            f"{root}: no {{split}}_ids.txt files: the image ids are what the pictures are found by"
+        )
     by_name: dict[str, list[Path]] = {}
     for dirpath, dirnames, filenames in os.walk(pics):  # links to folders are listed, never walked into
         dirnames.sort()
@@ -67,6 +70,7 @@ def link_images(data_dir: str | Path, images_dir: str | Path, splits: list[str] 
 
     def find(image_id: str) -> Path | None:  # the first usable file in sorted order wins
         return next((p for n in picture_names(image_id) for p in by_name.get(n, ()) if usable(p)), None)
+
     linked: dict[str, list[str]] = {}
     for split in splits:
         ids_file = root / f"{split}_ids.txt"
@@ -82,9 +86,11 @@ def link_images(data_dir: str | Path, images_dir: str | Path, splits: list[str] 
                 rows.append(found.relative_to(pics).as_posix())
         if missing:
             also = f"; {len(refused)} file(s) refused, e.g. {next(iter(refused.values()))}" if refused else ""
-            raise DataFormatError(f"{pics}: no picture for {len(missing)} of the {len(rows) + len(missing)} ids of "
-                                  f"{ids_file} (first: {', '.join(missing[:3])}; looked for e.g. "
-                                  f"{picture_names(missing[0])[0]}{also}); nothing was written")  # fmt: skip
+            raise DataFormatError(
+                f"{pics}: no picture for {len(missing)} of the {len(rows) + len(missing)} ids of "
+                f"{ids_file} (first: {', '.join(missing[:3])}; looked for e.g. "
+                f"{picture_names(missing[0])[0]}{also}); nothing was written"
+            )
         linked[split] = rows
     base = pics.resolve()
     try:
@@ -101,8 +107,10 @@ def link_images(data_dir: str | Path, images_dir: str | Path, splits: list[str] 
             raise DataFormatError(f"{root / MANIFEST}: expected a JSON object")
     others = [p.name for p in root.glob("*_images.txt") if p.name[: -len("_images.txt")] not in linked]
     if others and manifest.get("images_root", declared) != declared:
-        raise DataFormatError(f"{root}: {', '.join(others)} lists pictures under {manifest['images_root']!r}, not "
-                              f"{declared!r}: link every split in one command (--splits)")  # fmt: skip
+        raise DataFormatError(
+            f"{root}: {', '.join(others)} lists pictures under {manifest['images_root']!r}, not "
+            f"{declared!r}: link every split in one command (--splits)"
+        )
     manifest["images_root"] = declared
     atomic_write_json(root / MANIFEST, manifest)  # first: split files never point into an undeclared root
     for split, rows in linked.items():

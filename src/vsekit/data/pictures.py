@@ -34,6 +34,7 @@ class PixelLimitError(DataFormatError):
     def __reduce__(self):  # picklable with its detail (DataLoader workers hand errors back)
         return type(self), (str(self), self.detail)
 
+
 _OPEN_LOCK = threading.Lock()  # warnings.catch_warnings swaps process-wide state: one opener at a time
 
 
@@ -77,7 +78,9 @@ def _header_of(fp, name: str) -> Iterator[Image.Image]:
     except Image.DecompressionBombError as e:
         detail = f"larger than the {MAX_IMAGE_PIXELS} pixel limit ({e}); not decoded"
         raise PixelLimitError(f"{name}: {detail}", detail) from None
-    except Image.UnidentifiedImageError:  # PIL's own message names the file object (`<_io.BytesIO object at …>`)
+    except (
+        Image.UnidentifiedImageError
+    ):  # PIL's own message names the file object (`<_io.BytesIO object at …>`)
         raise DataFormatError(f"{name}: cannot read image (not a picture in a format PIL reads)") from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:
         raise DataFormatError(f"{name}: cannot read image ({str(e).replace(repr(fp), name)})") from e
@@ -108,10 +111,15 @@ def decode_bounded(fp, name: str) -> Image.Image:
         return im.copy()
 
 
-_RESAMPLE = {"nearest": Image.Resampling.NEAREST, "nearest-exact": Image.Resampling.NEAREST,
-             "bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC,
-             "box": Image.Resampling.BOX, "hamming": Image.Resampling.HAMMING,
-             "lanczos": Image.Resampling.LANCZOS}  # fmt: skip
+_RESAMPLE = {
+    "nearest": Image.Resampling.NEAREST,
+    "nearest-exact": Image.Resampling.NEAREST,
+    "bilinear": Image.Resampling.BILINEAR,
+    "bicubic": Image.Resampling.BICUBIC,
+    "box": Image.Resampling.BOX,
+    "hamming": Image.Resampling.HAMMING,
+    "lanczos": Image.Resampling.LANCZOS,
+}
 
 
 def on_white(img: Image.Image) -> Image.Image:

@@ -61,7 +61,12 @@ def text_lines(path: Path, found: Findings = FIRST_ERROR, nul: bool = False) -> 
             try:
                 lines.append(b.decode("utf-8"))
             except UnicodeDecodeError as e:
-                found.error(path, f":{lineno}", f"not UTF-8 (byte {e.start}: {b[e.start : e.start + 1]!r})", "not UTF-8")
+                found.error(
+                    path,
+                    f":{lineno}",
+                    f"not UTF-8 (byte {e.start}: {b[e.start : e.start + 1]!r})",
+                    "not UTF-8",
+                )
                 lines.append(b.decode("utf-8", errors="replace"))
     if lines and lines[-1] == "":
         lines.pop()
@@ -87,7 +92,9 @@ def int_lines(path: Path, found: Findings = FIRST_ERROR) -> np.ndarray | None:
         try:
             values.append(int(line.strip()))
         except ValueError:
-            found.error(path, f":{lineno}", f"expected one integer, got {line[:40]!r}", "expected one integer")
+            found.error(
+                path, f":{lineno}", f"expected one integer, got {line[:40]!r}", "expected one integer"
+            )
             bad = True
     return None if bad else np.asarray(values, dtype=np.int64)
 
@@ -156,7 +163,9 @@ class PrecompSplit:
 
     def image_features(self, index: int) -> np.ndarray:
         row = self.image_rows[index]
-        feats = self.features[row] if self.set_sizes is None else self.features[row][: int(self.set_sizes[row])]
+        feats = (
+            self.features[row] if self.set_sizes is None else self.features[row][: int(self.set_sizes[row])]
+        )
         return np.asarray(feats, dtype=np.float32)
 
     def truncate(self, max_images: int) -> PrecompSplit:
@@ -165,11 +174,17 @@ class PrecompSplit:
             return self
         keep = np.nonzero(self.cap2img < max_images)[0]
         return PrecompSplit(
-            self.root, self.split, self.features, [self.captions[i] for i in keep], self.cap2img[keep],
-            self.image_rows[:max_images], self.image_ids[:max_images],
-            self.image_paths[:max_images] if self.image_paths is not None else None, self.set_sizes,
+            self.root,
+            self.split,
+            self.features,
+            [self.captions[i] for i in keep],
+            self.cap2img[keep],
+            self.image_rows[:max_images],
+            self.image_ids[:max_images],
+            self.image_paths[:max_images] if self.image_paths is not None else None,
+            self.set_sizes,
             self.image_root,
-        )  # fmt: skip
+        )
 
     def sample_images(self, fraction: float, seed: int) -> PrecompSplit:
         """A random `fraction` of the images (at least 2) with all their captions, images renumbered in order.
@@ -185,19 +200,28 @@ class PrecompSplit:
         new_index[chosen] = np.arange(n)
         keep = np.nonzero(new_index[self.cap2img] >= 0)[0]
         return PrecompSplit(
-            self.root, self.split, self.features, [self.captions[i] for i in keep], new_index[self.cap2img[keep]],
-            self.image_rows[chosen], [self.image_ids[i] for i in chosen],
-            [self.image_paths[i] for i in chosen] if self.image_paths is not None else None, self.set_sizes,
+            self.root,
+            self.split,
+            self.features,
+            [self.captions[i] for i in keep],
+            new_index[self.cap2img[keep]],
+            self.image_rows[chosen],
+            [self.image_ids[i] for i in chosen],
+            [self.image_paths[i] for i in chosen] if self.image_paths is not None else None,
+            self.set_sizes,
             self.image_root,
-        )  # fmt: skip
+        )
 
     def abs_image_path(self, index: int) -> Path:
         """The picture of image `index` under the images root; a path that resolves outside it (`..`, an
         absolute path, a symlink out) is a DataFormatError naming the line of `{split}_images.txt`."""
         if self.image_paths is None:
             raise DataFormatError(f"{self.root}: split {self.split!r} has no {self.split}_images.txt")
-        return resolve_image_path(self.images_root, self.image_paths[index],
-                                  f"{self.root / f'{self.split}_images.txt'} (image row {index})")  # fmt: skip
+        return resolve_image_path(
+            self.images_root,
+            self.image_paths[index],
+            f"{self.root / f'{self.split}_images.txt'} (image row {index})",
+        )
 
 
 MANIFEST = "manifest.json"
@@ -257,9 +281,15 @@ def feature_array(path: Path, found: Findings = FIRST_ERROR) -> np.ndarray | Non
 UNITS = {"image row": ("image rows", "image", "rows"), "clip": ("clips", "clip", "clips")}
 
 
-def caption_map(n_rows: int, n_caps: int, cap2img_file: Path, captions_per_image: int, caps_file: Path,
-                found: Findings = FIRST_ERROR,
-                unit: str = "image row") -> tuple[np.ndarray, np.ndarray] | None:  # fmt: skip
+def caption_map(
+    n_rows: int,
+    n_caps: int,
+    cap2img_file: Path,
+    captions_per_image: int,
+    caps_file: Path,
+    found: Findings = FIRST_ERROR,
+    unit: str = "image row",
+) -> tuple[np.ndarray, np.ndarray] | None:
     """(cap2img: caption -> image, image_rows: image -> feature row) of a split, from `{split}_cap2img.txt` or
     the SCAN conventions (k captions per row, or one feature row per caption: image i is row k*i, as the
     reference loaders' `im_div`); None when the counts fit no layout. `unit`: what a row is (image row, clip)."""
@@ -270,12 +300,17 @@ def caption_map(n_rows: int, n_caps: int, cap2img_file: Path, captions_per_image
         if cap2img is None:
             return None
         if len(cap2img) != n_caps:
-            found.error(cap2img_file, "", f"{len(cap2img)} lines but {caps_file.name} has {n_caps} captions (one {unit} "
-                        "per caption)")  # fmt: skip
+            found.error(
+                cap2img_file,
+                "",
+                f"{len(cap2img)} lines but {caps_file.name} has {n_caps} captions (one {unit} per caption)",
+            )
             return None
         bad = np.nonzero((cap2img < 0) | (cap2img >= n_rows))[0]
         for i in bad:
-            found.error(cap2img_file, f":{i + 1}", f"{unit} {cap2img[i]} outside 0..{n_rows - 1}", f"{unit} outside")
+            found.error(
+                cap2img_file, f":{i + 1}", f"{unit} {cap2img[i]} outside 0..{n_rows - 1}", f"{unit} outside"
+            )
         if len(bad):
             return None
         missing = np.setdiff1d(np.arange(n_rows), cap2img)
@@ -287,13 +322,23 @@ def caption_map(n_rows: int, n_caps: int, cap2img_file: Path, captions_per_image
         return np.arange(n_caps, dtype=np.int64) // k, np.arange(n_rows, dtype=np.int64)
     if n_caps == n_rows and n_rows % k == 0 and k > 1:
         return np.arange(n_caps, dtype=np.int64) // k, np.arange(0, n_rows, k, dtype=np.int64)
-    found.error(caps_file, "", f"{n_caps} captions do not fit {n_rows} {plural} with {k} captions per {per}; "
-                f"add {cap2img_file.name} (one {unit} per caption) for a variable number of captions")  # fmt: skip
+    found.error(
+        caps_file,
+        "",
+        f"{n_caps} captions do not fit {n_rows} {plural} with {k} captions per {per}; "
+        f"add {cap2img_file.name} (one {unit} per caption) for a variable number of captions",
+    )
     return None
 
 
-def image_ids_of(ids: list[str], cap2img: np.ndarray, image_rows: np.ndarray, n_rows: int, ids_file: Path,
-                 found: Findings = FIRST_ERROR) -> list[str] | None:  # fmt: skip
+def image_ids_of(
+    ids: list[str],
+    cap2img: np.ndarray,
+    image_rows: np.ndarray,
+    n_rows: int,
+    ids_file: Path,
+    found: Findings = FIRST_ERROR,
+) -> list[str] | None:
     """Each image's id from `{split}_ids.txt`: one line per image, one per caption (the captions of one image
     must agree), or one per feature row; None when the count fits none of them or captions disagree."""
     n_images = len(image_rows)
@@ -304,13 +349,20 @@ def image_ids_of(ids: list[str], cap2img: np.ndarray, image_rows: np.ndarray, n_
         agree = True
         for c, img in enumerate(cap2img.tolist()):
             if first.setdefault(img, ids[c]) != ids[c]:
-                found.error(ids_file, f":{c + 1}", f"id {ids[c]!r} differs from {first[img]!r} given to another caption "
-                            f"of the same image (row {img})", "id differs")  # fmt: skip
+                found.error(
+                    ids_file,
+                    f":{c + 1}",
+                    f"id {ids[c]!r} differs from {first[img]!r} given to another caption "
+                    f"of the same image (row {img})",
+                    "id differs",
+                )
                 agree = False
         return [first[i] for i in range(n_images)] if agree else None
     if len(ids) == n_rows:
         return [ids[r] for r in image_rows]
-    found.error(ids_file, "", f"{len(ids)} lines; expected one per image ({n_images}) or per caption ({len(cap2img)})")
+    found.error(
+        ids_file, "", f"{len(ids)} lines; expected one per image ({n_images}) or per caption ({len(cap2img)})"
+    )
     return None
 
 
@@ -348,13 +400,18 @@ class SplitFiles:
     set_sizes: np.ndarray | None = None
 
 
-def read_split_files(root: Path, split: str, captions_per_image: int = 5,
-                     found: Findings = FIRST_ERROR) -> SplitFiles:  # fmt: skip
+def read_split_files(
+    root: Path, split: str, captions_per_image: int = 5, found: Findings = FIRST_ERROR
+) -> SplitFiles:
     """Every layout rule of one split, in the order a load applies them: loading stops at the first problem,
     `vse data check` (`vsekit.data.validate`) collects them all and adds its own content checks."""
     root = Path(root)
     out = SplitFiles()
-    caps_file, ims_file, paths_file = root / f"{split}_caps.txt", root / f"{split}_ims.npy", root / f"{split}_images.txt"
+    caps_file, ims_file, paths_file = (
+        root / f"{split}_caps.txt",
+        root / f"{split}_ims.npy",
+        root / f"{split}_images.txt",
+    )
     lengths_file = root / f"{split}_ims_lengths.txt"
     frames_path, offsets_path = frames_files(root, split)
     if not caps_file.is_file():
@@ -363,8 +420,12 @@ def read_split_files(root: Path, split: str, captions_per_image: int = 5,
         out.unit = "clip"
         for other in (ims_file, lengths_file):
             if other.is_file():
-                found.error(other, "", f"a split holds either {other.name} or {frames_path.name} (clips of frames), "
-                            "not both; remove one")  # fmt: skip
+                found.error(
+                    other,
+                    "",
+                    f"a split holds either {other.name} or {frames_path.name} (clips of frames), "
+                    "not both; remove one",
+                )
         if not offsets_path.is_file():  # said first: the frames are useless without it
             frame_offsets(offsets_path, frames_path, None, found)
         out.frames = frame_array(frames_path, found)
@@ -379,8 +440,12 @@ def read_split_files(root: Path, split: str, captions_per_image: int = 5,
             out.n_rows = int(out.features.shape[0])
             out.set_sizes = read_set_sizes(lengths_file, out.features.shape, found)
     elif not paths_file.is_file():
-        found.error(ims_file, "", f"missing (and no {frames_path.name} or {paths_file.name} either): split {split!r} "
-                    "has no images or clips")  # fmt: skip
+        found.error(
+            ims_file,
+            "",
+            f"missing (and no {frames_path.name} or {paths_file.name} either): split {split!r} "
+            "has no images or clips",
+        )
     if caps_file.is_file():
         out.captions = text_lines(caps_file, found)
         if out.captions is not None and not out.captions:
@@ -388,15 +453,27 @@ def read_split_files(root: Path, split: str, captions_per_image: int = 5,
     if paths_file.is_file():
         lines = text_lines(paths_file, found, nul=found.collecting)
         out.image_paths = None if lines is None else [p.strip() for p in lines]
-        if out.image_paths is not None and out.n_rows is None and out.unit == "image row" and not ims_file.is_file():
+        if (
+            out.image_paths is not None
+            and out.n_rows is None
+            and out.unit == "image row"
+            and not ims_file.is_file()
+        ):
             # pictures only (e.g. converted from a Karpathy JSON): a zero-width placeholder, one row per picture;
             # backbone recipes read the pictures, precomp recipes get a clear error from `require_features`
             out.n_rows = len(out.image_paths)
             out.features = np.zeros((out.n_rows, 0, 0), dtype=np.float32)
     if out.n_rows is None or not out.captions:
         return out
-    layout = caption_map(out.n_rows, len(out.captions), root / f"{split}_cap2img.txt", captions_per_image, caps_file,
-                         found, out.unit)  # fmt: skip
+    layout = caption_map(
+        out.n_rows,
+        len(out.captions),
+        root / f"{split}_cap2img.txt",
+        captions_per_image,
+        caps_file,
+        found,
+        out.unit,
+    )
     if layout is None:
         return out
     out.cap2img, out.image_rows = layout
@@ -421,8 +498,18 @@ def load_precomp_split(root: str | Path, split: str, captions_per_image: int = 5
         raise DataFormatError(f"{root}: dataset directory does not exist")
     f = read_split_files(root, split, captions_per_image)
     image_root = dataset_image_root(root) if f.image_paths is not None else None
-    return PrecompSplit(root, split, f.features, f.captions, f.cap2img, f.image_rows, f.image_ids, f.image_paths,
-                        f.set_sizes, image_root)  # fmt: skip
+    return PrecompSplit(
+        root,
+        split,
+        f.features,
+        f.captions,
+        f.cap2img,
+        f.image_rows,
+        f.image_ids,
+        f.image_paths,
+        f.set_sizes,
+        image_root,
+    )
 
 
 def write_precomp_split(
@@ -446,7 +533,11 @@ def write_precomp_split(
         atomic_write_text(root / f"{split}_cap2img.txt", "".join(f"{int(i)}\n" for i in cap2img))
     if image_ids is not None:
         if ids_per_caption:
-            c2i = cap2img if cap2img is not None else np.arange(len(captions)) // (len(captions) // len(image_ids))
+            c2i = (
+                cap2img
+                if cap2img is not None
+                else np.arange(len(captions)) // (len(captions) // len(image_ids))
+            )
             lines = [image_ids[int(i)] for i in c2i]
         else:
             lines = list(image_ids)

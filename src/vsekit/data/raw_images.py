@@ -54,8 +54,14 @@ class RawSplit:
         if max_images <= 0 or max_images >= self.n_images:
             return self
         keep = np.nonzero(self.cap2img < max_images)[0]
-        return RawSplit(self.root, self.split, [self.captions[i] for i in keep], self.cap2img[keep],
-                        self.image_paths[:max_images], self.image_ids[:max_images])  # fmt: skip
+        return RawSplit(
+            self.root,
+            self.split,
+            [self.captions[i] for i in keep],
+            self.cap2img[keep],
+            self.image_paths[:max_images],
+            self.image_ids[:max_images],
+        )
 
 
 def load_karpathy_split(json_path: str | Path, split: str, image_root: str | Path | None = None) -> RawSplit:
@@ -90,8 +96,9 @@ def load_karpathy_split(json_path: str | Path, split: str, image_root: str | Pat
     return RawSplit(root, split, captions, np.asarray(cap2img, dtype=np.int64), paths, ids)
 
 
-def load_pixels(path: Path, size: int, rng: np.random.Generator | None,
-                transform: PixelTransform = IMAGENET_TRANSFORM) -> torch.Tensor:  # fmt: skip
+def load_pixels(
+    path: Path, size: int, rng: np.random.Generator | None, transform: PixelTransform = IMAGENET_TRANSFORM
+) -> torch.Tensor:
     """[3, size, size] float tensor; training-time crop/flip when `rng` is given. The picture a dataset names
     is input from elsewhere: read and decoded by `vsekit.data.pictures.open_image` (a regular file under the
     byte cap, its pixel count checked from its header before decoding), every refusal a DataFormatError
@@ -113,10 +120,17 @@ class PixelSource:
 
     kind = "pixels"
 
-    def __init__(self, split, image_size: int = 224, augment: bool = False,
-                 transform: PixelTransform = IMAGENET_TRANSFORM) -> None:  # fmt: skip
+    def __init__(
+        self,
+        split,
+        image_size: int = 224,
+        augment: bool = False,
+        transform: PixelTransform = IMAGENET_TRANSFORM,
+    ) -> None:
         if getattr(split, "image_paths", None) is None:
-            raise DataFormatError(f"{split.root}: split {split.split!r} lists no image paths ({split.split}_images.txt)")
+            raise DataFormatError(
+                f"{split.root}: split {split.split!r} lists no image paths ({split.split}_images.txt)"
+            )
         self.split = split
         self.image_size = image_size
         self.augment = augment
@@ -124,12 +138,17 @@ class PixelSource:
         self.n_images = split.n_images
 
     def load(self, index: int, rng: np.random.Generator | None) -> torch.Tensor:
-        return load_pixels(self.split.abs_image_path(index), self.image_size, rng if self.augment else None,
-                           self.transform)  # fmt: skip
+        return load_pixels(
+            self.split.abs_image_path(index), self.image_size, rng if self.augment else None, self.transform
+        )
 
 
-def convert_karpathy(json_path: str | Path, out_dir: str | Path, image_root: str | Path | None = None,
-                     splits: tuple[str, ...] = ("train", "dev", "test")) -> dict[str, dict[str, int]]:  # fmt: skip
+def convert_karpathy(
+    json_path: str | Path,
+    out_dir: str | Path,
+    image_root: str | Path | None = None,
+    splits: tuple[str, ...] = ("train", "dev", "test"),
+) -> dict[str, dict[str, int]]:
     """Write a Karpathy JSON as vsekit split files (captions, cap2img, ids, images) without features.
 
     The result trains backbone recipes from pixels (`vse train --recipe vse_infty_grid_e2e --data OUT`) and
@@ -154,24 +173,33 @@ def convert_karpathy(json_path: str | Path, out_dir: str | Path, image_root: str
         for i in range(raw.n_images):
             path = raw.abs_image_path(i)
             if not path.is_file():
-                raise DataFormatError(f"{json_path}: split {s!r} image {raw.image_paths[i]!r} not found at "
-                                      f"{path} (pass --images ROOT)")  # fmt: skip
+                raise DataFormatError(
+                    f"{json_path}: split {s!r} image {raw.image_paths[i]!r} not found at "
+                    f"{path} (pass --images ROOT)"
+                )
             full = path.resolve()
             if not full.is_relative_to(base):
-                raise DataFormatError(f"{json_path}: split {s!r} image {raw.image_paths[i]!r} resolves to {full}, "
-                                      f"outside the images folder {base} ('..' or a symlink out of it); "
-                                      f"pass the folder that holds every picture as --images")  # fmt: skip
+                raise DataFormatError(
+                    f"{json_path}: split {s!r} image {raw.image_paths[i]!r} resolves to {full}, "
+                    f"outside the images folder {base} ('..' or a symlink out of it); "
+                    f"pass the folder that holds every picture as --images"
+                )
             rels.append(full.relative_to(base).as_posix())
         rel_paths[s] = rels
     out_abs = out.resolve()
     declared = os.path.relpath(base, out_abs) if base.is_relative_to(out_abs) else str(base)
     # other splits already in `out` keep their pictures' root: refuse one that would move it under them
-    others = sorted(p.name[: -len("_images.txt")] for p in out.glob("*_images.txt")
-                    if p.name[: -len("_images.txt")] not in loaded)  # fmt: skip
+    others = sorted(
+        p.name[: -len("_images.txt")]
+        for p in out.glob("*_images.txt")
+        if p.name[: -len("_images.txt")] not in loaded
+    )
     if others and dataset_image_root(out).resolve() != base:
-        raise DataFormatError(f"{out}: split(s) {', '.join(others)} list pictures under {dataset_image_root(out).resolve()}; "
-                              f"these pictures are under {base}: convert every split in one command "
-                              f"(--splits) or choose another --out")  # fmt: skip
+        raise DataFormatError(
+            f"{out}: split(s) {', '.join(others)} list pictures under {dataset_image_root(out).resolve()}; "
+            f"these pictures are under {base}: convert every split in one command "
+            f"(--splits) or choose another --out"
+        )
     out.mkdir(parents=True, exist_ok=True)
     manifest: dict = {}
     try:
@@ -180,8 +208,13 @@ def convert_karpathy(json_path: str | Path, out_dir: str | Path, image_root: str
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         pass
     counts = {s: {"images": raw.n_images, "captions": raw.n_captions} for s, raw in loaded.items()}
-    manifest.update({"format": "karpathy", "source_json": str(Path(json_path).resolve()), "images_root": declared})
-    manifest["splits"] = {**(manifest.get("splits") if isinstance(manifest.get("splits"), dict) else {}), **counts}
+    manifest.update(
+        {"format": "karpathy", "source_json": str(Path(json_path).resolve()), "images_root": declared}
+    )
+    manifest["splits"] = {
+        **(manifest.get("splits") if isinstance(manifest.get("splits"), dict) else {}),
+        **counts,
+    }
     atomic_write_json(out / MANIFEST, manifest)  # first: split files never point into an undeclared root
     for s, raw in loaded.items():
         atomic_write_text(out / f"{s}_caps.txt", "".join(c.replace("\n", " ") + "\n" for c in raw.captions))

@@ -30,8 +30,10 @@ def load_sims(paths: list[str]) -> np.ndarray:
         if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
             raise DataFormatError(f"{path}: expected numbers, got dtype {arr.dtype}")
         if arr.size == 0:  # before any caption->image map is compared with it
-            raise DataFormatError(f"{path}: the similarity matrix is empty ({arr.shape[0]} x {arr.shape[1]}); "
-                                  f"expected an images x captions matrix of scores")  # fmt: skip
+            raise DataFormatError(
+                f"{path}: the similarity matrix is empty ({arr.shape[0]} x {arr.shape[1]}); "
+                f"expected an images x captions matrix of scores"
+            )
         if total is None and len(paths) == 1 and arr.dtype == np.float32:
             return arr
         if total is None:

@@ -31,7 +31,9 @@ _WORD_RE = re.compile(r"[a-z0-9]+(?:'[a-z]+)?|[^\sa-z0-9]")
 
 TOKENIZERS = ("regex", "nltk")
 
-MAX_CAPTION_CHARS = 10_000  # characters of a caption read; the builders skip and `vse data check` reports longer
+MAX_CAPTION_CHARS = (
+    10_000  # characters of a caption read; the builders skip and `vse data check` reports longer
+)
 MAX_CAPTION_TOKENS = 256  # words and punctuation of a caption given to a vocabulary (without <start> / <end>)
 
 # kinds of `caption_problem`
@@ -48,17 +50,20 @@ def caption_problem(caption: str) -> tuple[str, str] | None:
     character is an error, an over-long caption a warning: it is read up to MAX_CAPTION_CHARS characters)."""
     bad = _CONTROL_RE.search(caption)
     if bad is not None:
-        return CONTROL_CHARACTER, (f"U+{ord(bad.group()):04X} at character {bad.start() + 1} (binary data or a "
-                                   "terminal escape)")  # fmt: skip
+        return CONTROL_CHARACTER, (
+            f"U+{ord(bad.group()):04X} at character {bad.start() + 1} (binary data or a terminal escape)"
+        )
     if len(caption) > MAX_CAPTION_CHARS:
         return OVER_LONG, f"{len(caption):,} characters (the limit is {MAX_CAPTION_CHARS:,})"
     return None
 
+
 # Abbreviations after which a period does not end a sentence (checked on the lower-cased caption). nltk's
 # English punkt model, which the released `word_tokenize` call loads, learned a longer list from news text;
 # these are the ones a caption plausibly holds. Only captions with a period *inside* them are affected.
-_ABBREVIATIONS = frozenset({"mr", "mrs", "ms", "dr", "st", "jr", "sr", "vs", "etc", "mt", "ft", "a.m", "p.m",
-                            "u.s", "e.g", "i.e"})  # fmt: skip
+_ABBREVIATIONS = frozenset(
+    {"mr", "mrs", "ms", "dr", "st", "jr", "sr", "vs", "etc", "mt", "ft", "a.m", "p.m", "u.s", "e.g", "i.e"}
+)
 
 
 @lru_cache(maxsize=1)
@@ -173,8 +178,11 @@ class Vocabulary:
             if MASK not in words:
                 words.append(MASK)
             if tokenizer not in (None, "nltk"):
-                warnings.warn(f"{path}: a SCAN vocabulary holds nltk's Treebank tokens; tokenizer={tokenizer!r} "
-                              "would turn words like \"man's\" into <unk>, so nltk is used", stacklevel=2)  # fmt: skip
+                warnings.warn(
+                    f"{path}: a SCAN vocabulary holds nltk's Treebank tokens; tokenizer={tokenizer!r} "
+                    'would turn words like "man\'s" into <unk>, so nltk is used',
+                    stacklevel=2,
+                )
             return cls(words, "nltk")
         if isinstance(data, dict) and "words" in data:
             return cls(data["words"], tokenizer or "regex")
@@ -235,9 +243,11 @@ class HFTextProcessor:
         pieces = [p for p in pieces if p]
         if rng is not None and augment_prob > 0:
             pieces = augment_words(
-                pieces, rng, augment_prob,
+                pieces,
+                rng,
+                augment_prob,
                 lambda w: [self.mask_id] * len(w),
                 lambda w: [int(x) for x in rng.integers(1000, self.vocab_size, size=len(w))],
-            )  # fmt: skip
+            )
         flat = [i for p in pieces for i in p][: self.max_tokens - 2]
         return [self.cls_id] + flat + [self.sep_id]

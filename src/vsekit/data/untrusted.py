@@ -25,7 +25,9 @@ from pathlib import Path
 
 from vsekit.errors import VseInputError
 
-MAX_PICTURE_BYTES = 128 * 1024 * 1024  # one picture file: far above any real photo, far below a memory problem
+MAX_PICTURE_BYTES = (
+    128 * 1024 * 1024
+)  # one picture file: far above any real photo, far below a memory problem
 MAX_CAPTION_FILE_BYTES = 1024 * 1024  # one x.txt beside a picture: thousands of captions
 READ_BLOCK = 1024 * 1024
 
@@ -54,16 +56,23 @@ class UntrustedFileError(VseInputError, OSError):
 
 def file_kind(mode: int) -> str:
     """What a stat mode is, for a message: "a folder", "a FIFO (named pipe)", "a character device", …"""
-    for test, what in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a folder"),
-                       (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISLNK, "a symbolic link")):  # fmt: skip
+    for test, what in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISLNK, "a symbolic link"),
+    ):
         if test(mode):
             return what
     return "not a regular file"
 
 
-def resolve_inside(root: str | Path, name: str, *, label: str = "its root", absolute_ok: bool = False) -> Path:
+def resolve_inside(
+    root: str | Path, name: str, *, label: str = "its root", absolute_ok: bool = False
+) -> Path:
     """The fully resolved path of `name` under `root`, or UntrustedFileError when it lies outside.
 
     `name` must be relative (an absolute one only with `absolute_ok`, and then it must lie inside too), must
@@ -80,8 +89,11 @@ def resolve_inside(root: str | Path, name: str, *, label: str = "its root", abso
     except (OSError, RuntimeError, ValueError) as e:
         raise UntrustedFileError(str(root), BAD_PATH, f"{str(root)!r} is not a usable path ({e})") from e
     if text.startswith("~"):
-        raise UntrustedFileError(text, OUTSIDE, f"{text!r} points outside {label} {base} ('~' is not expanded: "
-                                                "paths are relative to it)")  # fmt: skip
+        raise UntrustedFileError(
+            text,
+            OUTSIDE,
+            f"{text!r} points outside {label} {base} ('~' is not expanded: paths are relative to it)",
+        )
     rel = Path(text)
     if rel.is_absolute() and not absolute_ok:
         raise UntrustedFileError(text, OUTSIDE, f"{text!r} points outside {label} {base}")
@@ -96,8 +108,13 @@ def resolve_inside(root: str | Path, name: str, *, label: str = "its root", abso
     return full
 
 
-def check_regular(path: str | Path, *, name: str | None = None, follow_symlinks: bool = True,
-                  expected: str = "a regular file") -> os.stat_result:  # fmt: skip
+def check_regular(
+    path: str | Path,
+    *,
+    name: str | None = None,
+    follow_symlinks: bool = True,
+    expected: str = "a regular file",
+) -> os.stat_result:
     """`stat` of `path` when it is a regular file, else UntrustedFileError saying what it is ("is a FIFO
     (named pipe), expected a picture file"); a missing file stays FileNotFoundError."""
     st = os.stat(path, follow_symlinks=follow_symlinks)
@@ -107,8 +124,14 @@ def check_regular(path: str | Path, *, name: str | None = None, follow_symlinks:
     return st
 
 
-def read_bounded(path: str | Path, max_bytes: int, *, name: str | None = None, follow_symlinks: bool = False,
-                 expected: str = "a regular file") -> bytes:  # fmt: skip
+def read_bounded(
+    path: str | Path,
+    max_bytes: int,
+    *,
+    name: str | None = None,
+    follow_symlinks: bool = False,
+    expected: str = "a regular file",
+) -> bytes:
     """The bytes of the regular file `path`, at most `max_bytes` of them, never blocking.
 
     Without `follow_symlinks` (the default: `path` was resolved by `resolve_inside`), a symbolic link at
@@ -123,7 +146,9 @@ def read_bounded(path: str | Path, max_bytes: int, *, name: str | None = None, f
         if not follow_symlinks and e.detail.startswith("is a symbolic link"):
             raise UntrustedFileError(label, OUTSIDE, "is a symbolic link (not followed here)") from None
         raise
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    flags = (
+        os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    )
     if not follow_symlinks:
         flags |= getattr(os, "O_NOFOLLOW", 0)
     try:
@@ -137,7 +162,9 @@ def read_bounded(path: str | Path, max_bytes: int, *, name: str | None = None, f
         if not stat.S_ISREG(st.st_mode):  # replaced since the stat
             raise UntrustedFileError(label, NOT_REGULAR, f"is {file_kind(st.st_mode)}, expected {expected}")
         if st.st_size > max_bytes:
-            raise UntrustedFileError(label, TOO_LARGE, f"{st.st_size} bytes is more than the {max_bytes} byte limit")
+            raise UntrustedFileError(
+                label, TOO_LARGE, f"{st.st_size} bytes is more than the {max_bytes} byte limit"
+            )
         parts, got = [], 0
         while got <= max_bytes:
             block = os.read(fd, min(READ_BLOCK, max_bytes + 1 - got))
@@ -152,12 +179,31 @@ def read_bounded(path: str | Path, max_bytes: int, *, name: str | None = None, f
         os.close(fd)
 
 
-def read_inside(root: str | Path, name: str, max_bytes: int, *, label: str = "its root",
-                absolute_ok: bool = False, expected: str = "a regular file") -> bytes:  # fmt: skip
+def read_inside(
+    root: str | Path,
+    name: str,
+    max_bytes: int,
+    *,
+    label: str = "its root",
+    absolute_ok: bool = False,
+    expected: str = "a regular file",
+) -> bytes:
     """`read_bounded` of `name` resolved inside `root` (`resolve_inside`); errors name `name`."""
-    return read_bounded(resolve_inside(root, name, label=label, absolute_ok=absolute_ok), max_bytes,
-                        name=name, expected=expected)  # fmt: skip
+    return read_bounded(
+        resolve_inside(root, name, label=label, absolute_ok=absolute_ok),
+        max_bytes,
+        name=name,
+        expected=expected,
+    )
 
 
-__all__ = ["MAX_CAPTION_FILE_BYTES", "MAX_PICTURE_BYTES", "UntrustedFileError", "check_regular", "file_kind",
-           "read_bounded", "read_inside", "resolve_inside"]  # fmt: skip
+__all__ = [
+    "MAX_CAPTION_FILE_BYTES",
+    "MAX_PICTURE_BYTES",
+    "UntrustedFileError",
+    "check_regular",
+    "file_kind",
+    "read_bounded",
+    "read_inside",
+    "resolve_inside",
+]

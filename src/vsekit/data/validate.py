@@ -60,8 +60,10 @@ def _check_frame_values(feats: RaggedFrames, path: Path, chunk_rows: int) -> Non
         if bad.any():
             row = start + int(np.argmax(bad))
             clip = _clip_of(feats.offsets, row)
-            raise DataFormatError(f"{path}: clip {clip} has NaN or inf features (frame row {row}, frame "
-                                  f"{row - int(feats.offsets[clip])} of the clip)")  # fmt: skip
+            raise DataFormatError(
+                f"{path}: clip {clip} has NaN or inf features (frame row {row}, frame "
+                f"{row - int(feats.offsets[clip])} of the clip)"
+            )
 
 
 @dataclass
@@ -100,13 +102,23 @@ class DatasetReport:
     def format(self) -> str:
         lines = [f"dataset {self.root}"]
         for name, s in self.splits.items():
-            shape = "x".join(str(v) for v in s["feature_shape"]) if s.get("feature_shape") else "pictures only"
+            shape = (
+                "x".join(str(v) for v in s["feature_shape"]) if s.get("feature_shape") else "pictures only"
+            )
             if "clips" in s:  # a video split: feature_shape is (frames, dim)
-                lengths = "min {} / median {:g} / max {}".format(*s["frames_per_clip"]) if s.get("frames_per_clip") else "?"
-                lines.append(f"  {name}: {s['clips'] if s['clips'] is not None else '?'} clips, {s.get('captions', '?')} "
-                             f"captions, frames x dim {shape}, frames per clip {lengths}")  # fmt: skip
+                lengths = (
+                    "min {} / median {:g} / max {}".format(*s["frames_per_clip"])
+                    if s.get("frames_per_clip")
+                    else "?"
+                )
+                lines.append(
+                    f"  {name}: {s['clips'] if s['clips'] is not None else '?'} clips, {s.get('captions', '?')} "
+                    f"captions, frames x dim {shape}, frames per clip {lengths}"
+                )
             else:
-                lines.append(f"  {name}: {s.get('images', '?')} images, {s.get('captions', '?')} captions, features {shape}")
+                lines.append(
+                    f"  {name}: {s.get('images', '?')} images, {s.get('captions', '?')} captions, features {shape}"
+                )
         lines += [f"  {p}" for p in self.problems]
         verdict = "OK" if self.ok else "FAILED"
         lines.append(f"{verdict}: {len(self.errors)} error(s), {len(self.warnings)} warning(s)")
@@ -116,7 +128,9 @@ class DatasetReport:
         """Raise one DataFormatError that lists every error (for the trainer)."""
         if self.errors:
             listed = "\n  ".join(str(p) for p in self.errors)
-            raise DataFormatError(f"{self.root}: {len(self.errors)} problem(s); run `vse data check {self.root}`:\n  {listed}")
+            raise DataFormatError(
+                f"{self.root}: {len(self.errors)} problem(s); run `vse data check {self.root}`:\n  {listed}"
+            )
 
 
 class _Collector(Findings):
@@ -146,7 +160,9 @@ class _Collector(Findings):
         for (path, kind), n in self.counts.items():
             if n > MAX_PER_KIND:
                 sev = next(p.severity for p in self.report.problems if p.path == path)
-                self.report.problems.append(Problem(sev, path, "", f"... and {n - MAX_PER_KIND} more like '{kind}'"))
+                self.report.problems.append(
+                    Problem(sev, path, "", f"... and {n - MAX_PER_KIND} more like '{kind}'")
+                )
 
 
 def discover_splits(root: Path) -> list[str]:
@@ -171,12 +187,19 @@ def _scan_features(path: Path, feats: np.ndarray, out: _Collector, chunk_rows: i
             n_bad += int(bad_rows.sum())
         n_zero += int((block == 0).all(axis=(1, 2)).sum())
     if n_bad:
-        out.add("error", path, f" row {first_bad}", f"NaN or inf features ({n_bad} bad row(s) in all; first shown)")
+        out.add(
+            "error",
+            path,
+            f" row {first_bad}",
+            f"NaN or inf features ({n_bad} bad row(s) in all; first shown)",
+        )
     if n_zero:
         out.add("warning", path, "", f"{n_zero} row(s) are all zeros (failed feature extraction?)")
 
 
-def _scan_frames(path: Path, frames: np.ndarray, offsets: np.ndarray | None, out: _Collector, chunk_rows: int) -> None:
+def _scan_frames(
+    path: Path, frames: np.ndarray, offsets: np.ndarray | None, out: _Collector, chunk_rows: int
+) -> None:
     """NaN/inf and all-zero frame rows, chunk by chunk; a bad row is named with its clip when offsets are sound."""
     bad_rows, zero_rows = [], []
     for start in range(0, frames.shape[0], chunk_rows):
@@ -189,20 +212,33 @@ def _scan_frames(path: Path, frames: np.ndarray, offsets: np.ndarray | None, out
         if offsets is not None:
             clips = np.searchsorted(offsets, bad, side="right") - 1
             c = int(clips[0])
-            out.add("error", path, f" row {row}", f"NaN or inf features in clip {c} (its frame {row - int(offsets[c])}); "
-                    f"{len(bad)} bad frame row(s) in {len(np.unique(clips))} clip(s) in all, first shown")  # fmt: skip
+            out.add(
+                "error",
+                path,
+                f" row {row}",
+                f"NaN or inf features in clip {c} (its frame {row - int(offsets[c])}); "
+                f"{len(bad)} bad frame row(s) in {len(np.unique(clips))} clip(s) in all, first shown",
+            )
         else:
-            out.add("error", path, f" row {row}", f"NaN or inf features ({len(bad)} bad frame row(s) in all, first "
-                    "shown; clips unknown while the offsets are broken)")  # fmt: skip
+            out.add(
+                "error",
+                path,
+                f" row {row}",
+                f"NaN or inf features ({len(bad)} bad frame row(s) in all, first "
+                "shown; clips unknown while the offsets are broken)",
+            )
     if len(zero):
         where = ""
         if offsets is not None:
             where = f" in {len(np.unique(np.searchsorted(offsets, zero, side='right') - 1))} clip(s)"
-        out.add("warning", path, "", f"{len(zero)} frame row(s){where} are all zeros (failed feature extraction?)")
+        out.add(
+            "warning", path, "", f"{len(zero)} frame row(s){where} are all zeros (failed feature extraction?)"
+        )
 
 
-def _check_split(root: Path, split: str, k: int, max_words: int, chunk_rows: int, out: _Collector,
-                 report: DatasetReport) -> dict:  # fmt: skip
+def _check_split(
+    root: Path, split: str, k: int, max_words: int, chunk_rows: int, out: _Collector, report: DatasetReport
+) -> dict:
     """The layout rules of a load (`precomp.read_split_files`, collecting), then the content: NaN/inf and
     all-zero rows, each caption, empty and shared ids, the pictures named by `{split}_images.txt`."""
     files = read_split_files(root, split, k, out)
@@ -230,11 +266,21 @@ def _check_split(root: Path, split: str, k: int, max_words: int, chunk_rows: int
             elif problem is not None:
                 kind, detail = problem
                 error = kind == CONTROL_CHARACTER  # an over-long one trains: text encoders read its start
-                out.add("error" if error else "warning", caps_file, f":{lineno}",
-                        f"{kind}: {detail}" + ("" if error else "; text encoders read its start only"), kind)  # fmt: skip
+                out.add(
+                    "error" if error else "warning",
+                    caps_file,
+                    f":{lineno}",
+                    f"{kind}: {detail}" + ("" if error else "; text encoders read its start only"),
+                    kind,
+                )
             elif len(cap.split()) > max_words:
-                out.add("warning", caps_file, f":{lineno}", f"{len(cap.split())} words (over {max_words}; text "
-                        "encoders read the first ones only)", "over-long caption")  # fmt: skip
+                out.add(
+                    "warning",
+                    caps_file,
+                    f":{lineno}",
+                    f"{len(cap.split())} words (over {max_words}; text encoders read the first ones only)",
+                    "over-long caption",
+                )
     if files.image_rows is not None and files.unit == "image row":
         # the one-feature-row-per-caption layout has n_rows == n_caps but n_caps / k images
         info["images"] = len(files.image_rows)
@@ -268,11 +314,19 @@ def _check_picture_paths(root: Path, paths: list[str], paths_file: Path, out: _C
         return
     declared = images_root != root
     if declared and not base.is_dir():
-        out.add("error", root / MANIFEST, "", f"images_root {str(images_root)!r}: no such folder (the pictures "
-                f"of {paths_file.name} are looked up there)")  # fmt: skip
+        out.add(
+            "error",
+            root / MANIFEST,
+            "",
+            f"images_root {str(images_root)!r}: no such folder (the pictures "
+            f"of {paths_file.name} are looked up there)",
+        )
         return
-    outside = (f"points outside the images root {base} ({MANIFEST} images_root)" if declared else
-               "points outside the dataset directory")  # fmt: skip
+    outside = (
+        f"points outside the images root {base} ({MANIFEST} images_root)"
+        if declared
+        else "points outside the dataset directory"
+    )
     for lineno, p in enumerate(paths, 1):
         p = p.strip()
         if not p:
@@ -284,17 +338,27 @@ def _check_picture_paths(root: Path, paths: list[str], paths_file: Path, out: _C
             if e.kind != OUTSIDE:  # NUL bytes, loops
                 out.add("error", paths_file, f":{lineno}", e.detail, "not a usable path")
                 continue
-            hint = "" if declared or not Path(p).is_absolute() else (
-                f"; pictures outside the dataset directory need {MANIFEST} images_root (`vse data karpathy` "
-                "writes it: convert the JSON again)")  # fmt: skip
+            hint = (
+                ""
+                if declared or not Path(p).is_absolute()
+                else (
+                    f"; pictures outside the dataset directory need {MANIFEST} images_root (`vse data karpathy` "
+                    "writes it: convert the JSON again)"
+                )
+            )
             out.add("error", paths_file, f":{lineno}", f"{p!r} {outside}{hint}", "outside")
             continue
         if not full.is_file():
             out.add("error", paths_file, f":{lineno}", f"{p!r}: no such picture", "no such picture")
 
 
-def check_dataset(data_dir: str | Path, splits: list[str] | None = None, captions_per_image: int = 5,
-                  max_caption_words: int = 200, chunk_rows: int = 2048) -> DatasetReport:  # fmt: skip
+def check_dataset(
+    data_dir: str | Path,
+    splits: list[str] | None = None,
+    captions_per_image: int = 5,
+    max_caption_words: int = 200,
+    chunk_rows: int = 2048,
+) -> DatasetReport:
     """Check a precomp directory fully and report every problem with its file and line/row.
 
     Checks: files present; features a readable (N, R, D) float16/32 array without NaN/inf rows; captions
@@ -327,7 +391,9 @@ def check_dataset(data_dir: str | Path, splits: list[str] | None = None, caption
     if len({d[1] for d in dims.values()}) > 1:
         desc = ", ".join(f"{s} {d[1]}" for s, d in dims.items())
         out.add("error", root, "", f"feature size differs between splits ({desc}); a model fits one size")
-    regions = {s: d for s, d in dims.items() if not report.splits[s].get("_frames")}  # clips' F always differs
+    regions = {
+        s: d for s, d in dims.items() if not report.splits[s].get("_frames")
+    }  # clips' F always differs
     if len({d[0] for d in regions.values()}) > 1:
         desc = ", ".join(f"{s} {d[0]}" for s, d in regions.items())
         out.add("warning", root, "", f"regions per image differ between splits ({desc})")
@@ -353,6 +419,12 @@ def _check_overlap(report: DatasetReport, out: _Collector) -> None:
                 if shared:
                     severity = "error" if "train" in (a, b) else "warning"
                     f = report.root / f"{b}_{'ids' if key == '_ids' else 'images'}.txt"
-                    out.add(severity, f, "", f"{len(shared)} image {what}(s) also in split "
-                            f"{a!r}, e.g. {shared[0]!r} (train/test leakage)" if severity == "error" else
-                            f"{len(shared)} image {what}(s) also in split {a!r}, e.g. {shared[0]!r}")  # fmt: skip
+                    out.add(
+                        severity,
+                        f,
+                        "",
+                        f"{len(shared)} image {what}(s) also in split "
+                        f"{a!r}, e.g. {shared[0]!r} (train/test leakage)"
+                        if severity == "error"
+                        else f"{len(shared)} image {what}(s) also in split {a!r}, e.g. {shared[0]!r}",
+                    )

@@ -129,8 +129,13 @@ def spec_key(spec: dict, batch_size: int) -> str:
     return hashlib.sha1((json.dumps(spec, sort_keys=True) + f"|batch={batch_size}").encode()).hexdigest()[:16]
 
 
-def extract_part(extractor: PictureExtractor, pictures: Sequence[tuple[HasBytes, str]], batch_size: int,
-                 workers: int = 1, on_batch: Callable[[int], None] | None = None) -> np.ndarray:  # fmt: skip
+def extract_part(
+    extractor: PictureExtractor,
+    pictures: Sequence[tuple[HasBytes, str]],
+    batch_size: int,
+    workers: int = 1,
+    on_batch: Callable[[int], None] | None = None,
+) -> np.ndarray:
     """Features of `pictures` ((bytes source, name) pairs) in batches of `batch_size`, decoded by `workers`
     threads; float16 [N, R, D]."""
 
@@ -182,9 +187,14 @@ def finished_parts(cache_dir: Path) -> int:
     return sum(1 for _ in cache_dir.glob("*/part-*.keys")) if cache_dir.is_dir() else 0
 
 
-def compute_features(pictures: dict[str, tuple[HasBytes, str]], cache_dir: Path, extractor: PictureExtractor,
-                     batch_size: int, workers: int = 1,
-                     progress: bool = True) -> tuple[dict[str, tuple[np.ndarray, int]], dict[str, int]]:  # fmt: skip
+def compute_features(
+    pictures: dict[str, tuple[HasBytes, str]],
+    cache_dir: Path,
+    extractor: PictureExtractor,
+    batch_size: int,
+    workers: int = 1,
+    progress: bool = True,
+) -> tuple[dict[str, tuple[np.ndarray, int]], dict[str, int]]:
     """Features of every picture (sha256 -> (bytes source, name)), from the cache or computed and cached.
 
     Returns (sha256 -> (array, row), {"computed": n, "reused": n}). Caches of other extractors or batch sizes
@@ -208,7 +218,9 @@ def compute_features(pictures: dict[str, tuple[HasBytes, str]], cache_dir: Path,
             feats = extract_part(extractor, [pictures[k] for k in keys], batch_size, workers, bar.update)
             npy, keys_file = folder / f"part-{number:06d}.npy", folder / f"part-{number:06d}.keys"
             atomic_save_npy(npy, feats)
-            atomic_write_text(keys_file, "".join(f"{k}\n" for k in keys))  # after the array: it marks the part done
+            atomic_write_text(
+                keys_file, "".join(f"{k}\n" for k in keys)
+            )  # after the array: it marks the part done
             arr = np.load(npy, mmap_mode="r", allow_pickle=False)
             for row, k in enumerate(keys):
                 where[k] = (arr, row)
@@ -218,5 +230,15 @@ def compute_features(pictures: dict[str, tuple[HasBytes, str]], cache_dir: Path,
     return {sha: where[sha] for sha in pictures}, {"computed": len(missing), "reused": reused}
 
 
-__all__ = ["FeatureOptions", "PictureExtractor", "compute_features", "decode_picture", "extract_part",
-           "finished_parts", "make_extractor", "spec_key", "DEFAULT_BACKBONE", "PART_PICTURES"]  # fmt: skip
+__all__ = [
+    "FeatureOptions",
+    "PictureExtractor",
+    "compute_features",
+    "decode_picture",
+    "extract_part",
+    "finished_parts",
+    "make_extractor",
+    "spec_key",
+    "DEFAULT_BACKBONE",
+    "PART_PICTURES",
+]

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from vsekit.data.pictures import PixelLimitError, check_pixels
 from vsekit.data.untrusted import MAX_CAPTION_FILE_BYTES, MAX_PICTURE_BYTES, file_kind
-from vsekit.datasets.own_pairs import (
+from vsekit.datasets.own_items import (
     BAD_CAPTIONS,
     BAD_NAME,
     BROKEN_SHARD,

@@ -1,4 +1,5 @@
-"""Readers of users' own picture-caption pairs, each giving `own_pairs.Collected` to the one builder.
+"""Readers of users' own picture-caption pairs, each giving an `own_items.Collected` to the one builder
+(`own_pairs`).
 
 - `read_folder(DIR)`: every x.png / x.jpg / ... under DIR (nested folders too, hidden ones skipped) with
   x.txt beside it, one caption per line; the id is the path without extension (`cats/tom`).
@@ -30,7 +31,7 @@ from vsekit.data.untrusted import (
     read_inside,
     resolve_inside,
 )
-from vsekit.datasets.own_pairs import (
+from vsekit.datasets.own_items import (
     BAD_CAPTIONS,
     BAD_NAME,
     EMPTY_CAPTION,
@@ -44,16 +45,38 @@ from vsekit.datasets.own_pairs import (
     PictureRef,
     Problem,
     normalise_caption,
-    resolve_split,
-    split_name,
 )
+from vsekit.datasets.own_splits import resolve_split, split_name
 from vsekit.errors import MissingPackageError, VseInputError
 
 log = logging.getLogger(__name__)
 
-IMAGE_COLUMNS = ("image", "image_path", "imagepath", "img", "img_path", "filepath", "file_path", "path",
-                 "filename", "file_name", "file", "url", "image_url")  # fmt: skip
-CAPTION_COLUMNS = ("caption", "captions", "text", "title", "sentence", "description", "raw", "alt", "alt_text")
+IMAGE_COLUMNS = (
+    "image",
+    "image_path",
+    "imagepath",
+    "img",
+    "img_path",
+    "filepath",
+    "file_path",
+    "path",
+    "filename",
+    "file_name",
+    "file",
+    "url",
+    "image_url",
+)
+CAPTION_COLUMNS = (
+    "caption",
+    "captions",
+    "text",
+    "title",
+    "sentence",
+    "description",
+    "raw",
+    "alt",
+    "alt_text",
+)
 TABLE_FORMATS = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".parquet": "parquet", ".pq": "parquet"}
 URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 MAX_TABLE_ROWS = 5_000_000  # rows of one CSV / TSV / parquet table
@@ -76,26 +99,35 @@ def caption_lines(data: bytes, name: str) -> tuple[list[str], list[Problem]]:
     while lines and not lines[-1]:
         lines.pop()
     captions = [line for line in lines if line]
-    problems = [Problem(f"{name}:{n}", EMPTY_CAPTION, "blank line between captions; skipped")
-                for n, line in enumerate(lines, 1) if not line]  # fmt: skip
+    problems = [
+        Problem(f"{name}:{n}", EMPTY_CAPTION, "blank line between captions; skipped")
+        for n, line in enumerate(lines, 1)
+        if not line
+    ]
     return captions, problems
 
 
 # --------------------------------------------------------------------------------------------- folder
 
 
-def read_folder(root: str | Path, split_by_folder: bool = False, exclude: Sequence[str | Path] = ()) -> Collected:
+def read_folder(
+    root: str | Path, split_by_folder: bool = False, exclude: Sequence[str | Path] = ()
+) -> Collected:
     """Pictures under `root` with their x.txt captions; `exclude`: folders not to walk (the output)."""
     root = Path(root)
     if not root.is_dir():
-        raise VseInputError(f"{root}: {'no such folder' if not root.exists() else 'not a folder'} (give the folder "
-                            "that holds x.jpg + x.txt pairs)")  # fmt: skip
+        raise VseInputError(
+            f"{root}: {'no such folder' if not root.exists() else 'not a folder'} (give the folder "
+            "that holds x.jpg + x.txt pairs)"
+        )
     skip = {Path(p).resolve() for p in exclude}
     stems: dict[str, list[str]] = {}
     texts: set[str] = set()
     other = 0
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and (Path(dirpath) / d).resolve() not in skip)
+        dirnames[:] = sorted(
+            d for d in dirnames if not d.startswith(".") and (Path(dirpath) / d).resolve() not in skip
+        )
         for name in sorted(filenames):
             if name.startswith("."):
                 continue
@@ -117,8 +149,14 @@ def read_folder(root: str | Path, split_by_folder: bool = False, exclude: Sequen
         if len(rels) > 1:  # x.jpg + x.png: which one x.txt describes is unknown, so neither is used
             for clash in rels:
                 others = ", ".join(_display(r) for r in rels if r != clash)
-                problems.append(Problem(_display(clash), NAME_CLASH, f"{others} has the same name, so {_display(stem)}"
-                                        f".txt cannot tell them apart; {'both' if len(rels) == 2 else f'all {len(rels)}'} are skipped"))  # fmt: skip
+                problems.append(
+                    Problem(
+                        _display(clash),
+                        NAME_CLASH,
+                        f"{others} has the same name, so {_display(stem)}"
+                        f".txt cannot tell them apart; {'both' if len(rels) == 2 else f'all {len(rels)}'} are skipped",
+                    )
+                )
             continue
         rel = rels[0]
         try:
@@ -143,10 +181,13 @@ def read_folder(root: str | Path, split_by_folder: bool = False, exclude: Sequen
             problems.append(Problem(rel, NO_CAPTION, f"no {Path(stem).name}.txt beside it"))
             continue
         try:
-            data = read_inside(root, f"{stem}.txt", MAX_CAPTION_FILE_BYTES, label="the folder",
-                               expected="a caption file")  # fmt: skip
+            data = read_inside(
+                root, f"{stem}.txt", MAX_CAPTION_FILE_BYTES, label="the folder", expected="a caption file"
+            )
         except UntrustedFileError as e:
-            problems.append(Problem(f"{stem}.txt", BAD_CAPTIONS, f"{e.detail}; not read, its picture is skipped"))
+            problems.append(
+                Problem(f"{stem}.txt", BAD_CAPTIONS, f"{e.detail}; not read, its picture is skipped")
+            )
             continue
         except OSError as e:
             problems.append(Problem(f"{stem}.txt", BAD_CAPTIONS, f"cannot be read ({e.strerror or e})"))
@@ -159,15 +200,25 @@ def read_folder(root: str | Path, split_by_folder: bool = False, exclude: Sequen
             continue
         items.append(Item(rel, stem, PictureRef(picture), Path(rel).suffix.lower(), captions, split))
     if outside:
-        raise VseInputError(f"{root}: --split-by-folder needs every picture under a top-level train/, dev/ (or val/) "
-                            f"or test/ folder; {len(outside)} are not, e.g. {', '.join(outside[:3])}")  # fmt: skip
+        raise VseInputError(
+            f"{root}: --split-by-folder needs every picture under a top-level train/, dev/ (or val/) "
+            f"or test/ folder; {len(outside)} are not, e.g. {', '.join(outside[:3])}"
+        )
     orphans = len(texts - set(stems))
     if orphans:
         log.info("%s: %d caption file(s) without a picture beside them were ignored", root, orphans)
-    notes = {"pictures_found": sum(len(v) for v in stems.values()), "caption_files_without_picture": orphans,
-             "other_files_ignored": other}  # fmt: skip
-    return Collected(items, problems, {"kind": "folder", "input": str(root), "split_by_folder": split_by_folder},
-                     declared_splits=split_by_folder, notes=notes)  # fmt: skip
+    notes = {
+        "pictures_found": sum(len(v) for v in stems.values()),
+        "caption_files_without_picture": orphans,
+        "other_files_ignored": other,
+    }
+    return Collected(
+        items,
+        problems,
+        {"kind": "folder", "input": str(root), "split_by_folder": split_by_folder},
+        declared_splits=split_by_folder,
+        notes=notes,
+    )
 
 
 # --------------------------------------------------------------------------------------------- table
@@ -178,12 +229,16 @@ def table_format(path: Path, fmt: str = "auto") -> str:
         return fmt
     found = TABLE_FORMATS.get(path.suffix.lower())
     if found is None:
-        raise VseInputError(f"{path}: unknown table type {path.suffix!r} ({', '.join(TABLE_FORMATS)}); name it "
-                            "with --format csv|tsv|parquet")  # fmt: skip
+        raise VseInputError(
+            f"{path}: unknown table type {path.suffix!r} ({', '.join(TABLE_FORMATS)}); name it "
+            "with --format csv|tsv|parquet"
+        )
     return found
 
 
-def pick_column(header: Sequence[str], wanted: str | None, candidates: Sequence[str], flag: str, path: Path) -> str:
+def pick_column(
+    header: Sequence[str], wanted: str | None, candidates: Sequence[str], flag: str, path: Path
+) -> str:
     """`wanted` (exact, else ignoring case), or the first of `candidates` the header has (ignoring case)."""
     lower: dict[str, str] = {}
     for h in header:
@@ -193,12 +248,16 @@ def pick_column(header: Sequence[str], wanted: str | None, candidates: Sequence[
             return wanted
         if wanted.strip().lower() in lower:
             return lower[wanted.strip().lower()]
-        raise VseInputError(f"{path}: no column {wanted!r} ({flag}); its columns: {', '.join(map(str, header))}")
+        raise VseInputError(
+            f"{path}: no column {wanted!r} ({flag}); its columns: {', '.join(map(str, header))}"
+        )
     for c in candidates:
         if c in lower:
             return lower[c]
-    raise VseInputError(f"{path}: found none of the usual column names ({', '.join(candidates)}) among its "
-                        f"columns ({', '.join(map(str, header))}); name the column with {flag}")  # fmt: skip
+    raise VseInputError(
+        f"{path}: found none of the usual column names ({', '.join(candidates)}) among its "
+        f"columns ({', '.join(map(str, header))}); name the column with {flag}"
+    )
 
 
 def _csv_lines(f, path: Path) -> Iterator[str]:
@@ -212,7 +271,9 @@ def _csv_lines(f, path: Path) -> Iterator[str]:
         n += 1
         if len(line) > MAX_TABLE_LINE_BYTES:
             limit = MAX_TABLE_LINE_BYTES
-            raise VseInputError(f"{path}:{n}: a line longer than {limit} bytes, more than a table row vsekit reads")
+            raise VseInputError(
+                f"{path}:{n}: a line longer than {limit} bytes, more than a table row vsekit reads"
+            )
         try:
             yield line.decode("utf-8-sig" if n == 1 else "utf-8")
         except UnicodeDecodeError as e:
@@ -281,8 +342,9 @@ def _parquet_rows(path: Path, columns: list[str]) -> Iterator[tuple[str, list]]:
         t = schema.field(col).type
         if not _text_type(t, lists=i == 1):
             wanted = ("text (paths)", "text or lists of text (captions)", "text (splits)")[i]
-            raise VseInputError(f"{path}: column {col!r} holds {t}, not {wanted}; no row of it is read "
-                                "(store it as strings)")  # fmt: skip
+            raise VseInputError(
+                f"{path}: column {col!r} holds {t}, not {wanted}; no row of it is read (store it as strings)"
+            )
     n = 0
     batches = pf.iter_batches(columns=columns)
     while True:
@@ -306,8 +368,9 @@ def _parquet_header(path: Path) -> list[str]:
     try:
         import pyarrow.parquet as pq
     except ImportError as e:
-        raise MissingPackageError(f"{path}: reading parquet needs pyarrow (pip install pyarrow), or save the table "
-                                  "as CSV / TSV") from e  # fmt: skip
+        raise MissingPackageError(
+            f"{path}: reading parquet needs pyarrow (pip install pyarrow), or save the table as CSV / TSV"
+        ) from e
     try:
         pf = pq.ParquetFile(path)
         names, rows = list(pf.schema_arrow.names), pf.metadata.num_rows
@@ -334,14 +397,21 @@ def _cell_captions(value) -> list[str]:
     return caption_cell(value) or []
 
 
-def read_table(path: str | Path, image_col: str | None = None, caption_col: str | None = None,
-               split_col: str | None = None, images_root: str | Path | None = None,
-               fmt: str = "auto") -> Collected:  # fmt: skip
+def read_table(
+    path: str | Path,
+    image_col: str | None = None,
+    caption_col: str | None = None,
+    split_col: str | None = None,
+    images_root: str | Path | None = None,
+    fmt: str = "auto",
+) -> Collected:
     """Rows (picture path, caption[, split]) grouped by picture; relative paths under `images_root`."""
     path = Path(path)
     if not path.is_file():
-        raise VseInputError(f"{path}: {'no such file' if not path.exists() else 'not a file'} (give a CSV, TSV or "
-                            "parquet table)")  # fmt: skip
+        raise VseInputError(
+            f"{path}: {'no such file' if not path.exists() else 'not a file'} (give a CSV, TSV or "
+            "parquet table)"
+        )
     kind = table_format(path, fmt)
     root = Path(images_root) if images_root is not None else path.parent
     if images_root is not None and not root.is_dir():
@@ -370,10 +440,14 @@ def read_table(path: str | Path, image_col: str | None = None, caption_col: str 
             problems.append(Problem(where, MISSING_FILE, f"empty {icol!r} cell; row skipped"))
             continue
         if URL_RE.match(value):
-            raise VseInputError(f"{where}: {value[:80]!r} is a URL; vsekit reads local files only: download the "
-                                "pictures first (img2dataset writes webdataset shards, which `vse data webdataset` "
-                                "reads)")  # fmt: skip
-        full = os.path.normpath(os.path.join(base, value))  # grouping only: what is read is `resolve_inside`'s
+            raise VseInputError(
+                f"{where}: {value[:80]!r} is a URL; vsekit reads local files only: download the "
+                "pictures first (img2dataset writes webdataset shards, which `vse data webdataset` "
+                "reads)"
+            )
+        full = os.path.normpath(
+            os.path.join(base, value)
+        )  # grouping only: what is read is `resolve_inside`'s
         g = groups.get(full)
         if g is None:
             g = groups[full] = {"name": value, "where": where, "captions": [], "splits": []}
@@ -402,22 +476,47 @@ def read_table(path: str | Path, image_col: str | None = None, caption_col: str 
             problems.append(Problem(name, UNREADABLE, f"{e.detail} (named at {g['where']}); not read"))
             continue
         except OSError as e:
-            problems.append(Problem(name, UNREADABLE, f"cannot be read ({e.strerror or e}; named at {g['where']})"))
+            problems.append(
+                Problem(name, UNREADABLE, f"cannot be read ({e.strerror or e}; named at {g['where']})")
+            )
             continue
         if not g["captions"]:
             problems.append(Problem(name, NO_CAPTION, f"every row of it has an empty {ccol!r} cell"))
             continue
         split, conflict = resolve_split(g["splits"], name)
         problems += [conflict] if conflict else []
-        rel = os.path.relpath(full, base)  # the name as written; lexically outside only through a link in the root
+        rel = os.path.relpath(
+            full, base
+        )  # the name as written; lexically outside only through a link in the root
         suffix = Path(full).suffix
         key = rel[: -len(suffix)] if suffix else rel
         items.append(Item(name, key, PictureRef(picture), suffix.lower(), g["captions"], split))
-    source = {"kind": "table", "input": str(path), "format": kind, "image_col": icol, "caption_col": ccol,
-              "split_col": scol, "images_root": str(root)}  # fmt: skip
-    return Collected(items, problems, source, declared_splits=scol is not None,
-                     notes={"rows": n_rows, "pictures_found": len(groups)})  # fmt: skip
+    source = {
+        "kind": "table",
+        "input": str(path),
+        "format": kind,
+        "image_col": icol,
+        "caption_col": ccol,
+        "split_col": scol,
+        "images_root": str(root),
+    }
+    return Collected(
+        items,
+        problems,
+        source,
+        declared_splits=scol is not None,
+        notes={"rows": n_rows, "pictures_found": len(groups)},
+    )
 
 
-__all__ = ["read_folder", "read_table", "caption_lines", "caption_cell", "pick_column", "IMAGE_COLUMNS",
-           "CAPTION_COLUMNS", "MAX_TABLE_ROWS", "MAX_TABLE_LINE_BYTES"]  # fmt: skip
+__all__ = [
+    "read_folder",
+    "read_table",
+    "caption_lines",
+    "caption_cell",
+    "pick_column",
+    "IMAGE_COLUMNS",
+    "CAPTION_COLUMNS",
+    "MAX_TABLE_ROWS",
+    "MAX_TABLE_LINE_BYTES",
+]

@@ -61,13 +61,24 @@ def picture_format(out_png: str | Path) -> str:
             raise KeyError(ext)
         Image.new("RGB", (1, 1)).save(io.BytesIO(), format=fmt)
     except (KeyError, OSError, ValueError):
-        what = f"{ext!r} is not a picture format Pillow writes" if ext else "has no extension to tell the format"
-        raise VseInputError(f"--out {out_png}: {what}; the montage is a picture: name a .png (or .jpg, .webp)") from None
+        what = (
+            f"{ext!r} is not a picture format Pillow writes" if ext else "has no extension to tell the format"
+        )
+        raise VseInputError(
+            f"--out {out_png}: {what}; the montage is a picture: name a .png (or .jpg, .webp)"
+        ) from None
     return fmt
 
 
-def show_dataset(data_dir: str | Path, out_png: str | Path, split: str = "test", n: int = 16, seed: int = 0,
-                 cell: int = 224, max_lines: int = 12) -> Path:  # fmt: skip
+def show_dataset(
+    data_dir: str | Path,
+    out_png: str | Path,
+    split: str = "test",
+    n: int = 16,
+    seed: int = 0,
+    cell: int = 224,
+    max_lines: int = 12,
+) -> Path:
     """Write a montage of `n` seeded-random images of `split` with all their captions; returns the PNG path.
 
     Needs `{split}_images.txt` (raw pictures), `{split}_caps.txt` and `{split}_cap2img.txt` (or k captions

@@ -20,9 +20,13 @@ from vsekit.utils.progress import progress_bar
 
 
 def image_source_for(model: VSEModel, split):
-    if model.recipe.model.image.kind in ("backbone", "vit"):  # pixels: a CNN backbone or the ViT of imported AVSE
-        return PixelSource(split, model.recipe.model.image.image_size, augment=False,
-                           transform=pixel_transform_of(model))  # fmt: skip
+    if model.recipe.model.image.kind in (
+        "backbone",
+        "vit",
+    ):  # pixels: a CNN backbone or the ViT of imported AVSE
+        return PixelSource(
+            split, model.recipe.model.image.image_size, augment=False, transform=pixel_transform_of(model)
+        )
     split.require_width(model.spec.img_dim)  # a clear error naming the file, not a matmul shape error
     from vsekit.data.validate import check_split_features
 
@@ -31,10 +35,21 @@ def image_source_for(model: VSEModel, split):
 
 
 @torch.no_grad()
-def encode_images(model: VSEModel, source, batch_size: int = 256, device: str | torch.device = "cpu",
-                  progress: bool = False, num_workers: int = 0) -> torch.Tensor:  # fmt: skip
-    loader = DataLoader(ImageDataset(source), batch_size=batch_size, shuffle=False,
-                        collate_fn=Collate().images, num_workers=num_workers)  # fmt: skip
+def encode_images(
+    model: VSEModel,
+    source,
+    batch_size: int = 256,
+    device: str | torch.device = "cpu",
+    progress: bool = False,
+    num_workers: int = 0,
+) -> torch.Tensor:
+    loader = DataLoader(
+        ImageDataset(source),
+        batch_size=batch_size,
+        shuffle=False,
+        collate_fn=Collate().images,
+        num_workers=num_workers,
+    )
     model.eval()
     out = []
     for batch in progress_bar(loader, desc="encode images", enabled=progress, leave=False):
@@ -43,10 +58,20 @@ def encode_images(model: VSEModel, source, batch_size: int = 256, device: str | 
 
 
 @torch.no_grad()
-def encode_captions(model: VSEModel, captions: list[str], text, batch_size: int = 256,
-                    device: str | torch.device = "cpu", progress: bool = False) -> torch.Tensor:  # fmt: skip
-    loader = DataLoader(CaptionDataset(captions, text), batch_size=batch_size, shuffle=False,
-                        collate_fn=Collate(pad_id_for(text)).captions)  # fmt: skip
+def encode_captions(
+    model: VSEModel,
+    captions: list[str],
+    text,
+    batch_size: int = 256,
+    device: str | torch.device = "cpu",
+    progress: bool = False,
+) -> torch.Tensor:
+    loader = DataLoader(
+        CaptionDataset(captions, text),
+        batch_size=batch_size,
+        shuffle=False,
+        collate_fn=Collate(pad_id_for(text)).captions,
+    )
     model.eval()
     out = []
     for batch in progress_bar(loader, desc="encode captions", enabled=progress, leave=False):
@@ -63,8 +88,9 @@ def cat_embeddings(batches: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(batches)
 
 
-def split_similarities(model: VSEModel, split, batch_size: int = 256, device: str | torch.device = "cpu",
-                       progress: bool = False) -> np.ndarray:  # fmt: skip
+def split_similarities(
+    model: VSEModel, split, batch_size: int = 256, device: str | torch.device = "cpu", progress: bool = False
+) -> np.ndarray:
     """[n_images, n_captions] similarity matrix of a split under `model`."""
     text = text_processor_for(model)
     img = encode_images(model, image_source_for(model, split), batch_size, device, progress)
@@ -72,10 +98,19 @@ def split_similarities(model: VSEModel, split, batch_size: int = 256, device: st
     return all_pairs(model.sim, img, txt, device)
 
 
-def evaluate_model(model: VSEModel, data_dir: str | Path, split_name: str, fold5: bool = False,
-                   batch_size: int = 256, device: str | torch.device = "cpu", progress: bool = True,
-                   max_images: int = 0) -> tuple[dict, np.ndarray, np.ndarray]:  # fmt: skip
+def evaluate_model(
+    model: VSEModel,
+    data_dir: str | Path,
+    split_name: str,
+    fold5: bool = False,
+    batch_size: int = 256,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+    max_images: int = 0,
+) -> tuple[dict, np.ndarray, np.ndarray]:
     """Metrics, similarity matrix and caption->image map of a model on a split."""
-    split = load_precomp_split(data_dir, split_name, model.recipe.data.captions_per_image).truncate(max_images)
+    split = load_precomp_split(data_dir, split_name, model.recipe.data.captions_per_image).truncate(
+        max_images
+    )
     sims = split_similarities(model, split, batch_size, device, progress)
     return evaluate_sims(sims, split.cap2img, fold5=fold5), sims, split.cap2img

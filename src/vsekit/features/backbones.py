@@ -45,9 +45,13 @@ class PixelTransform:
 
     def __post_init__(self) -> None:
         if len(self.mean) != 3 or len(self.std) != 3 or any(float(v) <= 0 for v in self.std):
-            raise VseInputError(f"pixel transform needs 3 means and 3 positive stds, got {self.mean}, {self.std}")
+            raise VseInputError(
+                f"pixel transform needs 3 means and 3 positive stds, got {self.mean}, {self.std}"
+            )
         if self.interpolation not in INTERPOLATIONS:
-            raise VseInputError(f"interpolation {self.interpolation!r}; choose one of {', '.join(INTERPOLATIONS)}")
+            raise VseInputError(
+                f"interpolation {self.interpolation!r}; choose one of {', '.join(INTERPOLATIONS)}"
+            )
 
     @classmethod
     def from_config(cls, mean, std, interpolation, source: str) -> PixelTransform:
@@ -56,8 +60,12 @@ class PixelTransform:
         return cls(tuple(float(v) for v in mean), tuple(float(v) for v in std), name, source)
 
     def describe(self) -> dict:
-        return {"mean": list(self.mean), "std": list(self.std), "interpolation": self.interpolation,
-                "source": self.source}  # fmt: skip
+        return {
+            "mean": list(self.mean),
+            "std": list(self.std),
+            "interpolation": self.interpolation,
+            "source": self.source,
+        }
 
 
 IMAGENET_TRANSFORM = PixelTransform()
@@ -74,8 +82,15 @@ def pixel_transform_of(model: nn.Module) -> PixelTransform:
 class GridBackbone(nn.Module):
     """A CNN trunk returning its last feature map [B, C, h, w]; `stages` are unfrozen from the end."""
 
-    def __init__(self, net: nn.Module, extract, stages: list[nn.Module], out_dim: int, name: str,
-                 pixel_transform: PixelTransform = IMAGENET_TRANSFORM) -> None:  # fmt: skip
+    def __init__(
+        self,
+        net: nn.Module,
+        extract,
+        stages: list[nn.Module],
+        out_dim: int,
+        name: str,
+        pixel_transform: PixelTransform = IMAGENET_TRANSFORM,
+    ) -> None:
         super().__init__()
         self.net = net
         # plain attributes, not submodules: their parameters are already registered under `net`, and a second
@@ -111,9 +126,13 @@ def grid_trunk(net: nn.Module) -> tuple[object, list[nn.Module]]:
     """(feature-map function, stages) of a classification CNN, by the conventions of torchvision and timm."""
     if hasattr(net, "forward_features"):  # timm: forward_features gives the map before pooling
         head_names = {"fc", "head", "classifier", "global_pool", "head_drop"}
-        stages = [m for n, m in net.named_children() if n not in head_names and any(True for _ in m.parameters())]
+        stages = [
+            m for n, m in net.named_children() if n not in head_names and any(True for _ in m.parameters())
+        ]
         return net.forward_features, stages
-    if isinstance(getattr(net, "features", None), nn.Module):  # torchvision efficientnet/mobilenet/convnext/vgg
+    if isinstance(
+        getattr(net, "features", None), nn.Module
+    ):  # torchvision efficientnet/mobilenet/convnext/vgg
         return net.features, _param_children(net.features)
     # resnet family: everything before global pooling and the classifier
     trunk = nn.Sequential(*[m for n, m in net.named_children() if n not in ("avgpool", "fc", "classifier")])
@@ -130,11 +149,15 @@ def _from_factory(spec: str, weights: str | None, label: str) -> GridBackbone:
     try:
         factory = getattr(importlib.import_module(module_name), fn_name)
     except ImportError as e:
-        raise MissingPackageError(f"backbone {label!r}: cannot import {module_name} ({e}); {EXTRA_HINT}") from e
+        raise MissingPackageError(
+            f"backbone {label!r}: cannot import {module_name} ({e}); {EXTRA_HINT}"
+        ) from e
     except AttributeError:
         raise VseInputError(f"backbone {label!r}: {module_name} has no {fn_name!r}") from None
     if not weights:
-        raise VseInputError(f"backbone {label!r} needs model.image.backbone_weights (a local file; nothing is downloaded)")
+        raise VseInputError(
+            f"backbone {label!r} needs model.image.backbone_weights (a local file; nothing is downloaded)"
+        )
     try:
         net = factory(weights=None)
     except TypeError:
@@ -158,7 +181,9 @@ def torchvision_transform(arch: str) -> PixelTransform:
         t = get_model_weights(arch).DEFAULT.transforms()
     except (ImportError, AttributeError, ValueError, KeyError) as e:
         return PixelTransform(source=f"ImageNet default (no torchvision weights transforms for {arch}: {e})")
-    return PixelTransform.from_config(t.mean, t.std, t.interpolation, f"torchvision {arch} weights transforms")
+    return PixelTransform.from_config(
+        t.mean, t.std, t.interpolation, f"torchvision {arch} weights transforms"
+    )
 
 
 def pretrained_cfg_transform(net: nn.Module, label: str) -> PixelTransform:
@@ -166,8 +191,9 @@ def pretrained_cfg_transform(net: nn.Module, label: str) -> PixelTransform:
     for attr in ("pretrained_cfg", "default_cfg"):
         cfg = getattr(net, attr, None)
         if isinstance(cfg, dict) and cfg.get("mean") and cfg.get("std"):
-            return PixelTransform.from_config(cfg["mean"], cfg["std"], cfg.get("interpolation") or "bilinear",
-                                              f"{label} {attr}")  # fmt: skip
+            return PixelTransform.from_config(
+                cfg["mean"], cfg["std"], cfg.get("interpolation") or "bilinear", f"{label} {attr}"
+            )
     return IMAGENET_TRANSFORM
 
 
@@ -178,14 +204,17 @@ def _timm(name: str, weights: str | None) -> GridBackbone:
     except ImportError as e:
         raise MissingPackageError(f"timm backbones need timm: {EXTRA_HINT}") from e
     if not weights:
-        raise VseInputError(f"timm:{name} needs model.image.backbone_weights (a local file; nothing is downloaded)")
+        raise VseInputError(
+            f"timm:{name} needs model.image.backbone_weights (a local file; nothing is downloaded)"
+        )
     net = timm.create_model(name, pretrained=False)
     load_weights_strict(net, weights, f"timm:{name}")
     net.eval()
     extract, stages = grid_trunk(net)
     cfg = timm.data.resolve_data_config({}, model=net)  # the model's own preprocessing (its pretrained_cfg)
-    transform = PixelTransform.from_config(cfg["mean"], cfg["std"], cfg.get("interpolation") or "bilinear",
-                                           f"timm {name} data config")  # fmt: skip
+    transform = PixelTransform.from_config(
+        cfg["mean"], cfg["std"], cfg.get("interpolation") or "bilinear", f"timm {name} data config"
+    )
     return GridBackbone(net, extract, stages, _out_dim(extract), f"timm:{name}", transform)
 
 

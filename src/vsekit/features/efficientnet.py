@@ -60,7 +60,9 @@ def load_efficientnet_lite0(weights_path: str | None = None) -> torch.nn.Module:
     try:
         from efficientnet_lite_pytorch import EfficientNet
     except ImportError as e:
-        raise MissingPackageError(f"the EfficientNet-Lite architecture is not installed; run: {PIP_HINT}") from e
+        raise MissingPackageError(
+            f"the EfficientNet-Lite architecture is not installed; run: {PIP_HINT}"
+        ) from e
     path = weights_path or default_weights_path()
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: EfficientNet-Lite0 weights file not found")
@@ -96,8 +98,12 @@ class GridFeatureExtractor:
 
     name = "efficientnet_lite0_grid"
 
-    def __init__(self, weights_path: str | None = None, device: str | torch.device = "cpu",
-                 image_size: int = IMAGE_SIZE) -> None:  # fmt: skip
+    def __init__(
+        self,
+        weights_path: str | None = None,
+        device: str | torch.device = "cpu",
+        image_size: int = IMAGE_SIZE,
+    ) -> None:
         self.weights_path = weights_path or default_weights_path()
         self.device = torch.device(device)
         self.image_size = image_size

@@ -62,8 +62,14 @@ class PictureExtractor(ABC):
         """(regions, dim) of one picture's features."""
         return int(self.spec["regions"]), int(self.spec["dim"])
 
-    def extract_paths(self, paths: Sequence[str | Path], batch_size: int = 8, progress: bool = True, *,
-                      open_picture: Callable[[Path], Image.Image]) -> np.ndarray:  # fmt: skip
+    def extract_paths(
+        self,
+        paths: Sequence[str | Path],
+        batch_size: int = 8,
+        progress: bool = True,
+        *,
+        open_picture: Callable[[Path], Image.Image],
+    ) -> np.ndarray:
         """Features of picture files, float16 [N, R, D], in batches. Each file is read and decoded by
         `open_picture`: pass `vsekit.data.pictures.open_image`, the one bounded reader (a regular file, bytes
         and pixels capped before decoding), which this layer, below the formats, cannot import itself."""
@@ -86,8 +92,13 @@ class LiteGridExtractor(PictureExtractor):
     (`pooling="grid"`), or their mean, one vector a picture (`pooling="mean"`). The only module that runs
     `GridFeatureExtractor`."""
 
-    def __init__(self, weights_path: str | None = None, device: str | torch.device = "cpu",
-                 image_size: int = IMAGE_SIZE, pooling: str = "grid") -> None:  # fmt: skip
+    def __init__(
+        self,
+        weights_path: str | None = None,
+        device: str | torch.device = "cpu",
+        image_size: int = IMAGE_SIZE,
+        pooling: str = "grid",
+    ) -> None:
         if pooling not in ("grid", "mean"):
             raise VseInputError(f"unknown grid pooling {pooling!r}; choose grid or mean")
         self.net = GridFeatureExtractor(weights_path=weights_path, device=device, image_size=image_size)
@@ -111,14 +122,20 @@ class LiteGridExtractor(PictureExtractor):
         return spec
 
 
-def extractor_from_spec(spec: dict, device: str | torch.device = "cpu", weights_path: str | None = None) -> PictureExtractor:
+def extractor_from_spec(
+    spec: dict, device: str | torch.device = "cpu", weights_path: str | None = None
+) -> PictureExtractor:
     """The extractor that makes the features `spec` describes (a set's manifest, a run's config.json), here and
     now; a `VseInputError` when this machine cannot make them: another extractor, or other weights than the
     installed EfficientNet-Lite0 file (the features would not match the training ones)."""
     name = spec.get("name")
     if name not in POOLINGS:
-        raise VseInputError(f"feature extractor {name!r} cannot be run on raw pictures here (known: {', '.join(POOLINGS)})")
-    extractor = LiteGridExtractor(weights_path, device, int(spec.get("image_size", IMAGE_SIZE)), POOLINGS[name])
+        raise VseInputError(
+            f"feature extractor {name!r} cannot be run on raw pictures here (known: {', '.join(POOLINGS)})"
+        )
+    extractor = LiteGridExtractor(
+        weights_path, device, int(spec.get("image_size", IMAGE_SIZE)), POOLINGS[name]
+    )
     local = extractor.spec
     if spec.get("weights_sha256") and spec["weights_sha256"] != local["weights_sha256"]:
         raise VseInputError(

@@ -31,7 +31,9 @@ def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
         if path.exists():
-            raise VseInputError(f"{path}: not a weights file ({'a folder' if path.is_dir() else 'not a regular file'})")
+            raise VseInputError(
+                f"{path}: not a weights file ({'a folder' if path.is_dir() else 'not a regular file'})"
+            )
         raise FileNotFoundError(f"{path}: backbone weights file not found")
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
@@ -42,16 +44,26 @@ def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
             raise VseInputError(f"{path}: not a readable safetensors file ({_first_line(e)})") from e
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:  # not a torch.save file, or one holding objects that are never unpickled
+    except (
+        pickle.UnpicklingError
+    ) as e:  # not a torch.save file, or one holding objects that are never unpickled
         log.debug("%s: torch.load refused it: %s", path, e)
-        raise VseInputError(f"{path}: not a plain state dict of tensors: not a torch.save or safetensors file, "
-                            "or one holding Python objects (never unpickled)") from e  # fmt: skip
+        raise VseInputError(
+            f"{path}: not a plain state dict of tensors: not a torch.save or safetensors file, "
+            "or one holding Python objects (never unpickled)"
+        ) from e
     except Exception as e:  # noqa: BLE001 - any other corruption (EOFError, KeyError, IndexError, RuntimeError…)
-        raise VseInputError(f"{path}: not a plain state dict of tensors: it cannot be read as a torch.save file "
-                            f"({_first_line(e)})") from e  # fmt: skip
+        raise VseInputError(
+            f"{path}: not a plain state dict of tensors: it cannot be read as a torch.save file "
+            f"({_first_line(e)})"
+        ) from e
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]
-    if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
+    if (
+        not isinstance(state, dict)
+        or not state
+        or not all(isinstance(v, torch.Tensor) for v in state.values())
+    ):
         if not isinstance(state, dict):
             found = f"a {type(state).__name__}"
         else:
@@ -65,11 +77,16 @@ def load_weights_strict(model: nn.Module, weights: str | Path, name: str) -> Non
     key and shape matching; else one line naming the file and what does not fit `name`."""
     state = {k.removeprefix("module."): v for k, v in load_state_dict_file(weights).items()}
     own = model.state_dict()
-    shapes = [f"{k} {list(v.shape)} (the model's: {list(own[k].shape)})" for k, v in state.items()
-              if k in own and tuple(v.shape) != tuple(own[k].shape)]  # fmt: skip
+    shapes = [
+        f"{k} {list(v.shape)} (the model's: {list(own[k].shape)})"
+        for k, v in state.items()
+        if k in own and tuple(v.shape) != tuple(own[k].shape)
+    ]
     if shapes:
         raise VseInputError(f"{weights}: does not fit {name}: tensor shapes differ: {', '.join(shapes[:3])}")
     result = model.load_state_dict(state, strict=False)
     if result.missing_keys or result.unexpected_keys:
-        raise VseInputError(f"{weights}: does not fit {name}: missing {result.missing_keys[:5]}, "
-                            f"unexpected {result.unexpected_keys[:5]}")  # fmt: skip
+        raise VseInputError(
+            f"{weights}: does not fit {name}: missing {result.missing_keys[:5]}, "
+            f"unexpected {result.unexpected_keys[:5]}"
+        )

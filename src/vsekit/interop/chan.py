@@ -52,8 +52,10 @@ def vocabulary_from_options(options: dict[str, Any], rows: int, path: Path) -> l
     """The words by id from the pickled `opt.word2idx` (ids 0..n-1 once each, n = the embedding's rows)."""
     word2idx = options.get("word2idx")
     if not isinstance(word2idx, dict) or not word2idx:
-        raise ReleasedCheckpointError(f"{path}: the pickled options hold no vocabulary (opt.word2idx); pass --vocab "
-                                      "with the SCAN vocabulary JSON the model was trained with")  # fmt: skip
+        raise ReleasedCheckpointError(
+            f"{path}: the pickled options hold no vocabulary (opt.word2idx); pass --vocab "
+            "with the SCAN vocabulary JSON the model was trained with"
+        )
     words: list[str | None] = [None] * len(word2idx)
     for word, idx in word2idx.items():
         if not isinstance(word, str) or isinstance(idx, bool) or not isinstance(idx, int):
@@ -61,27 +63,35 @@ def vocabulary_from_options(options: dict[str, Any], rows: int, path: Path) -> l
                 f"{path}: opt.word2idx entry {word!r}: {idx!r} is not word -> integer id"
             )
         if not 0 <= idx < len(words) or words[idx] is not None:
-            raise ReleasedCheckpointError(f"{path}: opt.word2idx gives id {idx} to {word!r}; ids must be "
-                                          f"0..{len(words) - 1}, each once")  # fmt: skip
+            raise ReleasedCheckpointError(
+                f"{path}: opt.word2idx gives id {idx} to {word!r}; ids must be 0..{len(words) - 1}, each once"
+            )
         words[idx] = word
     if len(words) != rows:
-        raise ReleasedCheckpointError(f"{path}: opt.word2idx has {len(words)} words but the embedding table has "
-                                      f"{rows} rows")  # fmt: skip
+        raise ReleasedCheckpointError(
+            f"{path}: opt.word2idx has {len(words)} words but the embedding table has {rows} rows"
+        )
     return [w for w in words if w is not None]
 
 
 def check_options(options: dict[str, Any], path: Path) -> str:
     """The released configuration vsekit imports (BiGRU text, self-attention regions, VHA coding); returns the
     word pooling."""
-    for name, want in (("text_enc_type", "bigru"), ("precomp_enc_type", "selfattention"),
-                       ("coding_type", "VHACoding")):  # fmt: skip
+    for name, want in (
+        ("text_enc_type", "bigru"),
+        ("precomp_enc_type", "selfattention"),
+        ("coding_type", "VHACoding"),
+    ):
         if options.get(name, want) != want:
-            raise ReleasedCheckpointError(f"{path}: {name}={options[name]!r}; vsekit imports CHAN's {want!r} "
-                                          "configuration (the BiGRU scripts of scripts/train.sh)")  # fmt: skip
+            raise ReleasedCheckpointError(
+                f"{path}: {name}={options[name]!r}; vsekit imports CHAN's {want!r} "
+                "configuration (the BiGRU scripts of scripts/train.sh)"
+            )
     head = options.get("pooling_type", "LSEPooling")
     if head not in WORD_POOLINGS:
-        raise ReleasedCheckpointError(f"{path}: pooling_type={head!r}; vsekit imports "
-                                      f"{', '.join(WORD_POOLINGS)}")  # fmt: skip
+        raise ReleasedCheckpointError(
+            f"{path}: pooling_type={head!r}; vsekit imports {', '.join(WORD_POOLINGS)}"
+        )
     return WORD_POOLINGS[head]
 
 
@@ -92,8 +102,10 @@ def import_chan(checkpoint: str | Path, vocab: str | None = None) -> ImportedMod
     options = options_dict(ckpt, "opt", path)
     model = ckpt["model"]
     if not (isinstance(model, (list, tuple)) and len(model) == 4 and all(isinstance(m, dict) for m in model)):
-        raise ReleasedCheckpointError(f"{path}: 'model' is not the list of four state dicts the CHAN scripts save "
-                                      "(image, text, similarity, loss)")  # fmt: skip
+        raise ReleasedCheckpointError(
+            f"{path}: 'model' is not the list of four state dicts the CHAN scripts save "
+            "(image, text, similarity, loss)"
+        )
     img = strip_prefix(model[0], "module.")
     txt = strip_prefix(model[1], "module.")
     check_norms(options, path)
@@ -106,8 +118,9 @@ def import_chan(checkpoint: str | Path, vocab: str | None = None) -> ImportedMod
     if given_dim is not None and given_dim != img_dim:
         raise ReleasedCheckpointError(f"{path}: img_dim={given_dim} but fc.weight takes {img_dim} inputs")
     if embed % RELEASED_HEADS:
-        raise ReleasedCheckpointError(f"{path}: embed size {embed} is not a multiple of the release's "
-                                      f"{RELEASED_HEADS} attention heads")  # fmt: skip
+        raise ReleasedCheckpointError(
+            f"{path}: embed size {embed} is not a multiple of the release's {RELEASED_HEADS} attention heads"
+        )
     recipe.model.embed_dim = embed
     recipe.model.image.kind = "selfattention"
     recipe.model.image.selfattn_heads = RELEASED_HEADS
@@ -126,6 +139,15 @@ def import_chan(checkpoint: str | Path, vocab: str | None = None) -> ImportedMod
     weighted = [f"model[{i}].{k}" for i in (2, 3) for k in model[i]]  # the release's are empty
     check_finite_weights(ckpt, path)
     options.pop("word2idx", None)  # the vocabulary is the run's own (vocab.json), not an option to record
-    return ImportedModel("chan", recipe, spec, {**state_i, **state_t}, json_safe(options), unused_i + unused_t,
-                         unknown_i + unknown_t + weighted, {}, [],
-                         inverse(CHAN_IMAGE_RULES, "model[0].") + inverse(CHAN_TEXT_RULES, "model[1]."))  # fmt: skip
+    return ImportedModel(
+        "chan",
+        recipe,
+        spec,
+        {**state_i, **state_t},
+        json_safe(options),
+        unused_i + unused_t,
+        unknown_i + unknown_t + weighted,
+        {},
+        [],
+        inverse(CHAN_IMAGE_RULES, "model[0].") + inverse(CHAN_TEXT_RULES, "model[1]."),
+    )

@@ -54,12 +54,16 @@ def read_released_checkpoint(path: str | Path) -> dict[str, Any]:
             what = found and display_global(*found.group(1).rpartition(".")[::2], protocol=2)
         op = re.search(r"Unsupported operand \d+", str(e))
         if what is None and op and protocol > 2:
-            raise ReleasedCheckpointError(f"{path}: written with pickle protocol {protocol}, which torch's safe "
-                                          "(weights-only) loader cannot read, and vsekit loads no other way; save it "
-                                          "again with torch.save's default protocol (2)") from None  # fmt: skip
+            raise ReleasedCheckpointError(
+                f"{path}: written with pickle protocol {protocol}, which torch's safe "
+                "(weights-only) loader cannot read, and vsekit loads no other way; save it "
+                "again with torch.save's default protocol (2)"
+            ) from None
         if what is None:  # not a pickle torch writes (e.g. a text file read by the legacy loader)
-            raise ReleasedCheckpointError(f"{path}: not a readable PyTorch checkpoint ({op.group(0) if op else 'bad pickle'} "
-                                          "in its pickle stream); the file is truncated, corrupt or of another kind") from None
+            raise ReleasedCheckpointError(
+                f"{path}: not a readable PyTorch checkpoint ({op.group(0) if op else 'bad pickle'} "
+                "in its pickle stream); the file is truncated, corrupt or of another kind"
+            ) from None
         raise ReleasedCheckpointError(
             f"{path}: refused, an unsafe pickle: it names {what}, which a checkpoint never needs; a released "
             "checkpoint holds only tensors, numbers and argparse.Namespace, and vsekit never unpickles anything else"
@@ -81,7 +85,15 @@ def read_released_checkpoint(path: str | Path) -> dict[str, Any]:
 
 # os functions live in posix (nt on Windows): a pickle of os.system names posix.system
 OS_MODULES = {"posix": "os", "nt": "os"}
-STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING", "SHORT_BINSTRING"}
+STRING_OPS = {
+    "SHORT_BINUNICODE",
+    "BINUNICODE",
+    "BINUNICODE8",
+    "UNICODE",
+    "STRING",
+    "BINSTRING",
+    "SHORT_BINSTRING",
+}
 MAX_PICKLES = 8  # a legacy file: magic number, protocol, sys info, the object, storage keys
 
 
@@ -219,8 +231,10 @@ def check_finite_weights(ckpt: dict[str, Any], path: Path) -> None:
     name, t = found
     nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
     what = " and ".join(w for w, n in (("NaN", nan), ("inf", inf)) if n)
-    raise ReleasedCheckpointError(f"{path}: refused: tensor {name} holds {what} ({nan + inf} of {t.numel()} values); "
-                                  "a model with non-finite weights scores every pair NaN (did its training diverge?)")  # fmt: skip
+    raise ReleasedCheckpointError(
+        f"{path}: refused: tensor {name} holds {what} ({nan + inf} of {t.numel()} values); "
+        "a model with non-finite weights scores every pair NaN (did its training diverge?)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- options
@@ -233,7 +247,9 @@ def options_dict(ckpt: dict[str, Any], key: str, path: str | Path) -> dict[str, 
         return dict(vars(opt))
     if isinstance(opt, dict):
         return dict(opt)
-    raise ReleasedCheckpointError(f"{path}: checkpoint has no '{key}' options (found keys {sorted(map(str, ckpt))})")
+    raise ReleasedCheckpointError(
+        f"{path}: checkpoint has no '{key}' options (found keys {sorted(map(str, ckpt))})"
+    )
 
 
 def json_safe(options: dict[str, Any]) -> dict[str, Any]:
@@ -271,8 +287,9 @@ def _number(options: dict[str, Any], name: str, path: str | Path, default: Any, 
         number = None
     if number is None or not math.isfinite(number) or (kind is int and number != int(number)):
         want = "an integer" if kind is int else "a finite number"
-        raise ReleasedCheckpointError(f"{path}: the pickled option {name!r} is {value!r} ({type(value).__name__}), "
-                                      f"expected {want}")  # fmt: skip
+        raise ReleasedCheckpointError(
+            f"{path}: the pickled option {name!r} is {value!r} ({type(value).__name__}), expected {want}"
+        )
     return int(number) if kind is int else number
 
 
@@ -294,5 +311,6 @@ def flag_option(options: dict[str, Any], name: str, path: str | Path) -> bool:
         return bool(value)
     if isinstance(value, (int, float)) and value in (0, 1):
         return bool(value)
-    raise ReleasedCheckpointError(f"{path}: the pickled option {name!r} is {value!r} ({type(value).__name__}), "
-                                  "expected true or false")  # fmt: skip
+    raise ReleasedCheckpointError(
+        f"{path}: the pickled option {name!r} is {value!r} ({type(value).__name__}), expected true or false"
+    )

@@ -100,15 +100,18 @@ class ClipBenchmarkModel(nn.Module):
     """A vsekit run with open_clip's `encode_image(pixels)` / `encode_text(tokens)`, one [B, D] vector per
     picture and per caption (see the module docstring for what each accepts)."""
 
-    def __init__(self, model: VSEModel, run_config: dict, device: str | torch.device = "cpu",
-                 autocast: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, model: VSEModel, run_config: dict, device: str | torch.device = "cpu", autocast: bool = False
+    ) -> None:
         super().__init__()
         from vsekit.search.encode import ImageEmbedder, needs_rerank, run_extractor_spec
 
         if needs_rerank(model):
-            raise VseInputError(f"this run scores by {model.recipe.model.similarity.name} over several image views, not "
-                                "by cosine of one vector per picture, so CLIP_benchmark's retrieval cannot score it; "
-                                "use `vse eval` for it")  # fmt: skip
+            raise VseInputError(
+                f"this run scores by {model.recipe.model.similarity.name} over several image views, not "
+                "by cosine of one vector per picture, so CLIP_benchmark's retrieval cannot score it; "
+                "use `vse eval` for it"
+            )
         kind = model.recipe.model.image.kind
         if kind not in ("backbone", "vit") and run_extractor_spec(run_config) is None:
             raise VseInputError(
@@ -118,8 +121,10 @@ class ClipBenchmarkModel(nn.Module):
                 "its extractor, or evaluate this one with `vse eval`"
             )
         if not model.recipe.model.normalize:
-            logger.warning("this run does not L2-normalise its embeddings (model.normalize=false): CLIP_benchmark "
-                           "scores by cosine, `vse eval` by inner product, so their recalls can differ")  # fmt: skip
+            logger.warning(
+                "this run does not L2-normalise its embeddings (model.normalize=false): CLIP_benchmark "
+                "scores by cosine, `vse eval` by inner product, so their recalls can differ"
+            )
         self.vse = model
         self.device = torch.device(device)
         self.embedder = ImageEmbedder(model, run_config, self.device)
@@ -134,14 +139,20 @@ class ClipBenchmarkModel(nn.Module):
 
     def _precision(self, device: torch.device) -> contextlib.AbstractContextManager:
         """float32 inside, whatever autocast the caller opened (unless built with autocast=True)."""
-        return contextlib.nullcontext() if self.autocast else torch.autocast(device_type=device.type, enabled=False)
+        return (
+            contextlib.nullcontext()
+            if self.autocast
+            else torch.autocast(device_type=device.type, enabled=False)
+        )
 
     @torch.no_grad()
     def encode_image(self, image: torch.Tensor, normalize: bool = False) -> torch.Tensor:
         """Pictures [B, 3, S, S] (from `transform`) -> image embeddings [B, D] on the pictures' device."""
         if not isinstance(image, torch.Tensor) or image.ndim != 4 or image.shape[1] != 3:
             got = tuple(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__
-            raise VseInputError(f"encode_image: expected pixels [batch, 3, height, width] from the transform, got {got}")
+            raise VseInputError(
+                f"encode_image: expected pixels [batch, 3, height, width] from the transform, got {got}"
+            )
         with self._precision(image.device):
             emb = self.embedder.embed(image.float()).to(image.device)
         return nn.functional.normalize(emb, dim=-1) if normalize else emb
@@ -153,7 +164,9 @@ class ClipBenchmarkModel(nn.Module):
             text = self.tokenizer(list(text) if not isinstance(text, str) else [text])
         if not isinstance(text, torch.Tensor) or text.ndim != 2 or text.dtype not in (torch.long, torch.int):
             got = tuple(text.shape) if isinstance(text, torch.Tensor) else type(text).__name__
-            raise VseInputError(f"encode_text: expected token ids [batch, length] from the tokenizer, got {got}")
+            raise VseInputError(
+                f"encode_text: expected token ids [batch, length] from the tokenizer, got {got}"
+            )
         tokens = text.to(self.device, torch.long)
         lengths = lengths_from_padding(tokens, self.tokenizer.pad_id)
         with self._precision(tokens.device):
@@ -166,8 +179,9 @@ class ClipBenchmarkModel(nn.Module):
         return self.encode_image(image), self.encode_text(text)
 
 
-def load_for_clip_benchmark(run: str | Path, device: str | torch.device = "cpu", checkpoint: str = "best",
-                            autocast: bool = False) -> tuple[ClipBenchmarkModel, Callable, VseTokenizer]:  # fmt: skip
+def load_for_clip_benchmark(
+    run: str | Path, device: str | torch.device = "cpu", checkpoint: str = "best", autocast: bool = False
+) -> tuple[ClipBenchmarkModel, Callable, VseTokenizer]:
     """(model, transform, tokenizer) of a run, as `clip_benchmark.models.load_clip` returns them: the triple
     that `clip_benchmark.metrics.zeroshot_retrieval.evaluate(model, loader, tokenizer, device)` takes."""
     import vsekit
@@ -185,13 +199,17 @@ class CaptionedPictures(torch.utils.data.Dataset):
     """The pictures of a vsekit dataset split (`{split}_images.txt`) with their captions: item i is
     (transform(picture i), [its captions in file order]), the items CLIP_benchmark's retrieval sets yield."""
 
-    def __init__(self, data_dir: str | Path, split: str, transform: Callable, captions_per_image: int = 5) -> None:
+    def __init__(
+        self, data_dir: str | Path, split: str, transform: Callable, captions_per_image: int = 5
+    ) -> None:
         from vsekit.data.precomp import load_precomp_split
 
         self.split = load_precomp_split(data_dir, split, captions_per_image)
         if self.split.image_paths is None:
-            raise VseInputError(f"{data_dir}: split {split!r} lists no pictures ({split}_images.txt), only features; "
-                                "CLIP_benchmark needs the pictures")  # fmt: skip
+            raise VseInputError(
+                f"{data_dir}: split {split!r} lists no pictures ({split}_images.txt), only features; "
+                "CLIP_benchmark needs the pictures"
+            )
         self.transform = transform
         self.captions: list[list[str]] = [[] for _ in range(self.split.n_images)]
         for caption, image in zip(self.split.captions, self.split.cap2img.tolist()):
@@ -206,15 +224,27 @@ class CaptionedPictures(torch.utils.data.Dataset):
         return self.transform(open_image(self.split.abs_image_path(index))), self.captions[index]
 
 
-def collate_pictures_captions(batch: list[tuple[torch.Tensor, list[str]]]) -> tuple[torch.Tensor, list[list[str]]]:
+def collate_pictures_captions(
+    batch: list[tuple[torch.Tensor, list[str]]],
+) -> tuple[torch.Tensor, list[list[str]]]:
     """Stack the pictures, keep the caption lists (CLIP_benchmark's `image_captions_collate_fn`)."""
     return torch.stack([b[0] for b in batch]), [b[1] for b in batch]
 
 
-def retrieval_dataloader(data_dir: str | Path, split: str, transform: Callable, batch_size: int = 64,
-                         captions_per_image: int = 5, num_workers: int = 0) -> torch.utils.data.DataLoader:  # fmt: skip
+def retrieval_dataloader(
+    data_dir: str | Path,
+    split: str,
+    transform: Callable,
+    batch_size: int = 64,
+    captions_per_image: int = 5,
+    num_workers: int = 0,
+) -> torch.utils.data.DataLoader:
     """A loader of (pictures, caption lists) over a vsekit split with pictures, in image order, for
     `zeroshot_retrieval.evaluate` (CLIP_benchmark's own dataset builder imports torchvision)."""
-    return torch.utils.data.DataLoader(CaptionedPictures(data_dir, split, transform, captions_per_image),
-                                       batch_size=batch_size, shuffle=False, num_workers=num_workers,
-                                       collate_fn=collate_pictures_captions)  # fmt: skip
+    return torch.utils.data.DataLoader(
+        CaptionedPictures(data_dir, split, transform, captions_per_image),
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=num_workers,
+        collate_fn=collate_pictures_captions,
+    )

@@ -58,12 +58,16 @@ def import_esa(checkpoint: str | Path, vocab: str | None) -> ImportedModel:
         )
     img, txt = strip_prefix(model[0], "module."), strip_prefix(model[1], "module.")
     if "linear1.weight" not in img or "linear1.weight" not in txt:
-        raise ReleasedCheckpointError(f"{path}: no linear1.* (ESA's aggregator) in both encoders: not an ESA "
-                                      "checkpoint (a VSE∞ one? use `vse import vse_infty`)")  # fmt: skip
+        raise ReleasedCheckpointError(
+            f"{path}: no linear1.* (ESA's aggregator) in both encoders: not an ESA "
+            "checkpoint (a VSE∞ one? use `vse import vse_infty`)"
+        )
     hardnum = int_option(options, "hardnum", path, TRAIN_VIEWS)
     if hardnum != TRAIN_VIEWS:
-        raise ReleasedCheckpointError(f"{path}: hardnum={hardnum}; the released encoders always make "
-                                      f"{TRAIN_VIEWS} views, so only hardnum {TRAIN_VIEWS} trains")  # fmt: skip
+        raise ReleasedCheckpointError(
+            f"{path}: hardnum={hardnum}; the released encoders always make "
+            f"{TRAIN_VIEWS} views, so only hardnum {TRAIN_VIEWS} trains"
+        )
     check_norms(options, path)
     recipe = base_recipe("esa", {"name": "imported_esa"})
     img_dim = region_image_settings(recipe, img, options, path)
@@ -80,6 +84,13 @@ def import_esa(checkpoint: str | Path, vocab: str | None) -> ImportedModel:
     state_i, unused_i, unknown_i = rename(img, IMAGE_RULES, "model[0].")
     state_t, unused_t, unknown_t = rename(txt, TEXT_RULES, "model[1].")
     check_finite_weights(ckpt, path)
-    return ImportedModel("esa", recipe, spec, {**state_i, **state_t}, json_safe(options), unused_i + unused_t,
-                         unknown_i + unknown_t,
-                         inverse_rules=inverse(IMAGE_RULES, "model[0].") + inverse(TEXT_RULES, "model[1]."))  # fmt: skip
+    return ImportedModel(
+        "esa",
+        recipe,
+        spec,
+        {**state_i, **state_t},
+        json_safe(options),
+        unused_i + unused_t,
+        unknown_i + unknown_t,
+        inverse_rules=inverse(IMAGE_RULES, "model[0].") + inverse(TEXT_RULES, "model[1]."),
+    )

@@ -76,16 +76,22 @@ def import_hrem(checkpoint: str | Path, text_config: str | None = None) -> Impor
         )
     img, txt = strip_prefix(model[0], "module."), strip_prefix(model[1], "module.")
     if not any(k.startswith("aggr.") for k in img) or not any(k.startswith("bert.") for k in txt):
-        raise ReleasedCheckpointError(f"{path}: no aggr.* image keys or no bert.* text keys: not an HREM checkpoint "
-                                      "(VSE∞'s: `vse import vse_infty`)")  # fmt: skip
+        raise ReleasedCheckpointError(
+            f"{path}: no aggr.* image keys or no bert.* text keys: not an HREM checkpoint "
+            "(VSE∞'s: `vse import vse_infty`)"
+        )
     check_norms(options, path)
     for name in ("base_loss", "gnn_loss"):
         if options.get(name, "trip") != "trip":
-            raise ReleasedCheckpointError(f"{path}: {name}={options[name]!r}; vsekit's hrem loss is the release's "
-                                          "default 'trip' (distance-weighted triplet)")  # fmt: skip
+            raise ReleasedCheckpointError(
+                f"{path}: {name}={options[name]!r}; vsekit's hrem loss is the release's "
+                "default 'trip' (distance-weighted triplet)"
+            )
     if int_option(options, "norm_input", path, 1) != 1:
-        raise ReleasedCheckpointError(f"{path}: norm_input=0; vsekit's hrem loss feeds the graph the normalised "
-                                      "embeddings (the release's default)")  # fmt: skip
+        raise ReleasedCheckpointError(
+            f"{path}: norm_input=0; vsekit's hrem loss feeds the graph the normalised "
+            "embeddings (the release's default)"
+        )
     recipe = base_recipe("hrem", {"name": "imported_hrem"})
     fc = tensor(img, "fc.fc.weight", path)
     embed, img_dim = int(fc.shape[0]), int(fc.shape[1])
@@ -103,8 +109,9 @@ def import_hrem(checkpoint: str | Path, text_config: str | None = None) -> Impor
     m.image.mlp_hidden = int(tensor(img, "fc.mlp.layers.0.weight", path).shape[0])
     m.image.mlp_on_padding = True
     dropout = float_option(options, "dropout", path, 0.1)
-    pool = PoolingConfig(name="hrem", k=RELEASE_MAX_K, hrem_heads=heads, hrem_residual_weight=residual,
-                         hrem_dropout=dropout)  # fmt: skip
+    pool = PoolingConfig(
+        name="hrem", k=RELEASE_MAX_K, hrem_heads=heads, hrem_residual_weight=residual, hrem_dropout=dropout
+    )
     m.image.pooling, m.text.pooling = pool, dataclasses.replace(pool)
     m.text.kind, m.text.head, m.text.freeze = "transformer", "linear", False
     text_files, notes = bert_model_files(txt, "bert.", text_config, path)
@@ -122,11 +129,22 @@ def import_hrem(checkpoint: str | Path, text_config: str | None = None) -> Impor
     loss.hrem_cross_terms = bool(int_option(options, "cross_loss", path, 1))
     state_i, unused_i, unknown_i = rename(img, IMAGE_RULES, "model[0].")
     state_t, unused_t, unknown_t = rename(txt, TEXT_RULES, "model[1].")
-    notes.append("the loss's graph layer and relation MLPs are not in the release's checkpoint: the run evaluates "
-                 "as released; training it further starts them afresh")  # fmt: skip
-    imported = ImportedModel("hrem", recipe, DataSpec(img_dim=img_dim), {**state_i, **state_t}, json_safe(options),
-                             unused_i + unused_t, unknown_i + unknown_t, text_files, notes,
-                             inverse(IMAGE_RULES, "model[0].") + inverse(TEXT_RULES, "model[1]."))  # fmt: skip
+    notes.append(
+        "the loss's graph layer and relation MLPs are not in the release's checkpoint: the run evaluates "
+        "as released; training it further starts them afresh"
+    )
+    imported = ImportedModel(
+        "hrem",
+        recipe,
+        DataSpec(img_dim=img_dim),
+        {**state_i, **state_t},
+        json_safe(options),
+        unused_i + unused_t,
+        unknown_i + unknown_t,
+        text_files,
+        notes,
+        inverse(IMAGE_RULES, "model[0].") + inverse(TEXT_RULES, "model[1]."),
+    )
     check_finite_weights(ckpt, path)
     return imported
 

@@ -47,8 +47,16 @@ REGION_IMAGE_RULES = [
     ("mlp.bns.1.", None),
     ("gpool.", "image_encoder.pool."),
 ]
-BIGRU_TEXT_RULES = [("embed.", "text_encoder.embed."), ("rnn.", "text_encoder.gru."), ("gpool.", "text_encoder.pool.")]
-BERT_TEXT_RULES = [("bert.", "text_encoder.body."), ("linear.", "text_encoder.proj."), ("gpool.", "text_encoder.pool.")]
+BIGRU_TEXT_RULES = [
+    ("embed.", "text_encoder.embed."),
+    ("rnn.", "text_encoder.gru."),
+    ("gpool.", "text_encoder.pool."),
+]
+BERT_TEXT_RULES = [
+    ("bert.", "text_encoder.body."),
+    ("linear.", "text_encoder.proj."),
+    ("gpool.", "text_encoder.pool."),
+]
 
 
 @dataclass
@@ -84,7 +92,9 @@ def strip_prefix(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch
     return state
 
 
-def rename(state: dict[str, torch.Tensor], rules: list[tuple[str, str | None]], where: str) -> tuple[dict, list[str], list[str]]:
+def rename(
+    state: dict[str, torch.Tensor], rules: list[tuple[str, str | None]], where: str
+) -> tuple[dict, list[str], list[str]]:
     """(renamed, unused, unknown): each key goes to the first rule whose released prefix it starts with."""
     out: dict[str, torch.Tensor] = {}
     unused: list[str] = []
@@ -122,15 +132,19 @@ def check_fit(model: torch.nn.Module, imported: ImportedModel, path: Path) -> No
         parts.append(f"{len(names)} unexpected key(s) (e.g. {names[0]})")
     if wrong:
         k = wrong[0]
-        parts.append(f"{len(wrong)} mis-shaped key(s) (e.g. {name(k)}: checkpoint {tuple(state[k].shape)} vs "
-                     f"expected {tuple(own[k].shape)})")  # fmt: skip
+        parts.append(
+            f"{len(wrong)} mis-shaped key(s) (e.g. {name(k)}: checkpoint {tuple(state[k].shape)} vs "
+            f"expected {tuple(own[k].shape)})"
+        )
     if parts:
         raise ReleasedCheckpointError(f"{path}: does not fit the released architecture: {'; '.join(parts)}")
 
 
 def tensor(state: dict[str, torch.Tensor], key: str, path: Path) -> torch.Tensor:
     if key not in state:
-        raise ReleasedCheckpointError(f"{path}: missing key {key!r}, which this kind of checkpoint always has")
+        raise ReleasedCheckpointError(
+            f"{path}: missing key {key!r}, which this kind of checkpoint always has"
+        )
     return state[key]
 
 
@@ -143,12 +157,16 @@ def gpo_config(state: dict[str, torch.Tensor], prefix: str, path: Path) -> Pooli
     return PoolingConfig(name="gpo", d_pe=int(w_ih.shape[1]), d_hidden=int(w_ih.shape[0] // 3))
 
 
-def region_image_settings(recipe: Recipe, img: dict[str, torch.Tensor], options: dict[str, Any], path: Path) -> int:
+def region_image_settings(
+    recipe: Recipe, img: dict[str, torch.Tensor], options: dict[str, Any], path: Path
+) -> int:
     """Set the precomp region encoder from the weights; returns the feature size."""
     enc_type = options.get("precomp_enc_type", "basic")
     if enc_type != "basic":
-        raise ReleasedCheckpointError(f"{path}: precomp_enc_type={enc_type!r}; vsekit imports the 'basic' "
-                                      "region encoder (linear + residual MLP) the released models use")  # fmt: skip
+        raise ReleasedCheckpointError(
+            f"{path}: precomp_enc_type={enc_type!r}; vsekit imports the 'basic' "
+            "region encoder (linear + residual MLP) the released models use"
+        )
     fc = tensor(img, "fc.weight", path)
     recipe.model.image.kind = "precomp"
     recipe.model.image.feature_type = "region"
@@ -168,8 +186,10 @@ def check_embed_size(options: dict[str, Any], name: str, embed: int, path: Path)
 
 def check_norms(options: dict[str, Any], path: Path) -> None:
     if flag_option(options, "no_imgnorm", path) or flag_option(options, "no_txtnorm", path):
-        raise ReleasedCheckpointError(f"{path}: trained with no_imgnorm/no_txtnorm; vsekit imports models whose "
-                                      "image and caption embeddings are both L2-normalised")  # fmt: skip
+        raise ReleasedCheckpointError(
+            f"{path}: trained with no_imgnorm/no_txtnorm; vsekit imports models whose "
+            "image and caption embeddings are both L2-normalised"
+        )
 
 
 def bigru_settings(recipe: Recipe, txt: dict[str, torch.Tensor], options: dict[str, Any], path: Path) -> int:
@@ -177,10 +197,14 @@ def bigru_settings(recipe: Recipe, txt: dict[str, torch.Tensor], options: dict[s
     emb = tensor(txt, "embed.weight", path)
     layers = sum(1 for k in txt if k.startswith("rnn.weight_ih_l") and not k.endswith("_reverse"))
     if not any(k.endswith("_reverse") for k in txt if k.startswith("rnn.")):
-        raise ReleasedCheckpointError(f"{path}: the caption GRU is unidirectional; vsekit imports the bidirectional one")
+        raise ReleasedCheckpointError(
+            f"{path}: the caption GRU is unidirectional; vsekit imports the bidirectional one"
+        )
     num_layers = int_option(options, "num_layers", path, None)
     if num_layers is not None and num_layers != layers:
-        raise ReleasedCheckpointError(f"{path}: num_layers={num_layers} but the weights hold {layers} GRU layers")
+        raise ReleasedCheckpointError(
+            f"{path}: num_layers={num_layers} but the weights hold {layers} GRU layers"
+        )
     recipe.model.text.kind = "bigru"
     recipe.model.text.tokenizer = "nltk"  # SCAN vocabularies hold nltk's Treebank tokens
     recipe.model.text.word_dim = int(emb.shape[1])
@@ -194,8 +218,10 @@ def read_vocab(vocab_path: str | None, rows: int, options: dict[str, Any], path:
 
     if not vocab_path:
         name = options.get("data_name", "DATA")
-        raise ReleasedCheckpointError(f"{path}: a BiGRU checkpoint needs its vocabulary: pass --vocab "
-                                      f"{name}_vocab.json (the SCAN vocabulary JSON it was trained with)")  # fmt: skip
+        raise ReleasedCheckpointError(
+            f"{path}: a BiGRU checkpoint needs its vocabulary: pass --vocab "
+            f"{name}_vocab.json (the SCAN vocabulary JSON it was trained with)"
+        )
     if not Path(vocab_path).is_file():
         raise ReleasedCheckpointError(f"{vocab_path}: vocabulary file does not exist")
     check_vocab_file(Path(vocab_path))
@@ -203,10 +229,14 @@ def read_vocab(vocab_path: str | None, rows: int, options: dict[str, Any], path:
         words = Vocabulary.load(vocab_path).idx2word
     except VseInputError as e:
         message = str(e)
-        raise ReleasedCheckpointError(message if message.startswith(str(vocab_path)) else f"{vocab_path}: {message}") from None
+        raise ReleasedCheckpointError(
+            message if message.startswith(str(vocab_path)) else f"{vocab_path}: {message}"
+        ) from None
     if len(words) != rows:
-        raise ReleasedCheckpointError(f"{vocab_path}: {len(words)} words with <mask> appended, but the checkpoint's "
-                                      f"embedding table has {rows} rows (vocab_size): not this model's vocabulary")  # fmt: skip
+        raise ReleasedCheckpointError(
+            f"{vocab_path}: {len(words)} words with <mask> appended, but the checkpoint's "
+            f"embedding table has {rows} rows (vocab_size): not this model's vocabulary"
+        )
     return words
 
 
@@ -218,13 +248,23 @@ def check_vocab_file(path: Path) -> None:
     except OSError as e:
         raise ReleasedCheckpointError(f"{path}: cannot read the vocabulary ({e.strerror or e})") from None
     except UnicodeDecodeError:
-        raise ReleasedCheckpointError(f"{path}: not a vocabulary JSON: a binary file (not UTF-8 text)") from None
+        raise ReleasedCheckpointError(
+            f"{path}: not a vocabulary JSON: a binary file (not UTF-8 text)"
+        ) from None
     except json.JSONDecodeError as e:
-        raise ReleasedCheckpointError(f"{path}: not a vocabulary JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        raise ReleasedCheckpointError(
+            f"{path}: not a vocabulary JSON ({e.msg} at line {e.lineno} column {e.colno})"
+        ) from None
     key = next((k for k in ("idx2word", "words") if isinstance(data, dict) and k in data), None)
     if key is None:
-        found = f"keys {sorted(map(str, data))[:5]}" if isinstance(data, dict) else f"a JSON {type(data).__name__}"
-        raise ReleasedCheckpointError(f"{path}: expected SCAN's {{'idx2word': {{...}}}} or {{'words': [...]}}, found {found}")
+        found = (
+            f"keys {sorted(map(str, data))[:5]}"
+            if isinstance(data, dict)
+            else f"a JSON {type(data).__name__}"
+        )
+        raise ReleasedCheckpointError(
+            f"{path}: expected SCAN's {{'idx2word': {{...}}}} or {{'words': [...]}}, found {found}"
+        )
     value = data[key]
     if isinstance(value, dict) and key == "idx2word":
         entries = list(value.items())
@@ -235,8 +275,9 @@ def check_vocab_file(path: Path) -> None:
         raise ReleasedCheckpointError(f"{path}: {key!r} must be {want}, got a JSON {type(value).__name__}")
     for k, word in entries:
         if not isinstance(word, str):
-            raise ReleasedCheckpointError(f"{path}: {key!r} entry {k!r} is {word!r} (a JSON {type(word).__name__}), "
-                                          "not a word")  # fmt: skip
+            raise ReleasedCheckpointError(
+                f"{path}: {key!r} entry {k!r} is {word!r} (a JSON {type(word).__name__}), not a word"
+            )
 
 
 def bert_positions(text_files: dict[str, bytes]) -> int:
@@ -257,8 +298,10 @@ def import_vse_infty(ckpt: dict, path: Path, vocab: str | None, text_config: str
     options = options_dict(ckpt, "opt", path)
     model = ckpt["model"]
     if not (isinstance(model, (list, tuple)) and len(model) == 2 and all(isinstance(m, dict) for m in model)):
-        raise ReleasedCheckpointError(f"{path}: 'model' is not the list of two state dicts the VSE∞ scripts save "
-                                      "(is this a VSE+2AD or AVSE checkpoint? use `vse import vse_2ad|avse`)")  # fmt: skip
+        raise ReleasedCheckpointError(
+            f"{path}: 'model' is not the list of two state dicts the VSE∞ scripts save "
+            "(is this a VSE+2AD or AVSE checkpoint? use `vse import vse_2ad|avse`)"
+        )
     img = strip_prefix(model[0], "module.")
     txt = strip_prefix(model[1], "module.")
     check_norms(options, path)
@@ -282,7 +325,9 @@ def import_vse_infty(ckpt: dict, path: Path, vocab: str | None, text_config: str
         recipe.model.text.freeze = False
         text_files, notes = bert_model_files(txt, "bert.", text_config, path)
         recipe.model.text.max_tokens = bert_positions(text_files)
-        recipe.optim.weight_decay = 1e-4  # master's AdamW (the bigru branch: PyTorch's default 0.01, as the recipe)
+        recipe.optim.weight_decay = (
+            1e-4  # master's AdamW (the bigru branch: PyTorch's default 0.01, as the recipe)
+        )
         rules_txt = BERT_TEXT_RULES
     else:
         rows = bigru_settings(recipe, txt, options, path)
@@ -290,9 +335,18 @@ def import_vse_infty(ckpt: dict, path: Path, vocab: str | None, text_config: str
         rules_txt = BIGRU_TEXT_RULES
     state_i, unused_i, unknown_i = rename(img, REGION_IMAGE_RULES, "model[0].")
     state_t, unused_t, unknown_t = rename(txt, rules_txt, "model[1].")
-    return ImportedModel("vse_infty_bert" if bert else "vse_infty_bigru", recipe, spec, {**state_i, **state_t},
-                         json_safe(options), unused_i + unused_t, unknown_i + unknown_t, text_files, notes,
-                         inverse(REGION_IMAGE_RULES, "model[0].") + inverse(rules_txt, "model[1]."))  # fmt: skip
+    return ImportedModel(
+        "vse_infty_bert" if bert else "vse_infty_bigru",
+        recipe,
+        spec,
+        {**state_i, **state_t},
+        json_safe(options),
+        unused_i + unused_t,
+        unknown_i + unknown_t,
+        text_files,
+        notes,
+        inverse(REGION_IMAGE_RULES, "model[0].") + inverse(rules_txt, "model[1]."),
+    )
 
 
 def import_vse_2ad(ckpt: dict, path: Path, vocab: str | None, text_config: str | None) -> ImportedModel:
@@ -305,8 +359,10 @@ def import_vse_2ad(ckpt: dict, path: Path, vocab: str | None, text_config: str |
     check_norms(options, path)
     for name, want in (("txt_enc_type", "rnn"), ("img_enc_type", "project")):
         if options.get(name, want) != want:
-            raise ReleasedCheckpointError(f"{path}: {name}={options[name]!r}; vsekit imports the {want!r} "
-                                          "configuration (the README's bigru + project model)")  # fmt: skip
+            raise ReleasedCheckpointError(
+                f"{path}: {name}={options[name]!r}; vsekit imports the {want!r} "
+                "configuration (the README's bigru + project model)"
+            )
     img = {k[len("img_enc.") :]: v for k, v in state.items() if k.startswith("img_enc.")}
     txt = {k[len("txt_enc.") :]: v for k, v in state.items() if k.startswith("txt_enc.")}
     other = [k for k in state if not k.startswith(("img_enc.", "txt_enc."))]
@@ -315,8 +371,13 @@ def import_vse_2ad(ckpt: dict, path: Path, vocab: str | None, text_config: str |
     embed = int(tensor(img, "fc.weight", path).shape[0])
     check_embed_size(options, "emb_size", embed, path)
     recipe.model.embed_dim = embed
-    released_pool = PoolingConfig(name="adpool", token_level=True, embedding_level=True, adpool_variant="reference",
-                                  adpool_mask_padding=False)  # fmt: skip
+    released_pool = PoolingConfig(
+        name="adpool",
+        token_level=True,
+        embedding_level=True,
+        adpool_variant="reference",
+        adpool_mask_padding=False,
+    )
     recipe.model.image.pooling = dataclasses.replace(released_pool)
     recipe.model.text.pooling = dataclasses.replace(released_pool)
     rows = bigru_settings(recipe, txt, options, path)
@@ -332,20 +393,35 @@ def import_vse_2ad(ckpt: dict, path: Path, vocab: str | None, text_config: str |
     rules_t = BIGRU_TEXT_RULES[:-1] + [(s, d.format(side="text_encoder")) for s, d in pool_rules]
     state_i, unused_i, unknown_i = rename(img, rules_i, "model.img_enc.")
     state_t, unused_t, unknown_t = rename(txt, rules_t, "model.txt_enc.")
-    return ImportedModel("vse_2ad", recipe, spec, {**state_i, **state_t}, json_safe(options),
-                         unused_i + unused_t, unknown_i + unknown_t + [f"model.{k}" for k in other],
-                         inverse_rules=inverse(rules_i, "model.img_enc.") + inverse(rules_t, "model.txt_enc."))  # fmt: skip
+    return ImportedModel(
+        "vse_2ad",
+        recipe,
+        spec,
+        {**state_i, **state_t},
+        json_safe(options),
+        unused_i + unused_t,
+        unknown_i + unknown_t + [f"model.{k}" for k in other],
+        inverse_rules=inverse(rules_i, "model.img_enc.") + inverse(rules_t, "model.txt_enc."),
+    )
 
 
-def import_avse(ckpt: dict, path: Path, vocab: str | None, text_config: str | None, vision_config: str | None,
-                block_dim: int | None) -> ImportedModel:  # fmt: skip
+def import_avse(
+    ckpt: dict,
+    path: Path,
+    vocab: str | None,
+    text_config: str | None,
+    vision_config: str | None,
+    block_dim: int | None,
+) -> ImportedModel:
     """liuyyy111/AVSE: ViT (2 views) + BERT with a residual-MLP head and LayerNorm, AEOM similarity."""
     from vsekit.models.vit_views import convert_released_image_state
 
     options = options_dict(ckpt, "opt", path)
     state = ckpt["model"]
     if not isinstance(state, dict) or not any(k.startswith("img_enc.visual_encoder.") for k in state):
-        raise ReleasedCheckpointError(f"{path}: 'model' is not an AVSE state dict (no img_enc.visual_encoder.* keys)")
+        raise ReleasedCheckpointError(
+            f"{path}: 'model' is not an AVSE state dict (no img_enc.visual_encoder.* keys)"
+        )
     state = strip_prefix(state, "module.")
     img = {k[len("img_enc.") :]: v for k, v in state.items() if k.startswith("img_enc.")}
     txt = {k[len("txt_enc.") :]: v for k, v in state.items() if k.startswith("txt_enc.")}
@@ -373,11 +449,15 @@ def import_avse(ckpt: dict, path: Path, vocab: str | None, text_config: str | No
     recipe.model.similarity.use_sinkhorn = False  # the released code's Sinkhorn call is commented out
     recipe.model.similarity.readout = "maxsum"  # the same: block max-sum of the cosines
     if block_dim is not None and int(block_dim) < 1:
-        raise ReleasedCheckpointError(f"--block-dim {block_dim}: the AEOM block size must be a positive divisor of "
-                                      f"the embed size {embed}")  # fmt: skip
+        raise ReleasedCheckpointError(
+            f"--block-dim {block_dim}: the AEOM block size must be a positive divisor of "
+            f"the embed size {embed}"
+        )
     recipe.model.similarity.block_dim = int(block_dim or embed // 4)  # released: 256 with embed_size 1024
     if embed % recipe.model.similarity.block_dim:
-        raise ReleasedCheckpointError(f"{path}: embed size {embed} is not a multiple of --block-dim {block_dim}")
+        raise ReleasedCheckpointError(
+            f"{path}: embed size {embed} is not a multiple of --block-dim {block_dim}"
+        )
     recipe.loss.name = "triplet"
     recipe.loss.margin = float_option(options, "margin", path, recipe.loss.margin)
     recipe.loss.warmup_epochs = int_option(options, "vse_mean_warmup_epochs", path, recipe.loss.warmup_epochs)
@@ -389,23 +469,44 @@ def import_avse(ckpt: dict, path: Path, vocab: str | None, text_config: str | No
         mapped_i, _ = convert_released_image_state({f"img_enc.{k}": v for k, v in img.items()})
     except KeyError as e:
         raise ReleasedCheckpointError(f"{path}: {e.args[0]}") from None
-    rules_t = [("bert.", "text_encoder.body."), ("fc.", "text_encoder.proj."),
-               ("mlp.layers.0.", "text_encoder.mlp.fc1."), ("mlp.bns.0.", "text_encoder.mlp.bn."),
-               ("mlp.layers.1.", "text_encoder.mlp.fc2."), ("mlp.bns.1.", None),
-               ("ln.", "text_encoder.final_norm."), ("gpool.", "text_encoder.pool.")]  # fmt: skip
+    rules_t = [
+        ("bert.", "text_encoder.body."),
+        ("fc.", "text_encoder.proj."),
+        ("mlp.layers.0.", "text_encoder.mlp.fc1."),
+        ("mlp.bns.0.", "text_encoder.mlp.bn."),
+        ("mlp.layers.1.", "text_encoder.mlp.fc2."),
+        ("mlp.bns.1.", None),
+        ("ln.", "text_encoder.final_norm."),
+        ("gpool.", "text_encoder.pool."),
+    ]
     state_i = {f"image_encoder.{k}": v for k, v in mapped_i.items()}
     state_t, unused_t, unknown_t = rename(txt, rules_t, "model.txt_enc.")
     state_o, _, unknown_o = rename(other, [("sim_enc.bin_score", "sim.dustbin")], "model.")
-    return ImportedModel("avse", recipe, spec, {**state_i, **state_t, **state_o}, json_safe(options),
-                         unused_t, unknown_t + unknown_o, text_files, notes + vit_notes,
-                         inverse(rules_t, "model.txt_enc.") + [("sim.dustbin", "model.sim_enc.bin_score")])  # fmt: skip
+    return ImportedModel(
+        "avse",
+        recipe,
+        spec,
+        {**state_i, **state_t, **state_o},
+        json_safe(options),
+        unused_t,
+        unknown_t + unknown_o,
+        text_files,
+        notes + vit_notes,
+        inverse(rules_t, "model.txt_enc.") + [("sim.dustbin", "model.sim_enc.bin_score")],
+    )
 
 
 # ---------------------------------------------------------------------------------------------- build + write
 
 
-def import_checkpoint(kind: str, checkpoint: str | Path, vocab: str | None = None, text_config: str | None = None,
-                      vision_config: str | None = None, block_dim: int | None = None) -> ImportedModel:  # fmt: skip
+def import_checkpoint(
+    kind: str,
+    checkpoint: str | Path,
+    vocab: str | None = None,
+    text_config: str | None = None,
+    vision_config: str | None = None,
+    block_dim: int | None = None,
+) -> ImportedModel:
     """Read and map a released checkpoint (nothing written). Raises ReleasedCheckpointError on any misfit."""
     path = Path(checkpoint)
     if kind not in KINDS:
@@ -442,7 +543,9 @@ def check_out_dir(out: str | Path) -> Path:
     while not above.exists() and above != above.parent:
         above = above.parent
     if above.exists() and not above.is_dir():
-        raise ReleasedCheckpointError(f"--out {out}: {above} is a file, not a folder, so nothing can be created under it")
+        raise ReleasedCheckpointError(
+            f"--out {out}: {above} is a file, not a folder, so nothing can be created under it"
+        )
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ReleasedCheckpointError(f"{out}: exists and is not an empty folder; choose a new --out")
     return out
@@ -461,8 +564,10 @@ def write_imported_run(imported: ImportedModel, checkpoint: str | Path, out: str
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.importing-", dir=out.parent))
     except OSError as e:
-        raise ReleasedCheckpointError(f"--out {out}: cannot create the run folder in {out.parent} "
-                                      f"({e.strerror or type(e).__name__}); choose a writable place") from None  # fmt: skip
+        raise ReleasedCheckpointError(
+            f"--out {out}: cannot create the run folder in {out.parent} "
+            f"({e.strerror or type(e).__name__}); choose a writable place"
+        ) from None
     try:
         text_dir = None
         if imported.text_files:
@@ -472,9 +577,14 @@ def write_imported_run(imported: ImportedModel, checkpoint: str | Path, out: str
                 (text_dir / name).write_bytes(data)
         model = build_model(imported, text_dir, Path(checkpoint))
         spec = dataclasses.replace(model.spec, text_model_path="text_model" if text_dir else "")
-        record = {"kind": imported.kind, "checkpoint": str(Path(checkpoint).resolve()),
-                  "sha256": sha256_file(Path(checkpoint)), "options": imported.options,
-                  "unused_keys": imported.unused_keys, "notes": imported.notes}  # fmt: skip
+        record = {
+            "kind": imported.kind,
+            "checkpoint": str(Path(checkpoint).resolve()),
+            "sha256": sha256_file(Path(checkpoint)),
+            "options": imported.options,
+            "unused_keys": imported.unused_keys,
+            "notes": imported.notes,
+        }
         write_run_config(tmp, imported.recipe, spec, {"imported_from": record})
         atomic_write_bytes(tmp / "best.safetensors", tensor_bytes(model.state_dict()))
         if out.exists():

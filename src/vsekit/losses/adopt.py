@@ -81,8 +81,9 @@ def adopt_gammas_tensor(sims: torch.Tensor, variant: str = "paper") -> tuple[tor
     return align, torch.exp(-off).mean().double()
 
 
-def adopt_k_tensor(align: torch.Tensor, uniform: torch.Tensor, batch: int, variant: str = "paper",
-                   scale: float = 1.25) -> torch.Tensor:  # fmt: skip
+def adopt_k_tensor(
+    align: torch.Tensor, uniform: torch.Tensor, batch: int, variant: str = "paper", scale: float = 1.25
+) -> torch.Tensor:
     """`adopt_k` on 0-d float64 tensors -> a 0-d int64 tensor, the same rule in the same float64 operations
     (one ulp of cos can differ between the host's libm and a GPU's: K changes only if B·cos lands within
     ~1e-16 of an integer)."""
@@ -106,9 +107,13 @@ def zero_filled_topk(sims: torch.Tensor, negatives: torch.Tensor, k: int) -> tor
 
 
 def topk_infonce(
-    sims: torch.Tensor, negatives: torch.Tensor, k: int | torch.Tensor | None, temperature: float, margin: float = 0.0,
+    sims: torch.Tensor,
+    negatives: torch.Tensor,
+    k: int | torch.Tensor | None,
+    temperature: float,
+    margin: float = 0.0,
     zero_fill: bool = False,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Mean over rows of -log softmax of the positive (diagonal) against the row's k hardest valid
     negatives (`k=None`: all of them); `negatives[i, j]` says whether column j may be a negative of row i.
     `k` may be a 0-d tensor (ADOPT's adaptive K, kept on the device). `zero_fill`: pick them as
@@ -145,9 +150,17 @@ class ADOPTLoss(InBatchLoss):
     # loss has no host sync at all (compiled whole / CUDA graphs; read them when logging)
     host_diag: bool = True
 
-    def __init__(self, temperature: float = 0.05, variant: str = "paper", scale: float = 1.25, margin: float = 0.2,
-                 mask_same_image: bool = True, adaptive: bool = True, fixed_k: int | None = None,
-                 zero_fill_negatives: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        temperature: float = 0.05,
+        variant: str = "paper",
+        scale: float = 1.25,
+        margin: float = 0.2,
+        mask_same_image: bool = True,
+        adaptive: bool = True,
+        fixed_k: int | None = None,
+        zero_fill_negatives: bool = False,
+    ) -> None:
         super().__init__()
         if variant not in ADOPT_VARIANTS:
             raise ValueError(f"ADOPT variant {variant!r}; choose one of {', '.join(ADOPT_VARIANTS)}")
@@ -166,10 +179,13 @@ class ADOPTLoss(InBatchLoss):
         self.fixed_k = fixed_k
         self.zero_fill_negatives = zero_fill_negatives  # off by default: the positive is never a negative
 
-    def forward(self, sims: torch.Tensor, image_ids: torch.Tensor | None = None, *, warmup: bool = False,
-                **_: object) -> tuple[torch.Tensor, dict]:  # fmt: skip
+    def forward(
+        self, sims: torch.Tensor, image_ids: torch.Tensor | None = None, *, warmup: bool = False, **_: object
+    ) -> tuple[torch.Tensor, dict]:
         if sims.ndim != 2 or sims.shape[0] != sims.shape[1]:
-            raise ValueError(f"ADOPT/InfoNCE needs a square in-batch similarity matrix, got {tuple(sims.shape)}")
+            raise ValueError(
+                f"ADOPT/InfoNCE needs a square in-batch similarity matrix, got {tuple(sims.shape)}"
+            )
         b = sims.shape[0]
         if b < 2:
             raise ValueError(f"ADOPT needs at least 2 pairs in a batch, got {b}")
@@ -192,7 +208,9 @@ class ADOPTLoss(InBatchLoss):
         if torch.is_tensor(k):
             k_used = k.to(torch.float64)
         else:  # a fill, not a copy from the host
-            k_used = torch.full((), float(b - 1 if k is None else k), dtype=torch.float64, device=align.device)
+            k_used = torch.full(
+                (), float(b - 1 if k is None else k), dtype=torch.float64, device=align.device
+            )
         logged = torch.stack([k_used, align, uniform])
         if self.host_diag:  # one host read for the three numbers
             k_f, align_f, uniform_f = logged.tolist()
@@ -210,5 +228,11 @@ def create_adopt_loss(cfg: LossConfig) -> ADOPTLoss:
         return ADOPTLoss(cfg.temperature, "paper", mask_same_image=cfg.mask_same_image, adaptive=False)
     if cfg.name != "adopt":
         raise ValueError(f"create_adopt_loss builds 'adopt' or 'infonce', not {cfg.name!r}")
-    return ADOPTLoss(cfg.temperature, cfg.adopt_variant, cfg.adopt_scale, cfg.margin, cfg.mask_same_image,
-                     zero_fill_negatives=cfg.adopt_zero_fill_negatives)
+    return ADOPTLoss(
+        cfg.temperature,
+        cfg.adopt_variant,
+        cfg.adopt_scale,
+        cfg.margin,
+        cfg.mask_same_image,
+        zero_fill_negatives=cfg.adopt_zero_fill_negatives,
+    )

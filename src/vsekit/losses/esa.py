@@ -27,8 +27,13 @@ def group_positives(
     return sample.unsqueeze(1) == sample.unsqueeze(0)
 
 
-def sel_loss(sims: torch.Tensor, views: int, margin: float = 0.2, hardest: bool = True,
-             image_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:  # fmt: skip
+def sel_loss(
+    sims: torch.Tensor,
+    views: int,
+    margin: float = 0.2,
+    hardest: bool = True,
+    image_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict]:
     """The SEL loss of a [g*B, g*B] matrix whose consecutive groups of `views` rows/columns are one sample
     (module docstring); `image_ids` [B]: samples of the same image are positives too."""
     if sims.ndim != 2 or sims.shape[0] != sims.shape[1] or sims.shape[0] % views:
@@ -59,8 +64,9 @@ class SELLoss(InBatchLoss):
         super().__init__()
         self.margin, self.max_violation, self.mask_same_image = margin, max_violation, mask_same_image
 
-    def forward(self, sims: torch.Tensor, image_ids: torch.Tensor | None = None, *, warmup: bool = False,
-                **_: object) -> tuple[torch.Tensor, dict]:  # fmt: skip
+    def forward(
+        self, sims: torch.Tensor, image_ids: torch.Tensor | None = None, *, warmup: bool = False, **_: object
+    ) -> tuple[torch.Tensor, dict]:
         if image_ids is None:
             raise ValueError(
                 "the SEL loss needs image_ids (one per sample) to know how many views each sample has"

@@ -53,8 +53,14 @@ class DistanceWeightedTriplet(nn.Module):
             w = w * (neg & (dist < self.cutoff)).to(w.dtype)
             return w / (w.sum(dim=1, keepdim=True) + 1e-20)
 
-    def direction(self, sims: torch.Tensor, pos: torch.Tensor, generator: torch.Generator | None,
-                  drawn: torch.Tensor | None, record: list | None) -> torch.Tensor:  # fmt: skip
+    def direction(
+        self,
+        sims: torch.Tensor,
+        pos: torch.Tensor,
+        generator: torch.Generator | None,
+        drawn: torch.Tensor | None,
+        record: list | None,
+    ) -> torch.Tensor:
         """One anchored direction: rows of `sims` are anchors. `drawn`: the negatives to use (a replay of the
         release's draws) instead of drawing them."""
         pairs = pos.nonzero()
@@ -69,8 +75,15 @@ class DistanceWeightedTriplet(nn.Module):
         drawn = drawn.to(sims.device)
         return F.relu(self.margin + sims[anchor, drawn] - sims[anchor, positive]).sum()
 
-    def forward(self, im: torch.Tensor, s: torch.Tensor, pos: torch.Tensor, generator: torch.Generator | None = None,
-                drawn: list[torch.Tensor] | None = None, record: list | None = None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        im: torch.Tensor,
+        s: torch.Tensor,
+        pos: torch.Tensor,
+        generator: torch.Generator | None = None,
+        drawn: list[torch.Tensor] | None = None,
+        record: list | None = None,
+    ) -> torch.Tensor:
         """Image-anchored then caption-anchored, the order the release draws in; `drawn` holds two draws."""
         sims = im @ s.t()
         first = self.direction(sims, pos, generator, drawn[0] if drawn else None, record)
@@ -94,8 +107,9 @@ def pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, width - x.shape[1])) if x.shape[1] < width else x
 
 
-def region_word(regions: torch.Tensor, words: torch.Tensor, word_lengths: torch.Tensor,
-                topk: int) -> tuple[torch.Tensor, ...]:  # fmt: skip
+def region_word(
+    regions: torch.Tensor, words: torch.Tensor, word_lengths: torch.Tensor, topk: int
+) -> tuple[torch.Tensor, ...]:
     """The release's `AdjacencyLearning` inputs, all captions at once: (t2i_topk [C, I, K], t2i_mean [C, I],
     i2t_topk [I, C, K], i2t_mean [I, C]). Every region position counts (padding included); caption c uses
     its first max(n_c, K) positions."""
@@ -133,14 +147,26 @@ class HREMLoss(InBatchLoss):
     needs_sets = True
     needs_generator = True
 
-    def __init__(self, embed_dim: int, heads: int = 16, margin: float = 0.2, cutoff: float = 1.7,
-                 threshold: float = 0.5, topk: int = 10, mask_weight: float = 1.0, reg_weight: float = 10.0,
-                 warmup: int = 8000, cross_terms: bool = True, dropout: float = 0.1) -> None:  # fmt: skip
+    def __init__(
+        self,
+        embed_dim: int,
+        heads: int = 16,
+        margin: float = 0.2,
+        cutoff: float = 1.7,
+        threshold: float = 0.5,
+        topk: int = 10,
+        mask_weight: float = 1.0,
+        reg_weight: float = 10.0,
+        warmup: int = 8000,
+        cross_terms: bool = True,
+        dropout: float = 0.1,
+    ) -> None:
         super().__init__()
         if embed_dim % heads:
             raise ValueError(f"HREM loss: embed size {embed_dim} is not divisible by {heads} attention heads")
-        layer = nn.TransformerEncoderLayer(d_model=embed_dim, nhead=heads, dim_feedforward=embed_dim,
-                                           dropout=dropout)  # fmt: skip
+        layer = nn.TransformerEncoderLayer(
+            d_model=embed_dim, nhead=heads, dim_feedforward=embed_dim, dropout=dropout
+        )
         self.gnn = nn.TransformerEncoder(layer, num_layers=1, enable_nested_tensor=False)
         self.mlp_t2i = relation_mlp(topk)
         self.mlp_i2t = relation_mlp(topk)
@@ -165,28 +191,52 @@ class HREMLoss(InBatchLoss):
         i2t = self.mlp_i2t(i2t_topk).squeeze(-1) + i2t_mean
         guide = torch.exp(-torch.cdist(img, cap)).detach()
         return {
-            "connect_i2i": connect_i2i, "connect_t2t": connect_t2t,
-            "connect_t2i": row_topk_connect(t2i_mean, k), "connect_i2t": row_topk_connect(i2t_mean, k),
-            "relation_i2i": torch.exp(-torch.cdist(img, img)), "relation_t2t": torch.exp(-torch.cdist(cap, cap)),
-            "relation_t2i": t2i, "relation_i2t": i2t,
-            "t2i_topk": t2i_topk, "i2t_topk": i2t_topk, "t2i_mean": t2i_mean, "i2t_mean": i2t_mean,
+            "connect_i2i": connect_i2i,
+            "connect_t2t": connect_t2t,
+            "connect_t2i": row_topk_connect(t2i_mean, k),
+            "connect_i2t": row_topk_connect(i2t_mean, k),
+            "relation_i2i": torch.exp(-torch.cdist(img, img)),
+            "relation_t2t": torch.exp(-torch.cdist(cap, cap)),
+            "relation_t2i": t2i,
+            "relation_i2t": i2t,
+            "t2i_topk": t2i_topk,
+            "i2t_topk": i2t_topk,
+            "t2i_mean": t2i_mean,
+            "i2t_mean": i2t_mean,
             "reg": kl_target(guide, i2t) + kl_target(guide.t(), t2i),
-        }  # fmt: skip
+        }
 
     def graph(self, img: torch.Tensor, cap: torch.Tensor, r: dict[str, torch.Tensor]) -> torch.Tensor:
         """The 2B embeddings [img; cap] through the graph layer under the relation bias: [2B, D]."""
-        connect = torch.cat([torch.cat([r["connect_i2i"], r["connect_i2t"]], 1),
-                             torch.cat([r["connect_t2i"], r["connect_t2t"]], 1)])  # fmt: skip
-        relation = torch.cat([torch.cat([r["relation_i2i"], r["relation_i2t"]], 1),
-                              torch.cat([r["relation_t2i"], r["relation_t2t"]], 1)])  # fmt: skip
+        connect = torch.cat(
+            [
+                torch.cat([r["connect_i2i"], r["connect_i2t"]], 1),
+                torch.cat([r["connect_t2i"], r["connect_t2t"]], 1),
+            ]
+        )
+        relation = torch.cat(
+            [
+                torch.cat([r["relation_i2i"], r["relation_i2t"]], 1),
+                torch.cat([r["relation_t2i"], r["relation_t2t"]], 1),
+            ]
+        )
         bias = self.mask_weight * relation.masked_fill(~connect, float("-inf"))
         return self.gnn(torch.cat([img, cap]).unsqueeze(1), bias).squeeze(1)
 
-    def forward(self, sims: torch.Tensor, image_ids: torch.Tensor | None = None, caption_ids=None,
-                warmup: bool = False, image_emb: torch.Tensor | None = None, text_emb: torch.Tensor | None = None,
-                image_set: tuple | None = None, text_set: tuple | None = None,
-                generator: torch.Generator | None = None, drawn: torch.Tensor | None = None,
-                record: dict | None = None) -> tuple[torch.Tensor, dict]:  # fmt: skip
+    def forward(
+        self,
+        sims: torch.Tensor,
+        image_ids: torch.Tensor | None = None,
+        caption_ids=None,
+        warmup: bool = False,
+        image_emb: torch.Tensor | None = None,
+        text_emb: torch.Tensor | None = None,
+        image_set: tuple | None = None,
+        text_set: tuple | None = None,
+        generator: torch.Generator | None = None,
+        drawn: torch.Tensor | None = None,
+        record: dict | None = None,
+    ) -> tuple[torch.Tensor, dict]:
         """`image_emb` / `text_emb`: the normalised embeddings [B, D]; `image_set` / `text_set`: (local features
         [B, N, D], lengths) the encoders pooled; `image_ids`: the image of each row (equal ids are positives).
         `drawn` [8, P]: replay these negatives instead of drawing them (parity with recorded draws); `record`:

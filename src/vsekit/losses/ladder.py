@@ -113,7 +113,9 @@ class _KMeansDP:
         seg_sq = s2[:, 1:, None] - s2[:, None, :-1]
         inv_len = 1.0 / (pos[:, None] - pos[None, :] + 1).clamp(min=1).to(x.dtype)  # [b, a]
         # a > b is no segment; b >= n_valid needs no mask: no D_k[b] past a row's last point is ever read
-        no_segment = torch.zeros(n, n, dtype=x.dtype, device=x.device).masked_fill_(pos[:, None] < pos[None, :], inf)
+        no_segment = torch.zeros(n, n, dtype=x.dtype, device=x.device).masked_fill_(
+            pos[:, None] < pos[None, :], inf
+        )
         cost = seg_sq.sub_(seg_sum.mul_(seg_sum).mul_(inv_len)).clamp_min_(0).add_(no_segment)
         cost_end = cost.gather(1, end[:, None, None].expand(q, 1, n)).squeeze(1)  # [Q, a]: cost(a, end)
         d = cost[:, :, 0]  # D_1[b]
@@ -148,8 +150,9 @@ class _KMeansDP:
         return (pos >= seg[..., None]).sum(2) - 1
 
 
-def _silhouette_sorted(x: torch.Tensor, labels: torch.Tensor, vmask: torch.Tensor, n_valid: torch.Tensor,
-                       k: int) -> torch.Tensor:  # fmt: skip
+def _silhouette_sorted(
+    x: torch.Tensor, labels: torch.Tensor, vmask: torch.Tensor, n_valid: torch.Tensor, k: int
+) -> torch.Tensor:
     """Mean silhouette (Eq. 10–12, |·| distance) per row of sorted x whose clusters are contiguous.
 
     O(N k), no N x N matrix. Another cluster lies wholly on one side of point i, so i's mean distance to
@@ -167,12 +170,19 @@ def _silhouette_sorted(x: torch.Tensor, labels: torch.Tensor, vmask: torch.Tenso
     own_cnt = cnt.gather(1, lab) * vmask  # [Q, N]
     bounds = (cnt.cumsum(1) - cnt).gather(1, lab).long()  # first sorted position of i's cluster
     s1 = F.pad(x.cumsum(1), (1, 0))  # s1[j] = x_0 + … + x_{j−1}
-    ends = s1.gather(1, torch.cat([bounds, bounds + own_cnt.long()], 1))  # s1 at the cluster's first, one past last
+    ends = s1.gather(
+        1, torch.cat([bounds, bounds + own_cnt.long()], 1)
+    )  # s1 at the cluster's first, one past last
     two_i = 2 * torch.arange(n, device=x.device, dtype=x.dtype) + 1
     # Σ_{j in own cluster} |x_i − x_j| = x_i (2i + 1 − first − end) − (s1[i] + s1[i + 1]) + s1[first] + s1[end]
     dist_own = x * (two_i - bounds - bounds - own_cnt) - (s1[:, :n] + s1[:, 1:]) + ends[:, :n] + ends[:, n:]
     a = dist_own / (own_cnt - 1).clamp(min=1)
-    b = (x[..., None] - centre[:, None, :]).abs().masked_fill(member | (cnt[:, None, :] == 0), float("inf")).amin(-1)
+    b = (
+        (x[..., None] - centre[:, None, :])
+        .abs()
+        .masked_fill(member | (cnt[:, None, :] == 0), float("inf"))
+        .amin(-1)
+    )
     # NaN (no other cluster: inf/inf; a = b = 0: 0/0) and singletons score 0
     sil = ((b - a) / torch.maximum(a, b)).nan_to_num_(0.0, 0.0, 0.0).masked_fill_(own_cnt < 2, 0.0)
     return sil.sum(1) / n_valid.clamp(min=1).to(sil.dtype)
@@ -195,8 +205,9 @@ def silhouette_1d(values: torch.Tensor, valid: torch.Tensor, labels: torch.Tenso
     return _silhouette_sorted(xs, labels.gather(1, order), vmask, n_valid, k)
 
 
-def adaptive_levels(values: torch.Tensor, valid: torch.Tensor, k_min: int, k_max: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def adaptive_levels(
+    values: torch.Tensor, valid: torch.Tensor, k_min: int, k_max: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Levels of Eq. 9: per row, k-means for k in [k_min, k_max], k of the best mean silhouette.
 
     Returns (levels [Q, N]: 1 = highest-centre cluster … k, 0 where invalid; chosen k [Q]; its mean
@@ -217,8 +228,9 @@ def adaptive_levels(values: torch.Tensor, valid: torch.Tensor, k_min: int, k_max
         labels = dp.labels_many(ks)  # [K, Q, N]
         n_k, k_col = len(ks), torch.arange(ks[0], k_max + 1, device=values.device)[:, None]  # no host copy
         # every k in one call, rows stacked k-major: clusters a k does not use are empty and ignored
-        sil = _silhouette_sorted(xs.repeat(n_k, 1), labels.flatten(0, 1), vmask.repeat(n_k, 1),
-                                 n_valid.repeat(n_k), k_max).view(n_k, q)  # fmt: skip
+        sil = _silhouette_sorted(
+            xs.repeat(n_k, 1), labels.flatten(0, 1), vmask.repeat(n_k, 1), n_valid.repeat(n_k), k_max
+        ).view(n_k, q)
         sil = sil.masked_fill(n_valid[None] < k_col + 1, float("-inf"))  # silhouette needs 2 <= k <= n - 1
         scores = torch.cat([scores, sil])
         levels_k = torch.cat([levels_k, (k_col[:, :, None] - labels) * vmask])  # level 1 = highest centre
@@ -233,7 +245,9 @@ def adaptive_levels(values: torch.Tensor, valid: torch.Tensor, k_min: int, k_max
 # ----------------------------------------------------------------------------------------- the loss
 
 
-def fixed_levels(relevance: torch.Tensor, positives: torch.Tensor, thresholds: Sequence[float]) -> torch.Tensor:
+def fixed_levels(
+    relevance: torch.Tensor, positives: torch.Tensor, thresholds: Sequence[float]
+) -> torch.Tensor:
     """Level 0 for positives, else 1 + number of thresholds the relevance falls below."""
     levels = torch.ones_like(relevance, dtype=torch.long)
     for theta in thresholds:
@@ -263,9 +277,15 @@ def percentile_levels(relevance: torch.Tensor, positives: torch.Tensor, percenti
     return (1 + (relevance < theta).long()).masked_fill(positives, 0)
 
 
-def reference_ladder_loss(sims: torch.Tensor, relevance: torch.Tensor | None, margins: Sequence[float],
-                          thresholds: Sequence[float] | None = None, betas: Sequence[float] = (),
-                          cumulative: bool = False, percentile: float | None = None) -> torch.Tensor:  # fmt: skip
+def reference_ladder_loss(
+    sims: torch.Tensor,
+    relevance: torch.Tensor | None,
+    margins: Sequence[float],
+    thresholds: Sequence[float] | None = None,
+    betas: Sequence[float] = (),
+    cumulative: bool = False,
+    percentile: float | None = None,
+) -> torch.Tensor:
     """The ladder loss as the released code (cdluminate/ladderloss) computes it, for number-for-number parity.
 
     Rung 0 is VSE++ (margin `margins[0]`, hardest negative). Rung l ≥ 1 (weight `betas[l − 1]`) splits each
@@ -287,16 +307,18 @@ def reference_ladder_loss(sims: torch.Tensor, relevance: torch.Tensor | None, ma
     if len(margins) < n_levels or len(betas) < n_levels - 1:
         raise ValueError(f"{n_levels - 1} rung(s) need {n_levels} margins and {n_levels - 1} betas")
     rel = relevance.to(sims.device, sims.dtype)
-    levels = torch.stack([_reference_levels(rel, thresholds, percentile),
-                          _reference_levels(rel.T, thresholds, percentile)])  # fmt: skip
+    levels = torch.stack(
+        [_reference_levels(rel, thresholds, percentile), _reference_levels(rel.T, thresholds, percentile)]
+    )
     margin, weight = ladder_constants(margins, (1.0, *betas), n_levels, cumulative, sims.device, sims.dtype)
     s = torch.stack([sims, sims.T])  # image rows, caption columns
     extra, _ = _ladder_terms(s, levels, margin, weight, n_levels, cumulative, "reference")
     return loss + extra
 
 
-def _reference_levels(relevance: torch.Tensor, thresholds: Sequence[float] | None,
-                      percentile: float | None) -> torch.Tensor:  # fmt: skip
+def _reference_levels(
+    relevance: torch.Tensor, thresholds: Sequence[float] | None, percentile: float | None
+) -> torch.Tensor:
     """Released-code levels of each row: from the relevance alone (fixed thresholds) or with the diagonal
     at 0 (percentile)."""
     if percentile is not None:
@@ -305,8 +327,14 @@ def _reference_levels(relevance: torch.Tensor, thresholds: Sequence[float] | Non
     return fixed_levels(relevance, torch.zeros_like(relevance, dtype=torch.bool), thresholds or ())
 
 
-def ladder_constants(margins: Sequence[float], weights: Sequence[float], n_levels: int, cumulative: bool,
-                     device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def ladder_constants(
+    margins: Sequence[float],
+    weights: Sequence[float],
+    n_levels: int,
+    cumulative: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-ladder margins [L − 1, 1] (α_l, or α_1 + … + α_l when cumulative) and weights [L − 1] (β_l)."""
     m = [float(v) for v in margins[:n_levels]]
     m = [sum(m[: i + 1]) for i in range(n_levels)] if cumulative else m
@@ -314,8 +342,15 @@ def ladder_constants(margins: Sequence[float], weights: Sequence[float], n_level
     return margin, torch.tensor([float(w) for w in weights[1:n_levels]], dtype=dtype).to(device)
 
 
-def _ladder_terms(s: torch.Tensor, levels: torch.Tensor, margin: torch.Tensor, weight: torch.Tensor, n_levels: int,
-                  cumulative: bool, variant: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _ladder_terms(
+    s: torch.Tensor,
+    levels: torch.Tensor,
+    margin: torch.Tensor,
+    weight: torch.Tensor,
+    n_levels: int,
+    cumulative: bool,
+    variant: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ_{l=2..n_levels} β_l Σ_q L^l(q) with hard contrastive sampling for the query rows of `s` ([D, B, B]:
     D directions, diagonal = positives, sharing `levels` [B, B] or each with its own [D, B, B]), with the
     margins and weights of `ladder_constants`; also returns the fraction of rows of the first direction where
@@ -330,7 +365,9 @@ def _ladder_terms(s: torch.Tensor, levels: torch.Tensor, margin: torch.Tensor, w
     diag = s.diagonal(dim1=-2, dim2=-1)[:, None, :]  # [D, 1, B]
     sm = s[:, None]  # [D, 1, B, B]
     if variant == "reference":
-        hn = (sm * far).amax(-1)  # S·mask: floored at 0 (and 0 with no far candidate), as in the released code
+        hn = (sm * far).amax(
+            -1
+        )  # S·mask: floored at 0 (and 0 with no far candidate), as in the released code
         # near set: S·similar + 1·dissimilar (positive included when its level is 0)
         hp = diag if cumulative else torch.where(lv <= lvl - 1, sm, 1.0).amin(-1)
         ok = torch.ones_like(hn, dtype=torch.bool)
@@ -360,36 +397,54 @@ class LadderLoss(InBatchLoss):
 
     needs_caption_embeddings = True
 
-    def __init__(self, margins: Sequence[float], weights: Sequence[float], thresholds: Sequence[float] = (0.40,),
-                 cumulative: bool = False, adaptive: bool = False, levels_min: int = 2, levels_max: int = 4,
-                 max_violation: bool = True, mask_same_image: bool = True, variant: str = "paper",
-                 cuda_graphs: bool = True, percentile: float | None = None,
-                 threshold_share: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        margins: Sequence[float],
+        weights: Sequence[float],
+        thresholds: Sequence[float] = (0.40,),
+        cumulative: bool = False,
+        adaptive: bool = False,
+        levels_min: int = 2,
+        levels_max: int = 4,
+        max_violation: bool = True,
+        mask_same_image: bool = True,
+        variant: str = "paper",
+        cuda_graphs: bool = True,
+        percentile: float | None = None,
+        threshold_share: float | None = None,
+    ) -> None:
         super().__init__()
         if variant not in VARIANTS:
             raise ConfigError(f"loss.ladder_variant={variant!r}; choose one of {', '.join(VARIANTS)}")
         if percentile is not None and (adaptive or not 0 <= percentile <= 100):
-            raise ConfigError(f"loss.ladder_percentile={percentile!r} needs loss.name=ladder and a value "
-                             "in [0, 100]")  # fmt: skip
+            raise ConfigError(
+                f"loss.ladder_percentile={percentile!r} needs loss.name=ladder and a value in [0, 100]"
+            )
         if threshold_share is not None and not 0 < threshold_share < 1:
             raise ConfigError(f"loss.ladder_threshold_share={threshold_share!r}; must lie in (0, 1)")
         if adaptive or percentile is not None:
             threshold_share = None  # it sets ladder_thresholds, which these levels do not use either
         if threshold_share is not None:
             if len(thresholds) != 1:
-                raise ConfigError(f"loss.ladder_threshold_share sets θ_1 of a 2-level ladder, but loss.ladder_thresholds "
-                                 f"has {len(thresholds)} thresholds {list(thresholds)}")  # fmt: skip
+                raise ConfigError(
+                    f"loss.ladder_threshold_share sets θ_1 of a 2-level ladder, but loss.ladder_thresholds "
+                    f"has {len(thresholds)} thresholds {list(thresholds)}"
+                )
         if adaptive:
             if not 1 <= levels_min <= levels_max <= MAX_LEVELS:
-                raise ConfigError(f"loss.ladder_levels_min/max must satisfy 1 <= min <= max <= {MAX_LEVELS}, "
-                                 f"got ({levels_min}, {levels_max})")  # fmt: skip
+                raise ConfigError(
+                    f"loss.ladder_levels_min/max must satisfy 1 <= min <= max <= {MAX_LEVELS}, "
+                    f"got ({levels_min}, {levels_max})"
+                )
             n_levels = levels_max
         elif percentile is not None:  # one threshold per row: its percentile of the relevance
             n_levels = 2
         else:
             th = list(thresholds)
             if any(b >= a for a, b in zip(th, th[1:])):
-                raise ConfigError(f"loss.ladder_thresholds must be strictly decreasing (θ_1 > θ_2 > …), got {th}")
+                raise ConfigError(
+                    f"loss.ladder_thresholds must be strictly decreasing (θ_1 > θ_2 > …), got {th}"
+                )
             n_levels = len(th) + 1
         if len(margins) < n_levels or len(weights) < n_levels:
             raise ConfigError(
@@ -431,13 +486,17 @@ class LadderLoss(InBatchLoss):
 
     def batch_relevance(self, caption_ids: torch.Tensor) -> torch.Tensor:
         if self.caption_emb is None:
-            raise RuntimeError("ladder loss has no relevance: call vsekit.relevance.prepare_ladder_relevance or "
-                               "set_caption_embeddings(), or pass relevance=[B, B] to the loss")  # fmt: skip
+            raise RuntimeError(
+                "ladder loss has no relevance: call vsekit.relevance.prepare_ladder_relevance or "
+                "set_caption_embeddings(), or pass relevance=[B, B] to the loss"
+            )
         n = self.caption_emb.shape[0]
         # checked on CPU ids only: on an accelerator the check would stall the step on a device sync (the
         # trainer's ids index the very split whose embeddings the trainer gave)
-        if caption_ids.device.type == "cpu" and caption_ids.numel() and (
-            int(caption_ids.min()) < 0 or int(caption_ids.max()) >= n
+        if (
+            caption_ids.device.type == "cpu"
+            and caption_ids.numel()
+            and (int(caption_ids.min()) < 0 or int(caption_ids.max()) >= n)
         ):
             raise IndexError(f"caption id out of range 0..{n - 1} (relevance embeddings of {n} captions)")
         e = self.caption_emb[caption_ids.to(self.caption_emb.device)]
@@ -456,7 +515,9 @@ class LadderLoss(InBatchLoss):
             return self._levels_graphed(relevance, positives)
         return self._adaptive_levels(relevance, positives)
 
-    def _adaptive_levels(self, relevance: torch.Tensor, positives: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _adaptive_levels(
+        self, relevance: torch.Tensor, positives: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         rel = relevance.masked_fill(positives, 1.0)
         if self.variant == "reference":  # cluster the whole row, positive included, then set it to level 0
             lv, k, _ = adaptive_levels(rel, torch.ones_like(positives), self.levels_min, self.levels_max)
@@ -464,7 +525,9 @@ class LadderLoss(InBatchLoss):
             lv, k, _ = adaptive_levels(rel, ~positives, self.levels_min, self.levels_max)
         return lv.masked_fill(positives, 0), k
 
-    def _levels_graphed(self, relevance: torch.Tensor, positives: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _levels_graphed(
+        self, relevance: torch.Tensor, positives: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The adaptive levels replayed from a CUDA graph captured once per (device, batch size).
 
         The clustering is a few hundred tiny kernels on a 128 x 128 batch: on a GPU their launch overhead,
@@ -485,7 +548,9 @@ class LadderLoss(InBatchLoss):
                 with torch.cuda.graph(graph):
                     out = self._adaptive_levels(*static)
             except RuntimeError as e:  # an op that cannot be captured on this build: stay eager
-                warnings.warn(f"adaptive ladder: CUDA graph capture failed ({e}); using eager kernels", stacklevel=2)
+                warnings.warn(
+                    f"adaptive ladder: CUDA graph capture failed ({e}); using eager kernels", stacklevel=2
+                )
                 self.cuda_graphs = False
                 return self._adaptive_levels(relevance, positives)
             entry = self._graphs[key] = (graph, static, out)
@@ -496,8 +561,16 @@ class LadderLoss(InBatchLoss):
         return lv.clone(), k.clone()
 
     # ---------------------------------------------------------------------------------- forward
-    def forward(self, sims: torch.Tensor, image_ids: torch.Tensor | None = None, caption_ids: torch.Tensor | None = None,
-                *, warmup: bool = False, relevance: torch.Tensor | None = None, **_: object):  # fmt: skip
+    def forward(
+        self,
+        sims: torch.Tensor,
+        image_ids: torch.Tensor | None = None,
+        caption_ids: torch.Tensor | None = None,
+        *,
+        warmup: bool = False,
+        relevance: torch.Tensor | None = None,
+        **_: object,
+    ):
         b = sims.shape[0]
         positives = positive_mask(image_ids if self.mask_same_image else None, b, sims.device)
         hardest = self.max_violation and not warmup
@@ -507,7 +580,9 @@ class LadderLoss(InBatchLoss):
             return loss, diag
         if relevance is None:
             if caption_ids is None:
-                raise ValueError("ladder loss needs the batch's caption_ids (or an explicit relevance matrix)")
+                raise ValueError(
+                    "ladder loss needs the batch's caption_ids (or an explicit relevance matrix)"
+                )
             relevance = self.batch_relevance(caption_ids)
         relevance = relevance.to(sims.device, torch.float32)
         if relevance.shape != sims.shape:
@@ -518,11 +593,18 @@ class LadderLoss(InBatchLoss):
         # image rows and caption columns at once: R is symmetric, so both directions share the levels
         key = (s.device, s.dtype)
         if key not in self._constants:  # made once per device: a host-to-device copy per step would sync
-            self._constants[key] = ladder_constants(self.margins, self.weights, self.n_levels, self.cumulative,
-                                                    s.device, s.dtype)  # fmt: skip
-        extra, act = _ladder_terms(torch.stack([s, s.T]), levels, *self._constants[key], self.n_levels,
-                                   self.cumulative, self.variant)  # fmt: skip
-        diag = {**diag, "ladder_extra": extra.detach(), "ladder_levels": k.float().mean(), "ladder2_active": act.detach()}
+            self._constants[key] = ladder_constants(
+                self.margins, self.weights, self.n_levels, self.cumulative, s.device, s.dtype
+            )
+        extra, act = _ladder_terms(
+            torch.stack([s, s.T]), levels, *self._constants[key], self.n_levels, self.cumulative, self.variant
+        )
+        diag = {
+            **diag,
+            "ladder_extra": extra.detach(),
+            "ladder_levels": k.float().mean(),
+            "ladder2_active": act.detach(),
+        }
         return loss + extra, diag
 
 
@@ -530,10 +612,16 @@ def create_ladder_loss(cfg: LossConfig) -> LadderLoss:
     """`ladder` (fixed thresholds, or per-row percentile ones with `ladder_percentile`) or `ladder_auto`
     (silhouette-chosen k-means levels) from a LossConfig."""
     return LadderLoss(
-        margins=cfg.ladder_margins, weights=cfg.ladder_weights, thresholds=cfg.ladder_thresholds,
-        cumulative=cfg.ladder_cumulative, adaptive=cfg.name == "ladder_auto",
-        levels_min=cfg.ladder_levels_min, levels_max=cfg.ladder_levels_max,
-        max_violation=cfg.max_violation, mask_same_image=cfg.mask_same_image,
-        variant=cfg.ladder_variant, percentile=cfg.ladder_percentile,
+        margins=cfg.ladder_margins,
+        weights=cfg.ladder_weights,
+        thresholds=cfg.ladder_thresholds,
+        cumulative=cfg.ladder_cumulative,
+        adaptive=cfg.name == "ladder_auto",
+        levels_min=cfg.ladder_levels_min,
+        levels_max=cfg.ladder_levels_max,
+        max_violation=cfg.max_violation,
+        mask_same_image=cfg.mask_same_image,
+        variant=cfg.ladder_variant,
+        percentile=cfg.ladder_percentile,
         threshold_share=cfg.ladder_threshold_share,
-    )  # fmt: skip
+    )

@@ -160,7 +160,9 @@ class LadderSettings(_Negatives, _Hardest):
 @dataclass
 class HREMSettings(_Margin):
     hrem_embed_dim: int = setting(
-        1024, "hrem: width of the graph layer; must equal model.embed_dim (the loss never sees the model)", rule=">= 1"
+        1024,
+        "hrem: width of the graph layer; must equal model.embed_dim (the loss never sees the model)",
+        rule=">= 1",
     )
     hrem_heads: int = setting(16, "hrem: attention heads of the instance graph layer", rule=">= 1")
     hrem_cutoff: float = setting(
@@ -175,7 +177,9 @@ class HREMSettings(_Margin):
     hrem_mask_weight: float = setting(
         1.0, "hrem: weight of the relevance bias in the graph's attention", rule=">= 0 and finite"
     )
-    hrem_reg_weight: float = setting(10.0, "hrem: weight of the KL relation regulariser", rule=">= 0 and finite")
+    hrem_reg_weight: float = setting(
+        10.0, "hrem: weight of the KL relation regulariser", rule=">= 0 and finite"
+    )
     hrem_warmup_iters: int = setting(
         8000, "hrem: training steps with the base triplet term only, before the graph joins", rule=">= 0"
     )
@@ -192,8 +196,15 @@ class HREMSettings(_Margin):
         if self.hrem_embed_dim % self.hrem_heads:
             raise ConfigError(f"{where}.hrem_heads={self.hrem_heads} does not divide {where}.hrem_embed_dim")
         t = recipe.train
-        refused = [k for k, on in (("train.grad_cache_chunk", t.grad_cache_chunk > 0),
-                                   ("train.cuda_graph", t.cuda_graph), ("train.compile", t.compile)) if on]  # fmt: skip
+        refused = [
+            k
+            for k, on in (
+                ("train.grad_cache_chunk", t.grad_cache_chunk > 0),
+                ("train.cuda_graph", t.cuda_graph),
+                ("train.compile", t.compile),
+            )
+            if on
+        ]
         if refused:
             raise ConfigError(
                 f"{where}.name=hrem reads the encoders' local sets in the step: it runs eager only; "
@@ -204,9 +215,19 @@ class HREMSettings(_Margin):
 def _hrem(cfg: Any) -> Any:
     from vsekit.losses.hrem import HREMLoss
 
-    return HREMLoss(cfg.hrem_embed_dim, cfg.hrem_heads, cfg.margin, cfg.hrem_cutoff, cfg.hrem_threshold,
-                    cfg.hrem_topk, cfg.hrem_mask_weight, cfg.hrem_reg_weight, cfg.hrem_warmup_iters,
-                    cfg.hrem_cross_terms, cfg.hrem_dropout)  # fmt: skip
+    return HREMLoss(
+        cfg.hrem_embed_dim,
+        cfg.hrem_heads,
+        cfg.margin,
+        cfg.hrem_cutoff,
+        cfg.hrem_threshold,
+        cfg.hrem_topk,
+        cfg.hrem_mask_weight,
+        cfg.hrem_reg_weight,
+        cfg.hrem_warmup_iters,
+        cfg.hrem_cross_terms,
+        cfg.hrem_dropout,
+    )
 
 
 def _triplet(cfg: Any) -> Any:

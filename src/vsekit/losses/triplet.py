@@ -31,8 +31,12 @@ def triplet_loss(
     if positives is None:
         positives = torch.eye(n, dtype=torch.bool, device=sims.device)
     diag = sims.diagonal()
-    cost_caption = (margin + sims - diag.unsqueeze(1)).clamp_min(0).masked_fill(positives, 0)  # image -> captions
-    cost_image = (margin + sims - diag.unsqueeze(0)).clamp_min(0).masked_fill(positives, 0)  # caption -> images
+    cost_caption = (
+        (margin + sims - diag.unsqueeze(1)).clamp_min(0).masked_fill(positives, 0)
+    )  # image -> captions
+    cost_image = (
+        (margin + sims - diag.unsqueeze(0)).clamp_min(0).masked_fill(positives, 0)
+    )  # caption -> images
     if hardest:
         loss = cost_caption.amax(1).sum() + cost_image.amax(0).sum()
     else:
@@ -49,6 +53,8 @@ class TripletLoss(InBatchLoss):
         self.max_violation = max_violation
         self.mask_same_image = mask_same_image
 
-    def forward(self, sims: torch.Tensor, image_ids: torch.Tensor | None = None, *, warmup: bool = False, **_: object):
+    def forward(
+        self, sims: torch.Tensor, image_ids: torch.Tensor | None = None, *, warmup: bool = False, **_: object
+    ):
         positives = positive_mask(image_ids if self.mask_same_image else None, sims.shape[0], sims.device)
         return triplet_loss(sims, self.margin, hardest=self.max_violation and not warmup, positives=positives)

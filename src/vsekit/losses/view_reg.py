@@ -69,7 +69,12 @@ class ViewRegularisedLoss(InBatchLoss):
     """Any similarity loss + `weight` × the view regulariser on the image embedding's views (Eq. 6)."""
 
     def __init__(
-        self, base: InBatchLoss, weight: float, offdiag: float = 0.0051, variant: str = "paper", views: int = 1
+        self,
+        base: InBatchLoss,
+        weight: float,
+        offdiag: float = 0.0051,
+        variant: str = "paper",
+        views: int = 1,
     ) -> None:
         super().__init__()
         if variant not in VARIANTS:
@@ -121,7 +126,9 @@ class ViewRegularisedLoss(InBatchLoss):
         loss, diag = self.base(sims, *args, image_emb=image_emb, **kwargs)
         views = self.views
         if image_emb is None or views < 2:
-            raise ValueError("the view regulariser (loss.view_reg_weight > 0) needs a multi-view image encoder "
-                             "(model.image.views >= 2) and the image embeddings")  # fmt: skip
+            raise ValueError(
+                "the view regulariser (loss.view_reg_weight > 0) needs a multi-view image encoder "
+                "(model.image.views >= 2) and the image embeddings"
+            )
         reg = view_regulariser(image_emb.reshape(image_emb.shape[0], views, -1), self.offdiag, self.variant)
         return loss + self.weight * reg, {**diag, "view_reg": reg.detach()}

@@ -46,14 +46,21 @@ def check_relevance(relevance: np.ndarray, n_captions: int, where: str = "releva
     if rel.ndim != 2 or rel.shape[0] != rel.shape[1]:
         raise MetricsInputError(f"{where}: expected a square caption x caption matrix, got shape {rel.shape}")
     if rel.shape[0] != n_captions:
-        raise MetricsInputError(f"{where}: {rel.shape[0]} captions but the similarity matrix has {n_captions}")
+        raise MetricsInputError(
+            f"{where}: {rel.shape[0]} captions but the similarity matrix has {n_captions}"
+        )
     if not (np.issubdtype(rel.dtype, np.floating) or np.issubdtype(rel.dtype, np.integer)):
         raise MetricsInputError(f"{where}: expected numbers, got dtype {rel.dtype}")
     return rel
 
 
-def image_caption_relevance(relevance: np.ndarray, cap2img: np.ndarray, combine: str = "max",
-                            transpose: bool = False, block: int = 1024) -> np.ndarray:  # fmt: skip
+def image_caption_relevance(
+    relevance: np.ndarray,
+    cap2img: np.ndarray,
+    combine: str = "max",
+    transpose: bool = False,
+    block: int = 1024,
+) -> np.ndarray:
     """[images, captions] relevance of caption c to image i: `combine` over i's captions a of R[a, c]
     (`transpose=True` uses R[c, a], the caption-query direction; equal for a symmetric R)."""
     if combine not in COMBINE_RULES:
@@ -80,7 +87,9 @@ def kendall_tau_b(x: np.ndarray, y: np.ndarray, chunk_elems: int = 1 << 23) -> n
     over rows in chunks of at most `chunk_elems` pair comparisons."""
     x, y = np.asarray(x), np.asarray(y)
     if x.shape != y.shape or x.ndim != 2:
-        raise MetricsInputError(f"kendall_tau_b needs two [queries, K] arrays of one shape, got {x.shape}, {y.shape}")
+        raise MetricsInputError(
+            f"kendall_tau_b needs two [queries, K] arrays of one shape, got {x.shape}, {y.shape}"
+        )
     q, k = x.shape
     out = np.zeros(q, dtype=np.float64)
     if k < 2:
@@ -114,7 +123,9 @@ def coherent_scores(scores: np.ndarray, relevance: np.ndarray, k: int, chunk_row
         sc = np.asarray(scores[s : s + chunk_rows], dtype=np.float64)
         top = np.argsort(-sc, axis=1, kind="stable")[:, :k]
         rel = np.asarray(relevance[s : s + chunk_rows], dtype=np.float64)
-        out[s : s + chunk_rows] = kendall_tau_b(np.take_along_axis(sc, top, 1), np.take_along_axis(rel, top, 1))
+        out[s : s + chunk_rows] = kendall_tau_b(
+            np.take_along_axis(sc, top, 1), np.take_along_axis(rel, top, 1)
+        )
     return out
 
 
@@ -170,11 +181,15 @@ def _checked_relevance(relevance: np.ndarray | str | Path, n_cap: int) -> np.nda
         block = np.asarray(rel[r0 : r0 + 1024], dtype=np.float32)
         if not np.isfinite(block).all():
             bad = np.argwhere(~np.isfinite(block))[0]
-            raise MetricsInputError(f"relevance matrix has NaN/inf values, first at ({r0 + bad[0]}, {bad[1]})")
+            raise MetricsInputError(
+                f"relevance matrix has NaN/inf values, first at ({r0 + bad[0]}, {bad[1]})"
+            )
     return rel
 
 
-def _coherence(sims: np.ndarray, cap2img: np.ndarray, rel: np.ndarray, ks, combine: str, protocol: str) -> dict:
+def _coherence(
+    sims: np.ndarray, cap2img: np.ndarray, rel: np.ndarray, ks, combine: str, protocol: str
+) -> dict:
     out: dict[str, float] = {}
     if protocol == "paper":
         # one caption per image: S = [images, their first captions], relevance R[c_i, c_j] in both directions
@@ -197,9 +212,15 @@ def _coherence(sims: np.ndarray, cap2img: np.ndarray, rel: np.ndarray, ks, combi
     return out
 
 
-def coherence_metrics_by_fold(sims: np.ndarray, cap2img: np.ndarray, relevance: np.ndarray | str | Path,
-                              ks: list[int] | tuple[int, ...] = PAPER_CS_K, combine: str = "max",
-                              protocol: str = "paper", n_folds: int = 5) -> list[dict[str, float]]:  # fmt: skip
+def coherence_metrics_by_fold(
+    sims: np.ndarray,
+    cap2img: np.ndarray,
+    relevance: np.ndarray | str | Path,
+    ks: list[int] | tuple[int, ...] = PAPER_CS_K,
+    combine: str = "max",
+    protocol: str = "paper",
+    n_folds: int = 5,
+) -> list[dict[str, float]]:
     """`coherence_metrics` of each of the `n_folds` consecutive image blocks (COCO 1K: five folds of 1,000
     images with their captions), each fold ranked only among its own images and captions, like the recalls
     of `retrieval_metrics_fold5`."""
@@ -218,9 +239,15 @@ def mean_over_folds(folds: list[dict[str, float]]) -> dict[str, float]:
     return {k: float(np.mean([f[k] for f in folds])) for k in folds[0]}
 
 
-def coherence_metrics(sims: np.ndarray, cap2img: np.ndarray, relevance: np.ndarray | str | Path,
-                      ks: list[int] | tuple[int, ...] = PAPER_CS_K, combine: str = "max",
-                      protocol: str = "paper", fold5: bool = False) -> dict[str, float]:  # fmt: skip
+def coherence_metrics(
+    sims: np.ndarray,
+    cap2img: np.ndarray,
+    relevance: np.ndarray | str | Path,
+    ks: list[int] | tuple[int, ...] = PAPER_CS_K,
+    combine: str = "max",
+    protocol: str = "paper",
+    fold5: bool = False,
+) -> dict[str, float]:
     """Coherence keys from an [images, captions] similarity matrix and a [captions, captions] relevance
     matrix: CS@K for each K in `ks`, and `i2t_mAP` (over all captions). (Mean rank is `i2t_meanr` /
     `t2i_meanr` of `evaluate_sims`.)
@@ -240,5 +267,7 @@ def coherence_metrics(sims: np.ndarray, cap2img: np.ndarray, relevance: np.ndarr
 
 def format_coherence(metrics: dict) -> str:
     """One-line summary of the coherence keys present in `metrics` (empty when there are none)."""
-    keys = [k for k in metrics if k.startswith(("i2t_cs", "t2i_cs"))] + (["i2t_map"] if "i2t_map" in metrics else [])
+    keys = [k for k in metrics if k.startswith(("i2t_cs", "t2i_cs"))] + (
+        ["i2t_map"] if "i2t_map" in metrics else []
+    )
     return " ".join(f"{k} {metrics[k]:.3f}" for k in keys)

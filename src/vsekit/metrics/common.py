@@ -57,8 +57,9 @@ def raise_not_finite(block: np.ndarray, row0: int = 0) -> None:
     """Raise NonFiniteScoresError at the first NaN/inf of `block` (whose first row is matrix row `row0`)."""
     bad = np.argwhere(~np.isfinite(block))[0]
     image, caption = row0 + int(bad[0]), int(bad[1])
-    raise NonFiniteScoresError(f"similarity matrix has NaN/inf values, first at (image {image}, caption {caption})",
-                               image, caption)  # fmt: skip
+    raise NonFiniteScoresError(
+        f"similarity matrix has NaN/inf values, first at (image {image}, caption {caption})", image, caption
+    )
 
 
 def fold_slices(cap2img: np.ndarray, n_img: int, n_folds: int = 5) -> list[tuple[np.ndarray, np.ndarray]]:

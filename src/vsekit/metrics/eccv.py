@@ -49,7 +49,14 @@ ECCV_KEYS: tuple[str, ...] = (
     *(f"eccv_{d}_{m}" for m in ("map_at_r", "rprecision", "r1") for d in DIRECTIONS),
 )
 # what compute_all_metrics is asked for: R@1/5/10 of COCO 1K, 5K and CxC; ECCV mAP@R, R-Precision and R@1
-_TARGETS = ("coco_1k_recalls", "coco_5k_recalls", "cxc_recalls", "eccv_map_at_r", "eccv_rprecision", "eccv_r1")
+_TARGETS = (
+    "coco_1k_recalls",
+    "coco_5k_recalls",
+    "cxc_recalls",
+    "eccv_map_at_r",
+    "eccv_rprecision",
+    "eccv_r1",
+)
 
 
 class EccvGroundTruth:
@@ -64,9 +71,14 @@ class EccvGroundTruth:
         self.caption_ids = np.asarray(metrics.coco_ids, dtype=np.int64)
         t2i = metrics.coco_gts["t2i"]
         owner = np.array([t2i[int(c)][0] for c in self.caption_ids], dtype=np.int64)
-        if len(owner) != N_CAPTIONS or (owner.reshape(-1, CAPTIONS_PER_IMAGE) != owner[::CAPTIONS_PER_IMAGE, None]).any():
-            raise SetupError("eccv_caption's coco_test_ids.npy is not 5,000 images x 5 captions in image order "
-                             f"(an eccv-caption version vsekit does not know; {INSTALL_HINT} installs one it does)")  # fmt: skip
+        if (
+            len(owner) != N_CAPTIONS
+            or (owner.reshape(-1, CAPTIONS_PER_IMAGE) != owner[::CAPTIONS_PER_IMAGE, None]).any()
+        ):
+            raise SetupError(
+                "eccv_caption's coco_test_ids.npy is not 5,000 images x 5 captions in image order "
+                f"(an eccv-caption version vsekit does not know; {INSTALL_HINT} installs one it does)"
+            )
         self.image_ids = owner[::CAPTIONS_PER_IMAGE].copy()
         longest = {d: max(len(set(v)) for v in metrics.eccv_gts[d].values()) for d in DIRECTIONS}
         self.k_i2t = max(max(RECALL_KS), longest["i2t"])
@@ -145,7 +157,9 @@ def _check_finite(block: np.ndarray, row0: int, source: str) -> None:
         raise MetricsInputError(f"{source}: NaN/inf score at (image {row0 + bad[0]}, caption {bad[1]})")
 
 
-def topk_i2t(sims: np.ndarray, k: int, source: str = "similarity matrix", block_rows: int = 128) -> np.ndarray:
+def topk_i2t(
+    sims: np.ndarray, k: int, source: str = "similarity matrix", block_rows: int = 128
+) -> np.ndarray:
     """(images, k) caption columns per image row, best first; checks every score is finite on the way."""
     out = np.empty((sims.shape[0], min(k, sims.shape[1])), dtype=np.int64)
     for r0 in range(0, sims.shape[0], block_rows):
@@ -171,8 +185,9 @@ def topk_t2i(sims: np.ndarray, k: int, block_cols: int = 256, tile_rows: int = 1
 
 
 # ------------------------------------------------------------------------------------------- lists
-def retrieved_items(sims: np.ndarray, gt: EccvGroundTruth, source: str = "similarity matrix"
-                    ) -> tuple[dict[int, list[int]], dict[int, list[int]]]:  # fmt: skip
+def retrieved_items(
+    sims: np.ndarray, gt: EccvGroundTruth, source: str = "similarity matrix"
+) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
     """(i2t, t2i) as `Metrics.compute_all_metrics` takes them: COCO image id -> caption ids best first, COCO
     caption id -> image ids best first; each list = the global top-k, then the missing part of the query's
     1K-fold top-10 (see the module docstring)."""
@@ -190,8 +205,14 @@ def retrieved_items(sims: np.ndarray, gt: EccvGroundTruth, source: str = "simila
     held_i2t = np.count_nonzero(g_i2t // fold_cap == (np.arange(N_IMAGES) // fold_img)[:, None], axis=1)
     held_t2i = np.count_nonzero(g_t2i // fold_img == (np.arange(N_CAPTIONS) // fold_cap)[:, None], axis=1)
     cap, img = gt.caption_ids, gt.image_ids
-    i2t = {q: g + f[m:] for q, g, f, m in zip(img.tolist(), cap[g_i2t].tolist(), cap[f_i2t].tolist(), held_i2t.tolist())}
-    t2i = {q: g + f[m:] for q, g, f, m in zip(cap.tolist(), img[g_t2i].tolist(), img[f_t2i].tolist(), held_t2i.tolist())}
+    i2t = {
+        q: g + f[m:]
+        for q, g, f, m in zip(img.tolist(), cap[g_i2t].tolist(), cap[f_i2t].tolist(), held_i2t.tolist())
+    }
+    t2i = {
+        q: g + f[m:]
+        for q, g, f, m in zip(cap.tolist(), img[g_t2i].tolist(), img[f_t2i].tolist(), held_t2i.tolist())
+    }
     return i2t, t2i
 
 
@@ -216,7 +237,7 @@ def package_scores(metrics: Any, i2t: dict[int, list[int]], t2i: dict[int, list[
     for name, per_direction in raw.items():
         for d, value in per_direction.items():
             if name.startswith("eccv_"):
-                key = f"eccv_{d}_{name[len('eccv_'):]}"
+                key = f"eccv_{d}_{name[len('eccv_') :]}"
             else:
                 bench, k = name.rsplit("_r", 1)
                 key = f"{bench}_{d}_r{k}"
@@ -246,9 +267,15 @@ def format_eccv(metrics: dict) -> str:
         return ""
     lines = []
     for bench, title in (("coco_1k", "COCO 1K"), ("coco_5k", "COCO 5K"), ("cxc", "CxC    ")):
-        parts = [f"{d} " + " ".join(f"R@{k} {metrics[f'{bench}_{d}_r{k}']:.1f}" for k in RECALL_KS) for d in DIRECTIONS]
+        parts = [
+            f"{d} " + " ".join(f"R@{k} {metrics[f'{bench}_{d}_r{k}']:.1f}" for k in RECALL_KS)
+            for d in DIRECTIONS
+        ]
         lines.append(f"{title} " + " | ".join(parts))
-    parts = [f"{d} mAP@R {metrics[f'eccv_{d}_map_at_r']:.1f} R-P {metrics[f'eccv_{d}_rprecision']:.1f} "
-             f"R@1 {metrics[f'eccv_{d}_r1']:.1f}" for d in DIRECTIONS]  # fmt: skip
+    parts = [
+        f"{d} mAP@R {metrics[f'eccv_{d}_map_at_r']:.1f} R-P {metrics[f'eccv_{d}_rprecision']:.1f} "
+        f"R@1 {metrics[f'eccv_{d}_r1']:.1f}"
+        for d in DIRECTIONS
+    ]
     lines.append("ECCV    " + " | ".join(parts))
     return "\n".join(lines)

@@ -29,12 +29,23 @@ from vsekit.metrics.common import (  # noqa: F401  (MetricsInputError, NonFinite
 
 RECALL_KS = (1, 5, 10)
 METRIC_KEYS = (
-    "i2t_r1", "i2t_r5", "i2t_r10", "i2t_medr", "i2t_meanr",
-    "t2i_r1", "t2i_r5", "t2i_r10", "t2i_medr", "t2i_meanr", "rsum",
-)  # fmt: skip
+    "i2t_r1",
+    "i2t_r5",
+    "i2t_r10",
+    "i2t_medr",
+    "i2t_meanr",
+    "t2i_r1",
+    "t2i_r5",
+    "t2i_r10",
+    "t2i_medr",
+    "t2i_meanr",
+    "rsum",
+)
 
 
-def ranks_both(sims: np.ndarray, cap2img: np.ndarray, block_bytes: int = 4 << 20) -> tuple[np.ndarray, np.ndarray]:
+def ranks_both(
+    sims: np.ndarray, cap2img: np.ndarray, block_bytes: int = 4 << 20
+) -> tuple[np.ndarray, np.ndarray]:
     """(i2t ranks, t2i ranks) as `ranks_i2t` and `ranks_t2i` compute them, in one pass over contiguous row
     blocks of about `block_bytes` (a memory-mapped .npy is read once, straight from the page cache), which
     also checks that every score is finite (the error names the first bad entry, as `check_inputs` does).
@@ -128,8 +139,14 @@ def retrieval_metrics_fold5(sims: np.ndarray, cap2img: np.ndarray, n_folds: int 
     return out
 
 
-def evaluate_sims(sims: np.ndarray, cap2img: np.ndarray, fold5: bool = False, relevance=None,
-                  cs_k: tuple[int, ...] | list[int] = (100, 1000), cs_protocol: str = "paper") -> dict:  # fmt: skip
+def evaluate_sims(
+    sims: np.ndarray,
+    cap2img: np.ndarray,
+    fold5: bool = False,
+    relevance=None,
+    cs_k: tuple[int, ...] | list[int] = (100, 1000),
+    cs_protocol: str = "paper",
+) -> dict:
     """Entry point used by every model, ensemble and search evaluation.
 
     With a caption x caption `relevance` matrix (array or .npy path) the coherence keys of the ladder-loss
@@ -143,8 +160,15 @@ def evaluate_sims(sims: np.ndarray, cap2img: np.ndarray, fold5: bool = False, re
     return out
 
 
-def add_coherence(metrics: dict, sims: np.ndarray, cap2img: np.ndarray, relevance, cs_k, cs_protocol: str = "paper",
-                  fold5: bool = False) -> dict:  # fmt: skip
+def add_coherence(
+    metrics: dict,
+    sims: np.ndarray,
+    cap2img: np.ndarray,
+    relevance,
+    cs_k,
+    cs_protocol: str = "paper",
+    fold5: bool = False,
+) -> dict:
     """Add the coherence keys to `metrics` (in place), per fold into `metrics["folds"]` under `fold5`."""
     from vsekit.metrics.coherence import coherence_metrics, coherence_metrics_by_fold, mean_over_folds
 

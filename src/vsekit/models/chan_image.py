@@ -38,8 +38,14 @@ class PreNormSelfAttention(nn.Module):
 class SelfAttentionImageEncoder(nn.Module):
     """Region features [B, R, D] (+ lengths) -> pooled embeddings; with the `none` pooling the set [B, R, E]."""
 
-    def __init__(self, img_dim: int, embed_dim: int, cfg: ImageEncoderConfig, normalize: bool = True,
-                 l2_form: str = "clamp") -> None:  # fmt: skip
+    def __init__(
+        self,
+        img_dim: int,
+        embed_dim: int,
+        cfg: ImageEncoderConfig,
+        normalize: bool = True,
+        l2_form: str = "clamp",
+    ) -> None:
         super().__init__()
         if embed_dim % cfg.selfattn_heads:
             raise ValueError(
@@ -57,8 +63,9 @@ class SelfAttentionImageEncoder(nn.Module):
         h = self.attend(self.fc(feats), key_padding_mask=~mask if self.mask_padding else None)
         return h.masked_fill(~mask.unsqueeze(-1), 0.0)
 
-    def forward(self, feats: torch.Tensor, lengths: torch.Tensor,
-                generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, feats: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
         lengths = lengths.to(feats.device, non_blocking=True)
         x = self.pool(self.embed_set(feats, lengths), lengths)
         return l2_normalize(x, self.l2_form) if self.normalize else x

@@ -28,8 +28,10 @@ class SelfAttentionSettings(Settings):
 
     def check(self, where: str, recipe: Any) -> None:
         if recipe.model.embed_dim % self.selfattn_heads:
-            raise ConfigError(f"model.embed_dim={recipe.model.embed_dim} must be a multiple of "
-                              f"{where}.selfattn_heads={self.selfattn_heads}")  # fmt: skip
+            raise ConfigError(
+                f"model.embed_dim={recipe.model.embed_dim} must be a multiple of "
+                f"{where}.selfattn_heads={self.selfattn_heads}"
+            )
         if recipe.model.image.views != 1:
             raise ConfigError(f"{where}: the selfattention encoder gives one embedding per image (views: 1)")
 
@@ -39,8 +41,10 @@ class KeepSetSettings(Settings):
     def check(self, where: str, recipe: Any) -> None:
         name = recipe.model.similarity.name
         if not scores_sets(name):
-            raise ConfigError(f"{where}.name=none keeps sets of vectors, which model.similarity.name={name} "
-                              "cannot score: name a similarity of sets (chan)")  # fmt: skip
+            raise ConfigError(
+                f"{where}.name=none keeps sets of vectors, which model.similarity.name={name} "
+                "cannot score: name a similarity of sets (chan)"
+            )
 
 
 @dataclass
@@ -63,8 +67,9 @@ class ChanSettings(Settings):
         for side in ("image", "text"):
             pooling = getattr(recipe.model, side).pooling.name
             if pooling != "none":
-                raise ConfigError(f"{where}.name=chan scores sets: model.{side}.pooling.name must be none, "
-                                  f"got {pooling}")  # fmt: skip
+                raise ConfigError(
+                    f"{where}.name=chan scores sets: model.{side}.pooling.name must be none, got {pooling}"
+                )
 
 
 def _selfattention(recipe: Any, spec: Any) -> Any:

@@ -64,16 +64,18 @@ class ESAPool(nn.Module):
         return esa_aggregate(features, self.linear1(features), keep)
 
 
-def draw_region_keep(lengths: torch.Tensor, width: int, drop: float, within_lengths: bool,
-                     generator: torch.Generator | None) -> torch.Tensor:  # fmt: skip
+def draw_region_keep(
+    lengths: torch.Tensor, width: int, drop: float, within_lengths: bool, generator: torch.Generator | None
+) -> torch.Tensor:
     """[B, TRAIN_VIEWS, width] bool: each position of each view kept when its uniform draw is >= `drop`.
 
     `within_lengths=False` is the release (every padded position drawn like a region, nothing guaranteed);
     True draws among each set's own positions only, and a view that drew none keeps its set's first region."""
     dev = lengths.device
     b = lengths.shape[0]
-    u = to_device_async(torch.rand(b, TRAIN_VIEWS, width, generator=generator, device=generator_device(generator)),
-                        dev)  # fmt: skip
+    u = to_device_async(
+        torch.rand(b, TRAIN_VIEWS, width, generator=generator, device=generator_device(generator)), dev
+    )
     keep = u >= drop
     if within_lengths:
         valid = length_mask(lengths, width).unsqueeze(1)
@@ -83,8 +85,9 @@ def draw_region_keep(lengths: torch.Tensor, width: int, drop: float, within_leng
     return keep
 
 
-def draw_word_keep(shape: tuple[int, ...], drop: float, generator: torch.Generator | None,
-                   device: torch.device) -> torch.Tensor:  # fmt: skip
+def draw_word_keep(
+    shape: tuple[int, ...], drop: float, generator: torch.Generator | None, device: torch.device
+) -> torch.Tensor:
     """Dropout's keep mask (each entry kept with probability 1 - `drop`) of the given shape."""
     u = torch.rand(shape, generator=generator, device=generator_device(generator))
     return to_device_async(u >= drop, device)
@@ -93,8 +96,14 @@ def draw_word_keep(shape: tuple[int, ...], drop: float, generator: torch.Generat
 class ESAImageEncoder(nn.Module):
     """Region features -> fc + residual MLP -> ESA aggregator -> L2 (two views in training)."""
 
-    def __init__(self, img_dim: int, embed_dim: int, cfg: ImageEncoderConfig, normalize: bool = True,
-                 l2_form: str = "clamp") -> None:  # fmt: skip
+    def __init__(
+        self,
+        img_dim: int,
+        embed_dim: int,
+        cfg: ImageEncoderConfig,
+        normalize: bool = True,
+        l2_form: str = "clamp",
+    ) -> None:
         super().__init__()
         self.fc = xavier_linear(img_dim, embed_dim)
         self.mlp = ResidualMLP(img_dim, cfg.mlp_hidden, embed_dim)
@@ -139,20 +148,32 @@ class ESATextEncoder(BiGRUTextEncoder):
 
     draws_in_training = True  # VSEModel.encode_texts gives it the training step's generator
 
-    def __init__(self, vocab_words: list[str], embed_dim: int, cfg: TextEncoderConfig, normalize: bool = True,
-                 l2_form: str = "clamp") -> None:  # fmt: skip
+    def __init__(
+        self,
+        vocab_words: list[str],
+        embed_dim: int,
+        cfg: TextEncoderConfig,
+        normalize: bool = True,
+        l2_form: str = "clamp",
+    ) -> None:
         super().__init__(len(vocab_words), embed_dim, cfg, normalize, l2_form)
         if not isinstance(self.pool, ESAPool):
             raise ValueError("the ESA text encoder needs model.text.pooling.name=esa")
         vocab = Vocabulary(vocab_words)
         w = vocab.word2idx
-        self.ids = {"mask_id": w[MASK], "random_range": vocab.random_word_range(), "start_id": w[START],
-                    "end_id": w[END], "pad_id": w[PAD]}  # fmt: skip
+        self.ids = {
+            "mask_id": w[MASK],
+            "random_range": vocab.random_word_range(),
+            "start_id": w[START],
+            "end_id": w[END],
+            "pad_id": w[PAD],
+        }
         self.augment_prob = cfg.pooling.esa_caption_augment
         self.train_drop = cfg.pooling.esa_word_dropout
 
-    def draw_caption_copies(self, tokens: torch.Tensor, lengths: torch.Tensor,
-                            generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def draw_caption_copies(
+        self, tokens: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """TRAIN_VIEWS augmented copies of each caption: ([B*V, L], [B*V]), copy v of caption b at row b*V + v."""
         dev = generator_device(generator)
         t, n = tokens.to(dev), lengths.to(dev)

@@ -48,8 +48,9 @@ def xavier_linear(d_in: int, d_out: int) -> nn.Linear:
     return layer
 
 
-def grid_size_augment(feats: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None,
-                      drop_max: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def grid_size_augment(
+    feats: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None, drop_max: float = 0.2
+) -> tuple[torch.Tensor, torch.Tensor]:
     """VSE∞ grid augmentation, vectorised: 80% of images drop each cell with prob drop_max*U(0.2,1).
 
     Returns (features [b, n, D] with each set's kept cells packed to the front and zeros after, lengths [b]).
@@ -92,8 +93,14 @@ def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class PrecompImageEncoder(nn.Module):
-    def __init__(self, img_dim: int, embed_dim: int, cfg: ImageEncoderConfig, normalize: bool = True,
-                 l2_form: str = "clamp") -> None:  # fmt: skip
+    def __init__(
+        self,
+        img_dim: int,
+        embed_dim: int,
+        cfg: ImageEncoderConfig,
+        normalize: bool = True,
+        l2_form: str = "clamp",
+    ) -> None:
         super().__init__()
         self.feature_type = cfg.feature_type
         self.l2_form = l2_form
@@ -110,7 +117,9 @@ class PrecompImageEncoder(nn.Module):
             x = x + self.mlp(feats, mask, self.mlp_on_padding)
         return x
 
-    def forward(self, feats: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    def forward(
+        self, feats: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
         lengths = lengths.to(feats.device, non_blocking=True)  # free when already there (the trainer's case)
         if self.mlp is None and isinstance(self.pool, AvgPool):
             # mean(W x_i + b) = W mean(x_i) + b: pooling first runs the linear layer on one row per image,
@@ -124,8 +133,14 @@ class PrecompImageEncoder(nn.Module):
 class BackboneImageEncoder(nn.Module):
     """CNN grid features -> linear -> pooling, trainable end to end."""
 
-    def __init__(self, embed_dim: int, cfg: ImageEncoderConfig, normalize: bool = True, grid_drop_max: float = 0.2,
-                 size_augment: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        embed_dim: int,
+        cfg: ImageEncoderConfig,
+        normalize: bool = True,
+        grid_drop_max: float = 0.2,
+        size_augment: bool = True,
+    ) -> None:
         super().__init__()
         from vsekit.features.backbones import build_backbone
 
@@ -149,7 +164,9 @@ class BackboneImageEncoder(nn.Module):
         if not trainable:
             return
         stages = self.cnn.stages
-        chosen = stages if self.trainable_blocks < 0 else stages[max(0, len(stages) - self.trainable_blocks) :]
+        chosen = (
+            stages if self.trainable_blocks < 0 else stages[max(0, len(stages) - self.trainable_blocks) :]
+        )
         for m in chosen:
             for p in m.parameters():
                 p.requires_grad = True
@@ -161,8 +178,12 @@ class BackboneImageEncoder(nn.Module):
                 m.eval()
         return self
 
-    def forward(self, pixels: torch.Tensor, lengths: torch.Tensor | None = None,
-                generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        pixels: torch.Tensor,
+        lengths: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         grid = self.cnn(pixels)  # [B, C, H, W]
         feats = grid.flatten(2).transpose(1, 2)
         lengths = torch.full((feats.shape[0],), feats.shape[1], dtype=torch.long, device=feats.device)

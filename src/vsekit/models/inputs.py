@@ -60,14 +60,18 @@ def _as_tensor(x: Any, what: str) -> torch.Tensor:
 
 def _integers(x: Any, what: str) -> torch.Tensor:
     """Integer values as a long tensor: integer dtypes, or floats that hold whole numbers; lists accepted."""
-    if isinstance(x, (list, tuple)) and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in x):
+    if isinstance(x, (list, tuple)) and all(
+        isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in x
+    ):
         x = np.asarray(x, dtype=np.int64)
     t = _as_tensor(x, what)
     if t.dtype == torch.bool or t.is_complex():
         raise ModelInputError(f"{what} must be integers, got dtype {t.dtype}")
     if t.is_floating_point():
         if not bool(((t == t.round()) & torch.isfinite(t)).all()):
-            raise ModelInputError(f"{what} must be whole numbers, got dtype {t.dtype} with fractional or non-finite values")
+            raise ModelInputError(
+                f"{what} must be whole numbers, got dtype {t.dtype} with fractional or non-finite values"
+            )
     return t.long()
 
 
@@ -76,7 +80,9 @@ def _check_lengths(lengths: Any, batch: int, longest: int, device: torch.device,
     lengths = _integers(lengths, what)
     host = lengths.detach().cpu()
     if tuple(host.shape) != (batch,) or int(host.min()) < 1 or int(host.max()) > longest:
-        shown = tuple(host.shape) if tuple(host.shape) != (batch,) else f"{int(host.min())}..{int(host.max())}"
+        shown = (
+            tuple(host.shape) if tuple(host.shape) != (batch,) else f"{int(host.min())}..{int(host.max())}"
+        )
         raise ModelInputError(f"{what} must be [batch]={batch} values in 1..{longest}, got {shown}")
     return lengths.to(device)
 
@@ -94,7 +100,9 @@ def _check_strings(texts: Any, what: str) -> list[str]:
     elif isinstance(texts, np.ndarray) and texts.dtype.kind == "U" and texts.ndim == 1:
         texts = texts.tolist()
     if not isinstance(texts, (list, tuple)):
-        raise ModelInputTypeError(f"{what}: expected a string or a list of strings, got {type(texts).__name__}")
+        raise ModelInputTypeError(
+            f"{what}: expected a string or a list of strings, got {type(texts).__name__}"
+        )
     if not texts:
         raise ModelInputError(f"{what}: the list of texts is empty")
     for i, t in enumerate(texts):
@@ -104,8 +112,10 @@ def _check_strings(texts: Any, what: str) -> list[str]:
             try:
                 t.encode("utf-8")
             except UnicodeEncodeError as e:
-                raise ModelInputError(f"{what}: text[{i}] is not valid Unicode: a lone surrogate {t[e.start]!r} at "
-                                      f"position {e.start} (decode the bytes as UTF-8 first)") from None  # fmt: skip
+                raise ModelInputError(
+                    f"{what}: text[{i}] is not valid Unicode: a lone surrogate {t[e.start]!r} at "
+                    f"position {e.start} (decode the bytes as UTF-8 first)"
+                ) from None
     return list(texts)
 
 
@@ -154,26 +164,36 @@ def _token_ids(model: VSEModel, text: Any) -> torch.Tensor:
     """Token ids [B, L] checked against the run's text encoder (dtype, shape, vocabulary, positions)."""
     if isinstance(text, (list, tuple)):
         kinds = sorted({type(t).__name__ for t in text})
-        raise ModelInputTypeError(f"encode_text: a list of {', '.join(kinds)} is not text: give strings, or token ids "
-                                  "[batch, length] as a torch.Tensor or numpy array")  # fmt: skip
+        raise ModelInputTypeError(
+            f"encode_text: a list of {', '.join(kinds)} is not text: give strings, or token ids "
+            "[batch, length] as a torch.Tensor or numpy array"
+        )
     tokens = _as_tensor(text, "encode_text")
     if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
         raise ModelInputError(f"encode_text: token ids must be integers, got dtype {tokens.dtype}")
     if tokens.ndim != 2:
         hint = " (one caption: ids[None])" if tokens.ndim == 1 else ""
-        raise ModelInputError(f"encode_text: token ids must be [batch, length], got {tuple(tokens.shape)}{hint}")
+        raise ModelInputError(
+            f"encode_text: token ids must be [batch, length], got {tuple(tokens.shape)}{hint}"
+        )
     if 0 in tokens.shape:
-        raise ModelInputError(f"encode_text: token ids {tuple(tokens.shape)} are empty: need at least one caption "
-                              "of at least one token")  # fmt: skip
+        raise ModelInputError(
+            f"encode_text: token ids {tuple(tokens.shape)} are empty: need at least one caption "
+            "of at least one token"
+        )
     vocab = text_vocab_size(model)
     lo, hi = (int(v) for v in torch.stack(torch.aminmax(tokens)).tolist())
     if lo < 0 or hi >= vocab:
-        raise ModelInputError(f"encode_text: token id {lo if lo < 0 else hi} is outside this run's vocabulary "
-                              f"(ids 0..{vocab - 1})")  # fmt: skip
+        raise ModelInputError(
+            f"encode_text: token id {lo if lo < 0 else hi} is outside this run's vocabulary "
+            f"(ids 0..{vocab - 1})"
+        )
     positions = text_positions(model)
     if positions is not None and tokens.shape[1] > positions:
-        raise ModelInputError(f"encode_text: token ids are {tokens.shape[1]} long, but this run's text model has "
-                              f"{positions} positions")  # fmt: skip
+        raise ModelInputError(
+            f"encode_text: token ids are {tokens.shape[1]} long, but this run's text model has "
+            f"{positions} positions"
+        )
     return tokens
 
 
@@ -184,8 +204,10 @@ def encode_text(model: VSEModel, text: Any, lengths: Any = None) -> torch.Tensor
     B, L >= 1) within the run's vocabulary and, for a transformer, its position table. `lengths`: [B] integers
     in 1..L. Anything else is a `ModelInputError` naming the argument."""
     device = model_device(model)
-    if isinstance(text, str) or (isinstance(text, (list, tuple)) and any(isinstance(t, str) for t in text)) or (
-        isinstance(text, np.ndarray) and text.dtype.kind == "U"
+    if (
+        isinstance(text, str)
+        or (isinstance(text, (list, tuple)) and any(isinstance(t, str) for t in text))
+        or (isinstance(text, np.ndarray) and text.dtype.kind == "U")
     ):
         tokens, lengths = _tokenize(model, text, "encode_text")
     elif isinstance(text, (list, tuple)) and not text:
@@ -232,55 +254,77 @@ def _pixels(model: VSEModel, images: Any, device: torch.device) -> torch.Tensor:
     if x.ndim == 3 and x.shape[0] == 3:  # one picture [3, S, S], as `preprocess` returns it
         x = x.unsqueeze(0)
     if x.ndim != 4 or x.shape[1] != 3:
-        raise ModelInputError(f"encode_image: this run takes pixels [batch, 3, height, width], got {tuple(x.shape)}")
+        raise ModelInputError(
+            f"encode_image: this run takes pixels [batch, 3, height, width], got {tuple(x.shape)}"
+        )
     if x.shape[0] == 0:
         raise ModelInputError("encode_image: the batch is empty (0 pictures)")
     if tuple(x.shape[2:]) != (size, size):
-        raise ModelInputError(f"encode_image: pixels are {x.shape[2]}x{x.shape[3]} but this run takes {size}x{size}: "
-                              "give the pictures themselves (PIL images or paths) or model.preprocess(picture), "
-                              "which resize with the run's own transform")  # fmt: skip
+        raise ModelInputError(
+            f"encode_image: pixels are {x.shape[2]}x{x.shape[3]} but this run takes {size}x{size}: "
+            "give the pictures themselves (PIL images or paths) or model.preprocess(picture), "
+            "which resize with the run's own transform"
+        )
     if x.dtype == torch.uint8:
         t = pixel_transform_of(model)
         mean = torch.tensor(t.mean, dtype=torch.float32, device=device).view(1, 3, 1, 1)
         std = torch.tensor(t.std, dtype=torch.float32, device=device).view(1, 3, 1, 1)
         return (x.to(device=device, dtype=torch.float32) / 255.0 - mean) / std
     if not x.is_floating_point():
-        raise ModelInputError(f"encode_image: pixels of dtype {x.dtype}: give float pixels normalised as "
-                              "model.preprocess makes them, or uint8 pixels in 0..255 (scaled for you)")  # fmt: skip
+        raise ModelInputError(
+            f"encode_image: pixels of dtype {x.dtype}: give float pixels normalised as "
+            "model.preprocess makes them, or uint8 pixels in 0..255 (scaled for you)"
+        )
     x = x.to(device=device, dtype=torch.float32)
     peak, limit = float(x.detach().abs().amax()), pixel_limit(model)
     if not peak <= limit:  # one host sync: NaN and inf fail this too
         if not math.isfinite(peak):
             raise ModelInputError(f"encode_image: pixels hold NaN or inf ({_count_bad(x)})")
-        raise ModelInputError(f"encode_image: pixel values reach {peak:.4g}, far outside the run's normalised "
-                              f"range (|x| <= {limit:.3g}): pixels in 0..255 go in as uint8 (scaled and "
-                              "normalised for you), pictures through model.preprocess")  # fmt: skip
+        raise ModelInputError(
+            f"encode_image: pixel values reach {peak:.4g}, far outside the run's normalised "
+            f"range (|x| <= {limit:.3g}): pixels in 0..255 go in as uint8 (scaled and "
+            "normalised for you), pictures through model.preprocess"
+        )
     return x
 
 
-def _features(model: VSEModel, images: Any, lengths: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _features(
+    model: VSEModel, images: Any, lengths: Any, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Precomputed features [B, R, D] float32 and lengths [B], checked."""
     from PIL import Image
 
     if isinstance(images, (Image.Image, str, Path)):
-        _preprocess(model, images, "encode_image")  # raises: this run takes precomputed features, not pictures
+        _preprocess(
+            model, images, "encode_image"
+        )  # raises: this run takes precomputed features, not pictures
     dim = model.spec.img_dim
     x = _as_tensor(images, "encode_image")
     if x.ndim == 2 and x.shape[-1] == dim:
-        raise ModelInputError(f"encode_image: features {tuple(x.shape)} are 2-D but this run takes sets [batch, "
-                              f"regions, {dim}]: one picture's regions are x[None] ([1, {x.shape[0]}, {dim}]), "
-                              f"one vector per picture x[:, None] ([{x.shape[0]}, 1, {dim}])")  # fmt: skip
+        raise ModelInputError(
+            f"encode_image: features {tuple(x.shape)} are 2-D but this run takes sets [batch, "
+            f"regions, {dim}]: one picture's regions are x[None] ([1, {x.shape[0]}, {dim}]), "
+            f"one vector per picture x[:, None] ([{x.shape[0]}, 1, {dim}])"
+        )
     if x.ndim != 3 or x.shape[-1] != dim:
-        raise ModelInputError(f"encode_image: this run takes features [batch, regions, {dim}], got {tuple(x.shape)}")
+        raise ModelInputError(
+            f"encode_image: this run takes features [batch, regions, {dim}], got {tuple(x.shape)}"
+        )
     if x.shape[0] == 0 or x.shape[1] == 0:
-        raise ModelInputError(f"encode_image: features {tuple(x.shape)} are empty: need at least one picture of "
-                              "at least one region")  # fmt: skip
+        raise ModelInputError(
+            f"encode_image: features {tuple(x.shape)} are empty: need at least one picture of "
+            "at least one region"
+        )
     if x.dtype == torch.bool or x.is_complex():
         raise ModelInputError(f"encode_image: features must be real numbers, got dtype {x.dtype}")
-    if not x.is_floating_point():  # uint8 is pixels, which a feature run cannot take; no extractor writes integers
-        raise ModelInputError(f"encode_image: features of dtype {x.dtype}: this run takes precomputed float features "
-                              f"[batch, regions, {dim}] from its feature extractor, not pixels or integers "
-                              "(docs/data.md)")  # fmt: skip
+    if (
+        not x.is_floating_point()
+    ):  # uint8 is pixels, which a feature run cannot take; no extractor writes integers
+        raise ModelInputError(
+            f"encode_image: features of dtype {x.dtype}: this run takes precomputed float features "
+            f"[batch, regions, {dim}] from its feature extractor, not pixels or integers "
+            "(docs/data.md)"
+        )
     x = x.to(device=device, dtype=torch.float32)
     if not bool(torch.isfinite(x).all()):
         raise ModelInputError(f"encode_image: features hold NaN or inf ({_count_bad(x)})")
@@ -303,8 +347,9 @@ def encode_image(model: VSEModel, images: Any, lengths: Any = None, **kwargs: An
     allowed = {"generator", "view_indices"} if kind == "vit" else {"generator"}
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
-        raise ModelInputTypeError(f"encode_image: unexpected argument {unknown[0]!r} (this run takes "
-                                  f"{', '.join(sorted(allowed))})")  # fmt: skip
+        raise ModelInputTypeError(
+            f"encode_image: unexpected argument {unknown[0]!r} (this run takes {', '.join(sorted(allowed))})"
+        )
     if not reads_pixels(kind):
         x, lengths = _features(model, images, lengths, device)
     else:
@@ -320,13 +365,16 @@ def _preprocess(model: VSEModel, image: Any, what: str) -> torch.Tensor:
     from vsekit.features.backbones import pixel_transform_of
 
     if not reads_pixels(model.recipe.model.image.kind):
-        raise ModelInputError(f"{what}: this run takes precomputed features, not pictures: extract them with the "
-                              "run's feature extractor (see docs/data.md)")  # fmt: skip
+        raise ModelInputError(
+            f"{what}: this run takes precomputed features, not pictures: extract them with the "
+            "run's feature extractor (see docs/data.md)"
+        )
     if isinstance(image, (str, Path)):
         image = open_image(image)
     if not isinstance(image, Image.Image):
-        raise ModelInputTypeError(f"{what}: expected a picture (a PIL image or the path to one), got "
-                                  f"{type(image).__name__}")  # fmt: skip
+        raise ModelInputTypeError(
+            f"{what}: expected a picture (a PIL image or the path to one), got {type(image).__name__}"
+        )
     if image.width < 1 or image.height < 1:
         raise ModelInputError(f"{what}: the picture is {image.width}x{image.height} pixels: empty")
     return backbone_pixels(image, model.recipe.model.image.image_size, pixel_transform_of(model))
@@ -338,7 +386,9 @@ def preprocess(model: VSEModel, image: Any) -> torch.Tensor:
     return _preprocess(model, image, "preprocess")
 
 
-def check_similarity_inputs(model: VSEModel, image_emb: Any, text_emb: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def check_similarity_inputs(
+    model: VSEModel, image_emb: Any, text_emb: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(image_emb, text_emb) as tensors of one dtype, or a `ModelInputError` naming the side whose shape is not
     what the run's encoders give ([n, views x D] and [n, D]), or, for a model in eval mode (as `vsekit.load`
     returns it), that holds NaN or inf: a NaN score would rank as nothing and silently. In train mode the
@@ -348,20 +398,30 @@ def check_similarity_inputs(model: VSEModel, image_emb: Any, text_emb: Any) -> t
     img = _as_tensor(image_emb, "similarity: image embeddings")
     txt = _as_tensor(text_emb, "similarity: caption embeddings")
     views = int(model.recipe.model.image.views)
-    sets = bool(getattr(model.sim, "takes_sets", False))  # late interaction (CHAN): each item a set of vectors
+    sets = bool(
+        getattr(model.sim, "takes_sets", False)
+    )  # late interaction (CHAN): each item a set of vectors
     for name, t, w in (("image", img, width), ("caption", txt, d)):
         if sets:
             if t.ndim != 3 or t.shape[2] != d or 0 in t.shape[:2]:
-                raise ModelInputError(f"similarity: {name} embeddings of this run are sets [n_{name}s, set size, {d}] "
-                                      f"as its encoders give them, got {tuple(t.shape)}")  # fmt: skip
+                raise ModelInputError(
+                    f"similarity: {name} embeddings of this run are sets [n_{name}s, set size, {d}] "
+                    f"as its encoders give them, got {tuple(t.shape)}"
+                )
         elif name == "image" and views > 1 and t.ndim == 3 and tuple(t.shape[1:]) == (views, d):
             pass  # multi-view embeddings as [n, views, D] (what an index stores) are the same numbers
         elif t.ndim != 2 or t.shape[1] != w:
-            raise ModelInputError(f"similarity: {name} embeddings must be [n_{name}s, {w}], got {tuple(t.shape)}")
+            raise ModelInputError(
+                f"similarity: {name} embeddings must be [n_{name}s, {w}], got {tuple(t.shape)}"
+            )
         if not t.is_floating_point():
-            raise ModelInputError(f"similarity: {name} embeddings must be floating point, got dtype {t.dtype}")
+            raise ModelInputError(
+                f"similarity: {name} embeddings must be floating point, got dtype {t.dtype}"
+            )
     if img.device != txt.device:
-        raise ModelInputError(f"similarity: image embeddings are on {img.device}, caption embeddings on {txt.device}")
+        raise ModelInputError(
+            f"similarity: image embeddings are on {img.device}, caption embeddings on {txt.device}"
+        )
     if not model.training:
         for name, t in (("image", img), ("caption", txt)):
             if not bool(torch.isfinite(t).all()):  # one host sync per side, as encode_image's checks

@@ -68,8 +68,14 @@ def eval_view_priorities(views: int, lengths: torch.Tensor, max_len: int) -> tor
     return table.index_select(0, lengths.detach().to(torch.long).clamp(0, max_len))
 
 
-def view_groups(lengths: torch.Tensor, views: int, keep: float, max_len: int,
-                generator: torch.Generator | None = None, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def view_groups(
+    lengths: torch.Tensor,
+    views: int,
+    keep: float,
+    max_len: int,
+    generator: torch.Generator | None = None,
+    deterministic: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random groups of each set: (indices [B, views, max_len], lengths [B, views]).
 
     The first `lengths[b, k]` indices of row (b, k) are the positions view k of image b keeps (a sample
@@ -80,8 +86,10 @@ def view_groups(lengths: torch.Tensor, views: int, keep: float, max_len: int,
     if deterministic:
         prio = eval_view_priorities(views, lengths, max_len)
     else:  # drawn on the generator's device (the trainer's: the run's device), copied without a host sync if not
-        prio = to_device_async(torch.rand(b, views, max_len, generator=generator, device=generator_device(generator)),
-                               lengths.device)  # fmt: skip
+        prio = to_device_async(
+            torch.rand(b, views, max_len, generator=generator, device=generator_device(generator)),
+            lengths.device,
+        )
     valid = length_mask(lengths, max_len).unsqueeze(1)
     prio = prio.masked_fill(~valid, 2.0)  # padding sorts last
     order = prio.argsort(dim=-1, stable=True)
@@ -92,8 +100,14 @@ def view_groups(lengths: torch.Tensor, views: int, keep: float, max_len: int,
 class MultiViewImageEncoder(nn.Module):
     """`views` random groups of the image's set -> shared encoder + pooling per group -> concatenation."""
 
-    def __init__(self, img_dim: int, embed_dim: int, cfg: ImageEncoderConfig, normalize: bool = True,
-                 l2_form: str = "clamp") -> None:  # fmt: skip
+    def __init__(
+        self,
+        img_dim: int,
+        embed_dim: int,
+        cfg: ImageEncoderConfig,
+        normalize: bool = True,
+        l2_form: str = "clamp",
+    ) -> None:
         super().__init__()
         for name in ("view_keep_train", "view_keep_test"):
             keep = getattr(cfg, name)

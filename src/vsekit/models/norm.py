@@ -53,10 +53,20 @@ class MaskedBatchNorm1d(nn.BatchNorm1d):
         use_batch_stats = self.training or self.running_mean is None or self.running_var is None
         if not use_batch_stats:
             # rows are independent with running statistics: torch's own kernel, bit for bit the unpadded result
-            out = nn.functional.batch_norm(x.reshape(-1, c), self.running_mean, self.running_var, self.weight,
-                                           self.bias, False, 0.0, self.eps)  # fmt: skip
+            out = nn.functional.batch_norm(
+                x.reshape(-1, c),
+                self.running_mean,
+                self.running_var,
+                self.weight,
+                self.bias,
+                False,
+                0.0,
+                self.eps,
+            )
             return out.reshape(x.shape)
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # bf16/fp16: float32 statistics, as torch keeps
+        xf = x.to(
+            torch.promote_types(x.dtype, torch.float32)
+        )  # bf16/fp16: float32 statistics, as torch keeps
         valid = mask.reshape(-1, 1)
         rows = torch.where(valid, xf.reshape(-1, c), 0.0)  # padding as zeros: finite values and gradients
         # sums over the valid rows, reduced across ranks under torchrun (`reduce_sum`, set by

@@ -27,17 +27,30 @@ from vsekit.pooling.rnn import bigru_unpacked
 
 # a transformer directory holding any of these has weights; one with only config + tokenizer (an imported run)
 # gets a randomly initialised body whose weights come from the run's own safetensors
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 class BiGRUTextEncoder(nn.Module):
-    def __init__(self, vocab_size: int, embed_dim: int, cfg: TextEncoderConfig, normalize: bool = True,
-                 l2_form: str = "clamp") -> None:  # fmt: skip
+    def __init__(
+        self,
+        vocab_size: int,
+        embed_dim: int,
+        cfg: TextEncoderConfig,
+        normalize: bool = True,
+        l2_form: str = "clamp",
+    ) -> None:
         super().__init__()
         self.l2_form = l2_form
         self.embed = nn.Embedding(vocab_size, cfg.word_dim, padding_idx=0)
         nn.init.uniform_(self.embed.weight, -0.1, 0.1)
-        self.gru = nn.GRU(cfg.word_dim, embed_dim, num_layers=cfg.num_layers, batch_first=True, bidirectional=True)
+        self.gru = nn.GRU(
+            cfg.word_dim, embed_dim, num_layers=cfg.num_layers, batch_first=True, bidirectional=True
+        )
         self.pool = create_pooling(cfg.pooling, embed_dim)
         self.normalize = normalize
 
@@ -53,7 +66,9 @@ class BiGRUTextEncoder(nn.Module):
     def recurrent(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """The BiGRU on word vectors x [B, T, word_dim] (`token_features` after the embedding lookup)."""
         if x.device.type == "cpu" and not torch.compiler.is_compiling():
-            packed = pack_padded_sequence(x, lengths.cpu().clamp(min=1), batch_first=True, enforce_sorted=False)
+            packed = pack_padded_sequence(
+                x, lengths.cpu().clamp(min=1), batch_first=True, enforce_sorted=False
+            )
             out, _ = self.gru(packed)
             out, _ = pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])
         else:
@@ -74,8 +89,14 @@ class BagOfWordsTextEncoder(nn.Module):
     a model gains over it comes from more than which words a caption contains.
     """
 
-    def __init__(self, vocab_size: int, embed_dim: int, cfg: TextEncoderConfig, normalize: bool = True,
-                 l2_form: str = "clamp") -> None:  # fmt: skip
+    def __init__(
+        self,
+        vocab_size: int,
+        embed_dim: int,
+        cfg: TextEncoderConfig,
+        normalize: bool = True,
+        l2_form: str = "clamp",
+    ) -> None:
         super().__init__()
         self.l2_form = l2_form
         self.embed = nn.Embedding(vocab_size, embed_dim, padding_idx=0)
@@ -116,7 +137,9 @@ def library_progress_bars() -> Iterator[None]:
 
     from transformers.utils import logging as hf_logging
 
-    hub_tqdm = importlib.import_module("huggingface_hub.utils.tqdm")  # the module (the package exports a class)
+    hub_tqdm = importlib.import_module(
+        "huggingface_hub.utils.tqdm"
+    )  # the module (the package exports a class)
     was_on, hub_states = hf_logging.is_progress_bar_enabled(), dict(hub_tqdm.progress_bar_states)
     with warnings.catch_warnings():  # the Hub warns when HF_HUB_DISABLE_PROGRESS_BARS overrides a switch
         warnings.simplefilter("ignore")
@@ -178,8 +201,14 @@ class FrozenStateCache:
 
 
 class TransformerTextEncoder(nn.Module):
-    def __init__(self, embed_dim: int, cfg: TextEncoderConfig, normalize: bool = True, model_path: str = "",
-                 l2_form: str = "clamp") -> None:  # fmt: skip
+    def __init__(
+        self,
+        embed_dim: int,
+        cfg: TextEncoderConfig,
+        normalize: bool = True,
+        model_path: str = "",
+        l2_form: str = "clamp",
+    ) -> None:
         super().__init__()
         from transformers import AutoConfig, AutoModel
 

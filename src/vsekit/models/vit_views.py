@@ -87,9 +87,14 @@ def nearest_patches(centres: torch.Tensor, grid: tuple[int, int], n_keep: int) -
     return torch.sort(d2, dim=-1, stable=True).indices[..., :n_keep]
 
 
-def radial_view_indices(grid: tuple[int, int], batch: int, views: int, n_keep: int,
-                        generator: torch.Generator | None = None,
-                        device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def radial_view_indices(
+    grid: tuple[int, int],
+    batch: int,
+    views: int,
+    n_keep: int,
+    generator: torch.Generator | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Released-style views: (centres [B, V], patch indices [B, V, n_keep]); centres uniform per image and view."""
     gen_device = generator.device if generator is not None else "cpu"
     centres = torch.randint(
@@ -195,8 +200,13 @@ class ViTMultiViewImageEncoder(nn.Module):
             x = out[0] if isinstance(out, tuple) else out
         return x
 
-    def sample_views(self, batch: int, grid: tuple[int, int], device: torch.device,
-                     generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+    def sample_views(
+        self,
+        batch: int,
+        grid: tuple[int, int],
+        device: torch.device,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         """[B, V, n] patch indices: `generator` when given; eval mode otherwise a fixed-seed generator."""
         n_keep = kept_patches(grid[0] * grid[1], self.keep_train if self.training else self.keep_test)
         if generator is None and not self.training:
@@ -204,8 +214,12 @@ class ViTMultiViewImageEncoder(nn.Module):
         return radial_view_indices(grid, batch, self.views, n_keep, generator, device)[1]
 
     # ---- forward ------------------------------------------------------------------------------------
-    def encode(self, pixels: torch.Tensor, generator: torch.Generator | None = None,
-               view_indices: torch.Tensor | None = None) -> MultiViewOutput:  # fmt: skip
+    def encode(
+        self,
+        pixels: torch.Tensor,
+        generator: torch.Generator | None = None,
+        view_indices: torch.Tensor | None = None,
+    ) -> MultiViewOutput:
         """The full pass with its intermediates (see `MultiViewOutput`)."""
         x, grid = self.embed_pixels(pixels)  # [B, 1+N, H]
         b, _, h = x.shape
@@ -233,7 +247,11 @@ class ViTMultiViewImageEncoder(nn.Module):
             pooled, weights = self.pool(local, lengths, return_weights=True)
         else:
             pooled, weights = self.pool(local, lengths), None
-        emb = l2_normalize(pooled, "add_eps" if self.l2_eps_outside_sqrt else "clamp") if self.normalize else pooled
+        emb = (
+            l2_normalize(pooled, "add_eps" if self.l2_eps_outside_sqrt else "clamp")
+            if self.normalize
+            else pooled
+        )
         emb = (
             emb.reshape(self.views, b, self.embed_dim).transpose(0, 1).reshape(b, self.views * self.embed_dim)
         )
@@ -249,9 +267,13 @@ class ViTMultiViewImageEncoder(nn.Module):
             weights=None if weights is None else weights.reshape(v, b, -1),
         )
 
-    def forward(self, pixels: torch.Tensor, lengths: torch.Tensor | None = None,
-                generator: torch.Generator | None = None,
-                view_indices: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        pixels: torch.Tensor,
+        lengths: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+        view_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """[B, 3, H, W] pixels -> [B, views * E]. `lengths` is ignored (the patch grid is the set)."""
         del lengths
         return self.encode(pixels, generator, view_indices).emb
@@ -301,8 +323,17 @@ def _installed_vit_keys() -> frozenset[str]:
     """Module keys for the installed transformers' ViT, read off a throwaway tiny instance."""
     from transformers import ViTConfig, ViTModel
 
-    tiny = ViTModel(ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8,
-                              image_size=4, patch_size=2), add_pooling_layer=True)  # fmt: skip
+    tiny = ViTModel(
+        ViTConfig(
+            hidden_size=8,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=8,
+            image_size=4,
+            patch_size=2,
+        ),
+        add_pooling_layer=True,
+    )
     return frozenset("vit." + k for k in tiny.state_dict())
 
 
@@ -352,8 +383,9 @@ def released_vit_key(name: str, own_keys: Collection[str] | None = None) -> str:
     raise KeyError(f"no counterpart for released key {name!r} among this module's keys (tried {tried}...)")
 
 
-def convert_released_image_state(state: Mapping[str, torch.Tensor],
-                                 own_keys: Collection[str] | None = None) -> tuple[dict[str, torch.Tensor], list[str]]:  # fmt: skip
+def convert_released_image_state(
+    state: Mapping[str, torch.Tensor], own_keys: Collection[str] | None = None
+) -> tuple[dict[str, torch.Tensor], list[str]]:
     """(image part renamed to this module's keys, remaining released keys) from a released `model` dict."""
     keys = None if own_keys is None else set(own_keys)
     mapped: dict[str, torch.Tensor] = {}

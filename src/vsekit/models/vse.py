@@ -41,10 +41,14 @@ class VSEModel(nn.Module):
         self.text_encoder = registry.get("text_encoder", m.text.kind).build(recipe, spec)
         self.sim = create_similarity(m.similarity, m.embed_dim, m.image.views)
 
-    def encode_images(self, images: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    def encode_images(
+        self, images: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
         return self.image_encoder(images, lengths, generator=generator)
 
-    def encode_texts(self, tokens: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    def encode_texts(
+        self, tokens: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
         # an encoder with random draws of its own in training (ESA's caption copies) takes the step's generator
         if getattr(self.text_encoder, "draws_in_training", False):
             return self.text_encoder(tokens, lengths, generator=generator)
@@ -59,7 +63,9 @@ class VSEModel(nn.Module):
         for side, encoder in (("image", self.image_encoder), ("text", self.text_encoder)):
             pool = getattr(encoder, "pool", None)
             if not isinstance(pool, nn.Module):
-                raise ValueError(f"the {side} encoder {type(encoder).__name__} has no pooling whose set a loss could read")
+                raise ValueError(
+                    f"the {side} encoder {type(encoder).__name__} has no pooling whose set a loss could read"
+                )
 
             def keep(module: nn.Module, args: tuple, output: torch.Tensor, side: str = side) -> None:
                 sets[side] = (args[0], args[1])
@@ -122,4 +128,7 @@ class VSEModel(nn.Module):
         groups: dict[float, list] = {}
         for p in self.parameters():
             groups.setdefault(special.get(id(p), 1.0), []).append(p)
-        return [{"params": ps, "lr": lr * mult, "lr_mult": mult} for mult, ps in sorted(groups.items(), reverse=True)]
+        return [
+            {"params": ps, "lr": lr * mult, "lr_mult": mult}
+            for mult, ps in sorted(groups.items(), reverse=True)
+        ]

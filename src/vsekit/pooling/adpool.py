@@ -39,11 +39,19 @@ class ADPool(nn.Module):
     token-level weights `token[B, N]` (`[B, N, D]` for the reference variant; None when disabled).
     """
 
-    def __init__(self, dim: int, token_level: bool = True, embedding_level: bool = True, variant: str = "paper",
-                 mask_padding: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dim: int,
+        token_level: bool = True,
+        embedding_level: bool = True,
+        variant: str = "paper",
+        mask_padding: bool = True,
+    ) -> None:
         super().__init__()
         if not (token_level or embedding_level):
-            raise ValueError("ADPool needs at least one branch: token_level and embedding_level are both False")
+            raise ValueError(
+                "ADPool needs at least one branch: token_level and embedding_level are both False"
+            )
         if variant not in ADPOOL_VARIANTS:
             raise ValueError(f"ADPool variant {variant!r}; choose one of {', '.join(ADPOOL_VARIANTS)}")
         if dim < 1:
@@ -68,15 +76,21 @@ class ADPool(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
         """Runs saved before the reference variant kept the released balance bias load with bias 0 (it cancels)."""
         key = f"{prefix}balance.bias"
-        if self.balance is not None and self.balance.bias is not None and key not in state_dict \
-                and f"{prefix}balance.weight" in state_dict:  # fmt: skip
+        if (
+            self.balance is not None
+            and self.balance.bias is not None
+            and key not in state_dict
+            and f"{prefix}balance.weight" in state_dict
+        ):
             state_dict[key] = torch.zeros_like(self.balance.bias)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, token_level={self.token_level}, embedding_level={self.embedding_level}, variant={self.variant}"
 
-    def _token_pool(self, x: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _token_pool(
+        self, x: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Eq. 3: sorted ranks weighted by a softmax over ranks (padding ranks sit at the end, masked)."""
         assert self.token_scorer is not None
         ordered = sort_desc_per_dim(x, lengths)  # [B, N, D], padded ranks are zeros at the end
@@ -102,7 +116,9 @@ class ADPool(nn.Module):
         self, features: torch.Tensor, lengths: torch.Tensor, return_weights: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
         if features.ndim != 3 or features.shape[-1] != self.dim:
-            raise ValueError(f"ADPool(dim={self.dim}) expects features [B, N, {self.dim}], got {tuple(features.shape)}")
+            raise ValueError(
+                f"ADPool(dim={self.dim}) expects features [B, N, {self.dim}], got {tuple(features.shape)}"
+            )
         if lengths.shape != features.shape[:1]:
             raise ValueError(f"lengths must be [B]={features.shape[0]}, got {tuple(lengths.shape)}")
         # checked where it is free (CPU lengths, eager): on a GPU it would read the lengths back every call

@@ -25,8 +25,12 @@ def sort_values_desc(values: torch.Tensor) -> torch.Tensor:
     along the last dimension carries the gradient: about 2x faster. Other devices and dtypes, and code being
     compiled (numpy is outside the graph), use torch.sort.
     """
-    if values.device.type != "cpu" or values.dtype not in (torch.float32, torch.float64) or values.numel() == 0 \
-            or torch.compiler.is_compiling():  # fmt: skip
+    if (
+        values.device.type != "cpu"
+        or values.dtype not in (torch.float32, torch.float64)
+        or values.numel() == 0
+        or torch.compiler.is_compiling()
+    ):
         return values.sort(dim=1, descending=True).values
     by_dim = values.transpose(1, 2).contiguous()  # [B, D, N]
     keys = np.negative(by_dim.detach().numpy())

@@ -26,7 +26,9 @@ def positional_encoding_1d(d_model: int, length: int, device: torch.device | Non
     if d_model % 2:
         raise ValueError(f"positional encoding needs an even size, got {d_model}")
     position = torch.arange(length, dtype=torch.float32, device=device).unsqueeze(1)
-    div_term = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32, device=device) * -(math.log(10000.0) / d_model))
+    div_term = torch.exp(
+        torch.arange(0, d_model, 2, dtype=torch.float32, device=device) * -(math.log(10000.0) / d_model)
+    )
     pe = torch.zeros(length, d_model, device=device)
     pe[:, 0::2] = torch.sin(position * div_term)
     pe[:, 1::2] = torch.cos(position * div_term)
@@ -118,4 +120,3 @@ class GPO(nn.Module):
         ordered = sort_desc_per_dim(features, lengths.to(features.device, non_blocking=True))
         pooled = (ordered * weights.unsqueeze(-1)).sum(1)
         return (pooled, weights) if return_weights else pooled
-

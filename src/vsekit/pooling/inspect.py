@@ -36,8 +36,13 @@ class PoolingProfile:
         return 0.5 * sum(abs(w - u) for w in self.weights)
 
     def as_dict(self) -> dict:
-        return {"encoder": self.encoder, "length": self.length, "effective_positions": self.effective_positions,
-                "distance_from_average": self.distance_from_average, "weights": self.weights}  # fmt: skip
+        return {
+            "encoder": self.encoder,
+            "length": self.length,
+            "effective_positions": self.effective_positions,
+            "distance_from_average": self.distance_from_average,
+            "weights": self.weights,
+        }
 
 
 def gpo_profiles(model: nn.Module, lengths: dict[str, int]) -> list[PoolingProfile]:
@@ -49,7 +54,9 @@ def gpo_profiles(model: nn.Module, lengths: dict[str, int]) -> list[PoolingProfi
     for name, module in model.named_modules():
         if not isinstance(module, GPO):
             continue
-        encoder = name.removesuffix(".pool") or "pool"  # e.g. image_encoder, text_encoder, image_encoder.views.1
+        encoder = (
+            name.removesuffix(".pool") or "pool"
+        )  # e.g. image_encoder, text_encoder, image_encoder.views.1
         n = next((v for k, v in lengths.items() if encoder.startswith(k)), None)
         if n is None:
             raise ValueError(f"no set size given for the GPO in {name!r} (have {sorted(lengths)})")

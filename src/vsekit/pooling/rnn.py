@@ -29,7 +29,9 @@ from torch import nn
 FLOAT16_RNN_AUTOCAST = ("cuda",)
 
 
-def gru_direction(x: torch.Tensor, params: list[torch.Tensor], hidden: int, train: bool = False) -> torch.Tensor:
+def gru_direction(
+    x: torch.Tensor, params: list[torch.Tensor], hidden: int, train: bool = False
+) -> torch.Tensor:
     """One layer, one direction of a GRU over batch-first `x` [B, T, I] from a zero state -> [B, T, hidden].
 
     `params` = [w_ih, w_hh(, b_ih, b_hh)] as `nn.GRU` names them for a layer/direction.

@@ -17,6 +17,7 @@ import torch
 
 from vsekit.data.precomp import DataFormatError
 from vsekit.errors import VseInputError
+from vsekit.models.image_parts import reads_pixels
 from vsekit.runs import load_run, weights_path
 from vsekit.search.chunks import encode_resumable
 from vsekit.search.encode import (
@@ -24,10 +25,12 @@ from vsekit.search.encode import (
     TextEmbedder,
     embed_features,
     needs_rerank,
+    pad_set_width,
     proxy_vectors,
     read_manifest_extractor,
     run_extractor_spec,
     same_extractor,
+    scores_sets,
 )
 from vsekit.search.faiss_index import FaissParams, check_trainable
 from vsekit.search.proxies import picture_proxies, view_width
@@ -43,26 +46,61 @@ from vsekit.search.store import (
 from vsekit.utils.io import sha256_file
 
 
-def build_index(run_dir: str | Path, source: str, out_dir: str | Path, *, checkpoint: str = "best",
-                params: FaissParams | None = None, device: str | torch.device = "cpu", batch_size: int = 16,
-                chunk_size: int = 256, pixels: bool = False, strict: bool = False,
-                captions_file: str | Path | None = None, progress: bool = True,
-                log: Callable[[str], None] = print) -> dict:  # fmt: skip
+def build_index(
+    run_dir: str | Path,
+    source: str,
+    out_dir: str | Path,
+    *,
+    checkpoint: str = "best",
+    params: FaissParams | None = None,
+    device: str | torch.device = "cpu",
+    batch_size: int = 16,
+    chunk_size: int = 256,
+    pixels: bool = False,
+    strict: bool = False,
+    captions_file: str | Path | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Embed the pictures of `source` with a trained run and write (or extend) the index in `out_dir`.
 
     Pictures already in the index are skipped, so rerunning after new files arrive only adds those. A run
     that is interrupted resumes from its last finished chunk. Returns the new index.json contents.
     """
     with writing(Path(out_dir), log):
-        return build_under_lock(run_dir, source, out_dir, checkpoint=checkpoint, params=params, device=device,
-                            batch_size=batch_size, chunk_size=chunk_size, pixels=pixels, strict=strict,
-                            captions_file=captions_file, progress=progress, log=log)  # fmt: skip
+        return build_under_lock(
+            run_dir,
+            source,
+            out_dir,
+            checkpoint=checkpoint,
+            params=params,
+            device=device,
+            batch_size=batch_size,
+            chunk_size=chunk_size,
+            pixels=pixels,
+            strict=strict,
+            captions_file=captions_file,
+            progress=progress,
+            log=log,
+        )
 
 
-def build_under_lock(run_dir: str | Path, source: str, out_dir: str | Path, *, checkpoint: str,
-                     params: FaissParams | None, device: str | torch.device, batch_size: int, chunk_size: int,
-                     pixels: bool, strict: bool, captions_file: str | Path | None, progress: bool,
-                     log: Callable[[str], None]) -> dict:  # fmt: skip
+def build_under_lock(
+    run_dir: str | Path,
+    source: str,
+    out_dir: str | Path,
+    *,
+    checkpoint: str,
+    params: FaissParams | None,
+    device: str | torch.device,
+    batch_size: int,
+    chunk_size: int,
+    pixels: bool,
+    strict: bool,
+    captions_file: str | Path | None,
+    progress: bool,
+    log: Callable[[str], None],
+) -> dict:
     """`build_index`'s work, for a caller that already holds `out_dir` (`store.writing`): `vse index --refresh`
     of a folder that holds no index yet."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
@@ -89,7 +127,9 @@ def build_under_lock(run_dir: str | Path, source: str, out_dir: str | Path, *, c
     present = {(p["root"], p["path"]) for p in old.pictures} if old else set()
     todo = [i for i, p in enumerate(src.paths) if (root_id, p) not in present]
     if old is not None and len(todo) < len(src.paths):
-        log(f"{len(src.paths) - len(todo)} of {len(src.paths)} pictures are already in the index; adding {len(todo)}")
+        log(
+            f"{len(src.paths) - len(todo)} of {len(src.paths)} pictures are already in the index; adding {len(todo)}"
+        )
     # everything that can be checked before the pictures are embedded is checked here, so no work is wasted
     if strict and src.problems:
         raise DataFormatError(src.problems[0])
@@ -110,8 +150,12 @@ def build_under_lock(run_dir: str | Path, source: str, out_dir: str | Path, *, c
         def load(j: int):
             return split.image_features(todo[j])
 
+        width = split.feature_shape[0] if scores_sets(model) else None
+
         def embed(items: list) -> torch.Tensor:
-            return embed_features(model, items, device)
+            out = embed_features(model, items, device)
+            # sets of region vectors: every batch padded to the split's widest, so every picture is stored alike
+            return out if width is None else pad_set_width(out, width)
     else:
         embedder = ImageEmbedder(model, run_cfg, device)
         mode = embedder.describe()
@@ -130,11 +174,13 @@ def build_under_lock(run_dir: str | Path, source: str, out_dir: str | Path, *, c
     # the job names what is embedded (and, for picture files, their bytes: a picture changed between an interrupted
     # run and its rerun gets a new job, so no chunk embedded from its old bytes is stored under its new hash)
     items = [[src.paths[i], sha[i]] for i in todo] if sha else [src.paths[i] for i in todo]
-    job = hashlib.sha256(json.dumps([fingerprint["weights_sha256"], mode, str(src.root), items],
-                                    sort_keys=True).encode()).hexdigest()[:16]  # fmt: skip
+    job = hashlib.sha256(
+        json.dumps([fingerprint["weights_sha256"], mode, str(src.root), items], sort_keys=True).encode()
+    ).hexdigest()[:16]
     work = out_dir / ".work" / job
-    emb, kept_local, problems, shape = encode_resumable(work, len(todo), load, embed, chunk_size, batch_size, strict,
-                                                        progress, desc="embed pictures")  # fmt: skip
+    emb, kept_local, problems, shape = encode_resumable(
+        work, len(todo), load, embed, chunk_size, batch_size, strict, progress, desc="embed pictures"
+    )
     problems = src.problems + unread + problems
     for msg in problems[:10]:
         log(f"warning: skipped {msg}")
@@ -148,24 +194,45 @@ def build_under_lock(run_dir: str | Path, source: str, out_dir: str | Path, *, c
         log(f"nothing to add to {out_dir}")
         return old.meta
     if old is not None and old.meta.get("image_emb_shape") != shape:
-        raise IndexFormatError(f"{meta_path}: pictures embed to shape {old.meta.get('image_emb_shape')}, the new ones to {shape}")
+        raise IndexFormatError(
+            f"{meta_path}: pictures embed to shape {old.meta.get('image_emb_shape')}, the new ones to {shape}"
+        )
 
     base = old.n_pictures if old else 0
     first = src.first_caption()
-    pictures = [{"root": root_id, "path": src.paths[i], "caption": first[i], "id": src.ids[i],
-                 **({"sha256": sha[i]} if i in sha else {})} for i in kept]  # fmt: skip
+    pictures = [
+        {
+            "root": root_id,
+            "path": src.paths[i],
+            "caption": first[i],
+            "id": src.ids[i],
+            **({"sha256": sha[i]} if i in sha else {}),
+        }
+        for i in kept
+    ]
     new_id = {i: base + n for n, i in enumerate(kept)}
     captions = [{"text": t, "image": new_id[i]} for t, i in src.captions if i in new_id]
     if extra:
         known = {c["text"] for c in (old.captions if old else [])} | {c["text"] for c in captions}
         captions += [{"text": s, "image": None} for s in dict.fromkeys(extra) if s not in known]
-    cap_emb = TextEmbedder(model, device).embed([c["text"] for c in captions]).numpy().astype(np.float32)
+    cap_emb = TextEmbedder(model, device).embed_keys([c["text"] for c in captions])
 
     img_proxy = proxy_vectors(model, torch.from_numpy(emb)).numpy()
     segment = {"source": src.label, "embedded_from": mode, "skipped": problems}
-    meta = append_segment(out_dir, old, fingerprint=fingerprint, params=params, roots=roots, pictures=pictures,
-                          image_emb=emb, emb_shape=shape, proxies=img_proxy, captions=captions, caption_emb=cap_emb,
-                          segment=segment)  # fmt: skip
+    meta = append_segment(
+        out_dir,
+        old,
+        fingerprint=fingerprint,
+        params=params,
+        roots=roots,
+        pictures=pictures,
+        image_emb=emb,
+        emb_shape=shape,
+        proxies=img_proxy,
+        captions=captions,
+        caption_emb=cap_emb,
+        segment=segment,
+    )
     shutil.rmtree(work, ignore_errors=True)
     if (out_dir / ".work").is_dir() and not any((out_dir / ".work").iterdir()):
         (out_dir / ".work").rmdir()
@@ -176,16 +243,26 @@ def model_fingerprint(run_dir: Path, checkpoint: str, model) -> dict:
     """What identifies the model of an index or an embeddings folder (its weights' sha256 above all)."""
     weights = weights_path(run_dir, checkpoint)
     return {
-        "run_dir": str(Path(run_dir).resolve()), "checkpoint": checkpoint, "weights": weights.name,
-        "weights_sha256": sha256_file(weights), "recipe": model.recipe.name,
-        "similarity": model.recipe.model.similarity.name, "embed_dim": model.recipe.model.embed_dim,
+        "run_dir": str(Path(run_dir).resolve()),
+        "checkpoint": checkpoint,
+        "weights": weights.name,
+        "weights_sha256": sha256_file(weights),
+        "recipe": model.recipe.name,
+        "similarity": model.recipe.model.similarity.name,
+        "embed_dim": model.recipe.model.embed_dim,
         "rerank": needs_rerank(model),
-    }  # fmt: skip
+    }
 
 
-def build_index_from_embeddings(emb_dir: str | Path, out_dir: str | Path, *, params: FaissParams | None = None,
-                                run_dir: str | Path | None = None, checkpoint: str = "best",
-                                log: Callable[[str], None] = print) -> dict:  # fmt: skip
+def build_index_from_embeddings(
+    emb_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    params: FaissParams | None = None,
+    run_dir: str | Path | None = None,
+    checkpoint: str = "best",
+    log: Callable[[str], None] = print,
+) -> dict:
     """`vse index --from-embeddings DIR`: an index from a `vse embed` folder, with no model forward.
 
     The vectors are taken as they are (img_emb rows -> pictures, text_emb rows -> their captions); the
@@ -198,8 +275,14 @@ def build_index_from_embeddings(emb_dir: str | Path, out_dir: str | Path, *, par
         return _build_from_embeddings(Path(emb_dir), Path(out_dir), params, run_dir, checkpoint, log)
 
 
-def _build_from_embeddings(emb_dir: Path, out_dir: Path, params: FaissParams | None, run_dir: str | Path | None,
-                           checkpoint: str, log: Callable[[str], None]) -> dict:  # fmt: skip
+def _build_from_embeddings(
+    emb_dir: Path,
+    out_dir: Path,
+    params: FaissParams | None,
+    run_dir: str | Path | None,
+    checkpoint: str,
+    log: Callable[[str], None],
+) -> dict:
     from vsekit.search.embedding_folder import open_embedding_folder
 
     folder = open_embedding_folder(emb_dir)
@@ -210,26 +293,42 @@ def _build_from_embeddings(emb_dir: Path, out_dir: Path, params: FaissParams | N
         model, _ = load_run(Path(run_dir), checkpoint, torch.device("cpu"))
         theirs = model_fingerprint(Path(run_dir), checkpoint, model)
         if recorded and theirs["weights_sha256"] != fingerprint["weights_sha256"]:
-            raise VseInputError(f"{emb_dir / 'embed.json'}: embedded with {fingerprint.get('run_dir')}, not with "
-                                f"{run_dir} (weights differ); drop RUN_DIR or use the run that embedded them")  # fmt: skip
+            raise VseInputError(
+                f"{emb_dir / 'embed.json'}: embedded with {fingerprint.get('run_dir')}, not with "
+                f"{run_dir} (weights differ); drop RUN_DIR or use the run that embedded them"
+            )
         if not recorded and folder.dim != model.recipe.model.embed_dim:
-            raise VseInputError(f"{folder.img[0]}: {folder.dim}-d vectors, but {run_dir} embeds to "
-                                f"{model.recipe.model.embed_dim} dimensions")  # fmt: skip
+            raise VseInputError(
+                f"{folder.img[0]}: {folder.dim}-d vectors, but {run_dir} embeds to "
+                f"{model.recipe.model.embed_dim} dimensions"
+            )
         fingerprint = theirs
     elif not recorded:
-        raise VseInputError(f"{emb_dir / 'embed.json'}: missing or without a model record (not written by `vse embed`); "
-                            "name the run whose embeddings these are: vse index RUN_DIR --from-embeddings DIR")  # fmt: skip
+        raise VseInputError(
+            f"{emb_dir / 'embed.json'}: missing or without a model record (not written by `vse embed`); "
+            "name the run whose embeddings these are: vse index RUN_DIR --from-embeddings DIR"
+        )
+    if _scores_sets(fingerprint.get("similarity")):
+        raise VseInputError(
+            f"{emb_dir / 'embed.json'}: embedded by a run that scores by {fingerprint.get('similarity')}, a late "
+            "interaction of sets of region and word vectors, which an embeddings folder does not hold: index "
+            "its pictures or a split with `vse index RUN_DIR SOURCE`"
+        )
     shape = list(info.get("image_emb_shape") or [folder.dim])
     if int(np.prod(shape)) != folder.dim:
-        raise VseInputError(f"{emb_dir / 'embed.json'}: image_emb_shape {shape} does not match the {folder.dim}-d "
-                            f"vectors of {folder.img[0]}")  # fmt: skip
+        raise VseInputError(
+            f"{emb_dir / 'embed.json'}: image_emb_shape {shape} does not match the {folder.dim}-d "
+            f"vectors of {folder.img[0]}"
+        )
     meta_path = out_dir / "index.json"
     old = SearchIndex(out_dir) if meta_path.is_file() else None
     if old is not None:
         check_same_model(old.meta, fingerprint, out_dir)
         if old.meta.get("image_emb_shape") != shape:
-            raise IndexFormatError(f"{folder.img[0]}: {shape} image embeddings, but the index {meta_path} holds "
-                                   f"{old.meta.get('image_emb_shape')}")  # fmt: skip
+            raise IndexFormatError(
+                f"{folder.img[0]}: {shape} image embeddings, but the index {meta_path} holds "
+                f"{old.meta.get('image_emb_shape')}"
+            )
         params = old.params
     params = params or FaissParams()
     params.validate()
@@ -276,16 +375,57 @@ def _build_from_embeddings(emb_dir: Path, out_dir: Path, params: FaissParams | N
     if old is not None and len(pictures) < folder.n:
         log(f"{folder.n - len(pictures)} of {folder.n} rows are already in the index; adding {len(pictures)}")
     emb = np.concatenate(embs)
-    cap_emb = np.concatenate(caps) if caps else np.zeros((0, fingerprint.get("embed_dim") or folder.dim), np.float32)
-    if old is not None and old.caption_faiss is not None and len(cap_emb) and cap_emb.shape[1] != old.caption_faiss.d:
-        raise IndexFormatError(f"{folder.text[0]}: {cap_emb.shape[1]}-d caption embeddings, but the index holds "
-                               f"{old.caption_faiss.d}-d ones")  # fmt: skip
-    proxies = picture_proxies(emb, view_width(shape, fingerprint.get("embed_dim"), bool(fingerprint.get("rerank"))))
-    segment = {"source": f"embeddings {emb_dir}", "embedded_from": {"mode": "embeddings", "folder": str(emb_dir.resolve()),
-               **({"model_input": info["embedded_from"]} if info.get("embedded_from") else {})}, "skipped": []}  # fmt: skip
-    return append_segment(out_dir, old, fingerprint=fingerprint, params=params, roots=roots, pictures=pictures,
-                          image_emb=emb, emb_shape=shape, proxies=proxies, captions=captions, caption_emb=cap_emb,
-                          segment=segment)  # fmt: skip
+    cap_emb = (
+        np.concatenate(caps)
+        if caps
+        else np.zeros((0, fingerprint.get("embed_dim") or folder.dim), np.float32)
+    )
+    if (
+        old is not None
+        and old.caption_faiss is not None
+        and len(cap_emb)
+        and cap_emb.shape[1] != old.caption_faiss.d
+    ):
+        raise IndexFormatError(
+            f"{folder.text[0]}: {cap_emb.shape[1]}-d caption embeddings, but the index holds "
+            f"{old.caption_faiss.d}-d ones"
+        )
+    proxies = picture_proxies(
+        emb, view_width(shape, fingerprint.get("embed_dim"), bool(fingerprint.get("rerank")))
+    )
+    segment = {
+        "source": f"embeddings {emb_dir}",
+        "embedded_from": {
+            "mode": "embeddings",
+            "folder": str(emb_dir.resolve()),
+            **({"model_input": info["embedded_from"]} if info.get("embedded_from") else {}),
+        },
+        "skipped": [],
+    }
+    return append_segment(
+        out_dir,
+        old,
+        fingerprint=fingerprint,
+        params=params,
+        roots=roots,
+        pictures=pictures,
+        image_emb=emb,
+        emb_shape=shape,
+        proxies=proxies,
+        captions=captions,
+        caption_emb=cap_emb,
+        segment=segment,
+    )
+
+
+def _scores_sets(similarity: object) -> bool:
+    """Whether the similarity an embeddings folder records scores sets (late interaction); an unknown name: no."""
+    from vsekit.similarity.parts import scores_sets as similarity_scores_sets
+
+    try:
+        return isinstance(similarity, str) and similarity_scores_sets(similarity)
+    except ValueError:
+        return False
 
 
 def _relative(path: str, root: str) -> str:
@@ -299,22 +439,29 @@ def _relative(path: str, root: str) -> str:
     return path
 
 
-def use_stored_features(src: Source, model, pixels: bool, run_cfg: dict, run_dir: Path,
-                        log: Callable[[str], None] | None = None) -> bool:  # fmt: skip
+def use_stored_features(
+    src: Source, model, pixels: bool, run_cfg: dict, run_dir: Path, log: Callable[[str], None] | None = None
+) -> bool:
     """Whether a split's stored features (not its pictures) are what the run embeds: the run takes features
     of that width and, where both sides record it, from the same extractor; `--pixels` says pictures. A split
     without pictures must pass (`_check_features_only`, which raises otherwise). `vse index` and `vse embed`
     decide alike."""
     if src.features_only:
         _check_features_only(src, model, pixels, run_cfg, run_dir)
-    use = (src.split is not None and not pixels and model.recipe.model.image.kind == "precomp"
-           and src.split.feature_shape[1] == model.spec.img_dim)  # fmt: skip
+    use = (
+        src.split is not None
+        and not pixels
+        and not reads_pixels(model.recipe.model.image.kind)  # a feature encoder (precomp, selfattention)
+        and src.split.feature_shape[1] == model.spec.img_dim
+    )
     if use and not src.features_only:
         theirs, ours = read_manifest_extractor(src.root), run_extractor_spec(run_cfg)
         if theirs and ours and not same_extractor(theirs, ours):
             if log is not None:
-                log(f"note: {src.root}'s features come from another extractor ({theirs.get('name')}) than the "
-                    f"run's ({ours.get('name')}); embedding its pictures instead")  # fmt: skip
+                log(
+                    f"note: {src.root}'s features come from another extractor ({theirs.get('name')}) than the "
+                    f"run's ({ours.get('name')}); embedding its pictures instead"
+                )
             return False
     return use
 
@@ -323,14 +470,20 @@ def _check_features_only(src: Source, model, pixels: bool, run_cfg: dict, run_di
     """A split without pictures can only be indexed from its features, by a model trained on such features."""
     missing = src.root / f"{src.split.split}_images.txt"
     if pixels:
-        raise DataFormatError(f"{missing}: missing, so --pixels has no pictures to read; drop --pixels to index "
-                              "the split's stored features")  # fmt: skip
-    if model.recipe.model.image.kind != "precomp":
-        raise DataFormatError(f"{missing}: missing, and this run embeds pictures ({model.recipe.model.image.kind} "
-                              "image encoder), not stored features: the split has nothing it can index")  # fmt: skip
+        raise DataFormatError(
+            f"{missing}: missing, so --pixels has no pictures to read; drop --pixels to index "
+            "the split's stored features"
+        )
+    if reads_pixels(model.recipe.model.image.kind):
+        raise DataFormatError(
+            f"{missing}: missing, and this run embeds pictures ({model.recipe.model.image.kind} "
+            "image encoder), not stored features: the split has nothing it can index"
+        )
     src.split.require_width(model.spec.img_dim, f"the run {run_dir}")
     theirs, ours = read_manifest_extractor(src.root), run_extractor_spec(run_cfg)
     if theirs and ours and not same_extractor(theirs, ours):
-        raise DataFormatError(f"{src.root}: its features come from another extractor ({theirs.get('name')}) than the "
-                              f"run's ({ours.get('name')}), and {missing.name} is missing, so there are no pictures "
-                              "to embed instead")  # fmt: skip
+        raise DataFormatError(
+            f"{src.root}: its features come from another extractor ({theirs.get('name')}) than the "
+            f"run's ({ours.get('name')}), and {missing.name} is missing, so there are no pictures "
+            "to embed instead"
+        )

@@ -47,10 +47,19 @@ def _work_plan(work_dir: Path, n: int, chunk_size: int) -> int:
     if plan.is_file():
         with contextlib.suppress(OSError, ValueError):
             old = json.loads(plan.read_text(encoding="utf-8"))
-    if isinstance(old, dict) and old.get("items") == n and isinstance(old.get("chunk_size"), int) and old["chunk_size"] > 0:
+    if (
+        isinstance(old, dict)
+        and old.get("items") == n
+        and isinstance(old.get("chunk_size"), int)
+        and old["chunk_size"] > 0
+    ):
         if old["chunk_size"] != chunk_size:
-            logger.info("%s: resuming with the chunk size this run started with (%d, not --chunk-size %d)",
-                        work_dir, old["chunk_size"], chunk_size)  # fmt: skip
+            logger.info(
+                "%s: resuming with the chunk size this run started with (%d, not --chunk-size %d)",
+                work_dir,
+                old["chunk_size"],
+                chunk_size,
+            )
         return int(old["chunk_size"])
     for stale in work_dir.glob("chunk_*"):
         stale.unlink(missing_ok=True)
@@ -58,9 +67,17 @@ def _work_plan(work_dir: Path, n: int, chunk_size: int) -> int:
     return chunk_size
 
 
-def encode_resumable(work_dir: Path, n: int, load: Callable[[int], Any], embed: Callable[[list], torch.Tensor],
-                     chunk_size: int = 256, batch_size: int = 16, strict: bool = False, progress: bool = True,
-                     desc: str = "index") -> tuple[np.ndarray, np.ndarray, list[str], list[int]]:  # fmt: skip
+def encode_resumable(
+    work_dir: Path,
+    n: int,
+    load: Callable[[int], Any],
+    embed: Callable[[list], torch.Tensor],
+    chunk_size: int = 256,
+    batch_size: int = 16,
+    strict: bool = False,
+    progress: bool = True,
+    desc: str = "index",
+) -> tuple[np.ndarray, np.ndarray, list[str], list[int]]:
     """Embed items 0..n-1 chunk by chunk, saving each finished chunk, so a rerun skips finished work.
 
     Returns (embeddings flattened to [kept, F], kept item indices, problems, per-item embedding shape).
@@ -99,8 +116,12 @@ def encode_resumable(work_dir: Path, n: int, load: Callable[[int], Any], embed: 
             bar.update(len(batch))
         emb = torch.cat(embs).numpy() if embs else np.zeros((0, 0), dtype=np.float32)
         atomic_write_json(work_dir / f"chunk_{c:06d}.json", problems)
-        _save_npz(path, emb=emb.astype(np.float32), kept=np.asarray(kept, dtype=np.int64),
-                  shape=np.asarray(shape, dtype=np.int64))  # fmt: skip
+        _save_npz(
+            path,
+            emb=emb.astype(np.float32),
+            kept=np.asarray(kept, dtype=np.int64),
+            shape=np.asarray(shape, dtype=np.int64),
+        )
     bar.close()
     embs, kept, problems, shape = [], [], [], []
     for c in range(n_chunks):

@@ -117,6 +117,14 @@ def uvicorn_config(
     """The uvicorn settings `vse serve` runs with: at most `max_connections` open connections (503 beyond,
     only when all of them have a request being answered), request heads within `head_timeout_s`, idle
     keep-alive connections closed after 5 s, no websockets, no access log (the app logs each request)."""
-    return uvicorn.Config(app, host=host, port=port, access_log=False, log_level=log_level, ws="none",
-                          http=protocol_class(head_timeout_s, logger), limit_concurrency=max_connections,
-                          timeout_keep_alive=5)  # fmt: skip
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        access_log=False,
+        log_level=log_level,
+        ws="none",
+        http=protocol_class(head_timeout_s, logger),
+        limit_concurrency=max_connections,
+        timeout_keep_alive=5,
+    )

@@ -44,19 +44,27 @@ from vsekit.utils.io import atomic_path, atomic_save_npy, atomic_write_json
 log = logging.getLogger(__name__)
 
 
-
 def chunk_name(c: int, n_chunks: int) -> str:
     """Chunk number zero-padded like clip-retrieval (`int(log10(count)) + 1` digits), so files sort in order."""
     return str(c).zfill(int(math.log10(max(1, n_chunks))) + 1)
 
 
 def chunk_files(out: Path, name: str) -> dict[str, Path]:
-    return {"img": out / "img_emb" / f"img_emb_{name}.npy", "text": out / "text_emb" / f"text_emb_{name}.npy",
-            "meta": out / "metadata" / f"metadata_{name}.parquet"}  # fmt: skip
+    return {
+        "img": out / "img_emb" / f"img_emb_{name}.npy",
+        "text": out / "text_emb" / f"text_emb_{name}.npy",
+        "meta": out / "metadata" / f"metadata_{name}.parquet",
+    }
 
 
-def write_chunk(out: Path, name: str, img: np.ndarray | None, text: np.ndarray | None, columns: dict[str, list],
-                entry: dict) -> None:  # fmt: skip
+def write_chunk(
+    out: Path,
+    name: str,
+    img: np.ndarray | None,
+    text: np.ndarray | None,
+    columns: dict[str, list],
+    entry: dict,
+) -> None:
     """Write one chunk's files, each atomically, then its manifest entry (which marks the chunk finished)."""
     pa, pq = pyarrow_modules()
     files = chunk_files(out, name)
@@ -84,7 +92,9 @@ class EmbedInput:
     kind: str  # "pictures" or "captions"
     label: str
     root: str | None
-    keys: list[str]  # image_path per row (absolute path, or SPLIT:ROW for a features-only split), or the caption
+    keys: list[
+        str
+    ]  # image_path per row (absolute path, or SPLIT:ROW for a features-only split), or the caption
     ids: list[str]
     captions: list[str | None]
     source: Any = None  # the index.Source of a picture input
@@ -102,7 +112,9 @@ def resolve_input(spec: str, captions_per_image: int = 5) -> EmbedInput:
         lines = [s.strip() for s in read_lines(path) if s.strip()]
         if not lines:
             raise VseInputError(f"{path}: no captions (one per line expected)")
-        return EmbedInput("captions", str(path), None, lines, [str(i) for i in range(len(lines))], list(lines))
+        return EmbedInput(
+            "captions", str(path), None, lines, [str(i) for i in range(len(lines))], list(lines)
+        )
     src = resolve_source(spec, captions_per_image)
     keys = [p if src.features_only else str(src.root / p) for p in src.paths]
     return EmbedInput("pictures", src.label, str(src.root), keys, list(src.ids), src.first_caption(), src)
@@ -135,10 +147,23 @@ class _Rows:
             return row, None, str(e)
 
 
-def embed_to_folder(run_dir: str | Path, spec: str, out_dir: str | Path, *, checkpoint: str = "best",
-                    device: Any = "cpu", batch_size: int = 64, chunk_size: int = 10_000, workers: int = 0,
-                    pixels: bool = False, strict: bool = False, progress: bool = True, rank: int = 0,
-                    world_size: int = 1, barrier: Callable[[], None] | None = None) -> dict | None:  # fmt: skip
+def embed_to_folder(
+    run_dir: str | Path,
+    spec: str,
+    out_dir: str | Path,
+    *,
+    checkpoint: str = "best",
+    device: Any = "cpu",
+    batch_size: int = 64,
+    chunk_size: int = 10_000,
+    workers: int = 0,
+    pixels: bool = False,
+    strict: bool = False,
+    progress: bool = True,
+    rank: int = 0,
+    world_size: int = 1,
+    barrier: Callable[[], None] | None = None,
+) -> dict | None:
     """Embed INPUT with a trained run into OUT (clip-retrieval layout), chunk by chunk, resumably.
 
     `rank`/`world_size`: this process embeds chunks c with c % world_size == rank; `barrier` (a collective)
@@ -211,11 +236,20 @@ def embed_to_folder(run_dir: str | Path, spec: str, out_dir: str | Path, *, chec
     with_text = all(c is not None for c in inp.captions)
     with_image = inp.kind == "pictures"
     job = {
-        "format": EMBED_FORMAT, "model": fingerprint, "input": inp.label, "kind": inp.kind, "root": inp.root,
-        "embedded_from": mode, "rows": n, "chunk_size": chunk_size, "chunks": n_chunks,
-        "with_image": with_image, "with_text": with_text,
-        "rows_sha256": hashlib.sha256(json.dumps(inp.keys).encode()).hexdigest(), "input_skipped": input_skipped,
-    }  # fmt: skip
+        "format": EMBED_FORMAT,
+        "model": fingerprint,
+        "input": inp.label,
+        "kind": inp.kind,
+        "root": inp.root,
+        "embedded_from": mode,
+        "rows": n,
+        "chunk_size": chunk_size,
+        "chunks": n_chunks,
+        "with_image": with_image,
+        "with_text": with_text,
+        "rows_sha256": hashlib.sha256(json.dumps(inp.keys).encode()).hexdigest(),
+        "input_skipped": input_skipped,
+    }
     _check_out(out, job)
     barrier()  # every rank has checked the folder before rank 0 writes the plan into it
     if rank == 0 and not (out / MANIFEST_DIR / "job.json").is_file():
@@ -228,12 +262,22 @@ def embed_to_folder(run_dir: str | Path, spec: str, out_dir: str | Path, *, chec
     todo = [c for c in mine if not _finished(out, names[c], with_image, with_text)]
     done_rows = sum(min(chunk_size, n - c * chunk_size) for c in mine if c not in todo)
     if len(todo) < len(mine):
-        log.info("%s: %d of %d chunks already finished; embedding %d", out, len(mine) - len(todo), len(mine), len(todo))
+        log.info(
+            "%s: %d of %d chunks already finished; embedding %d",
+            out,
+            len(mine) - len(todo),
+            len(mine),
+            len(todo),
+        )
     text_embedder = TextEmbedder(model, device) if with_text else None
     unit = "img" if with_image else "caption"
-    bar = progress_bar(total=sum(min(chunk_size, n - c * chunk_size) for c in mine), initial=done_rows,
-                       desc=f"embed{f' (rank {rank})' if world_size > 1 else ''}", unit=unit,
-                       enabled=progress and rank == 0)  # fmt: skip
+    bar = progress_bar(
+        total=sum(min(chunk_size, n - c * chunk_size) for c in mine),
+        initial=done_rows,
+        desc=f"embed{f' (rank {rank})' if world_size > 1 else ''}",
+        unit=unit,
+        enabled=progress and rank == 0,
+    )
     # each chunk in its own batches, starting at its first row (chunk_batches): a resumed run, or a rank of
     # torchrun, encodes a chunk exactly as an uninterrupted single process does, so its files are bit-identical
     plan = {c: chunk_batches(c * chunk_size, min(n, (c + 1) * chunk_size), batch_size) for c in todo}
@@ -242,8 +286,9 @@ def embed_to_folder(run_dir: str | Path, spec: str, out_dir: str | Path, *, chec
     if with_image and batches:
         from torch.utils.data import DataLoader
 
-        loader = DataLoader(_Rows(list(range(n)), load), batch_sampler=batches, collate_fn=_collate,
-                            num_workers=workers)  # fmt: skip
+        loader = DataLoader(
+            _Rows(list(range(n)), load), batch_sampler=batches, collate_fn=_collate, num_workers=workers
+        )
     batch_iter = iter(loader)
     for c in todo:
         lo, hi = c * chunk_size, min(n, (c + 1) * chunk_size)
@@ -279,7 +324,13 @@ def embed_to_folder(run_dir: str | Path, spec: str, out_dir: str | Path, *, chec
         columns["caption"] = [inp.captions[r] for r in rows]
         columns["id"] = [inp.ids[r] for r in rows]
         shape = list(e.shape[1:]) if with_image and embs else None
-        entry = {"chunk": c, "first_row": lo, "rows": len(rows), "skipped": problems, "image_emb_shape": shape}
+        entry = {
+            "chunk": c,
+            "first_row": lo,
+            "rows": len(rows),
+            "skipped": problems,
+            "image_emb_shape": shape,
+        }
         write_chunk(out, names[c], img, text, columns, entry)
     bar.close()
     barrier()  # all chunks are written
@@ -303,10 +354,14 @@ def _check_out(out: Path, job: dict) -> None:
         if old.get("model", {}).get("weights_sha256") != job["model"]["weights_sha256"]:
             diff.insert(0, "model weights")
         if diff:
-            raise VseInputError(f"{plan}: {out} holds embeddings of another job (differs in {', '.join(diff)}); "
-                                "use a new --out, or the same run, input and --chunk-size to resume")  # fmt: skip
+            raise VseInputError(
+                f"{plan}: {out} holds embeddings of another job (differs in {', '.join(diff)}); "
+                "use a new --out, or the same run, input and --chunk-size to resume"
+            )
     elif out.is_dir() and any(out.iterdir()):
-        raise VseInputError(f"{out}: exists, is not empty and holds no {MANIFEST_DIR}/job.json; choose an empty or new --out")
+        raise VseInputError(
+            f"{out}: exists, is not empty and holds no {MANIFEST_DIR}/job.json; choose an empty or new --out"
+        )
 
 
 def _finished(out: Path, name: str, with_image: bool, with_text: bool) -> bool:
@@ -321,19 +376,24 @@ def _finish(out: Path, job: dict, names: list[str]) -> dict:
     for name in names:
         path = out / MANIFEST_DIR / f"chunk_{name}.json"
         if not path.is_file():
-            raise VseInputError(f"{path}: missing after every rank finished; run `vse embed` again to redo it")
+            raise VseInputError(
+                f"{path}: missing after every rank finished; run `vse embed` again to redo it"
+            )
         e = json.loads(path.read_text(encoding="utf-8"))
         chunks.append({"name": name, "rows": e["rows"], "first_row": e["first_row"]})
         skipped += e["skipped"]
         shape = shape or e.get("image_emb_shape")
     plan = {k: v for k, v in job.items() if k != "input_skipped"}  # listed in "skipped", first
-    meta = {**plan, "image_emb_shape": shape, "written_rows": sum(c["rows"] for c in chunks), "skipped": skipped,
-            "chunk_files": chunks}  # fmt: skip
+    meta = {
+        **plan,
+        "image_emb_shape": shape,
+        "written_rows": sum(c["rows"] for c in chunks),
+        "skipped": skipped,
+        "chunk_files": chunks,
+    }
     atomic_write_json(out / "embed.json", meta)
     for msg in skipped[:10]:
         log.warning("skipped %s", msg)
     if len(skipped) > 10:
         log.warning("… and %d more unreadable pictures skipped", len(skipped) - 10)
     return meta
-
-

@@ -22,7 +22,9 @@ def pyarrow_modules():
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError as e:
-        raise MissingPackageError("embedding folders need pyarrow (parquet metadata): pip install 'vsekit[search]'") from e
+        raise MissingPackageError(
+            "embedding folders need pyarrow (parquet metadata): pip install 'vsekit[search]'"
+        ) from e
     return pa, pq
 
 
@@ -66,7 +68,9 @@ def _checked(path: Path, rows: int, dim: int | None) -> np.ndarray:
     x = np.ascontiguousarray(a, dtype=np.float32)
     bad = ~np.isfinite(x).all(axis=1)
     if bad.any():
-        raise VseInputError(f"{path}: row {int(np.argmax(bad))} has NaN/inf values ({int(bad.sum())} such rows)")
+        raise VseInputError(
+            f"{path}: row {int(np.argmax(bad))} has NaN/inf values ({int(bad.sum())} such rows)"
+        )
     return x
 
 
@@ -86,13 +90,17 @@ def open_embedding_folder(path: str | Path) -> EmbeddingFolder:
         except json.JSONDecodeError as e:
             raise VseInputError(f"{info_path}: not valid JSON ({e})") from e
     elif (root / MANIFEST_DIR / "job.json").is_file():
-        raise VseInputError(f"{info_path}: missing — `vse embed` has not finished writing {root}; run it again to finish")
+        raise VseInputError(
+            f"{info_path}: missing — `vse embed` has not finished writing {root}; run it again to finish"
+        )
     imgs = sorted((root / "img_emb").glob("img_emb_*.npy"))
     if not imgs:
-        raise VseInputError(f"{root / 'img_emb'}: no img_emb_N.npy files (not an embeddings folder with image embeddings)")
+        raise VseInputError(
+            f"{root / 'img_emb'}: no img_emb_N.npy files (not an embeddings folder with image embeddings)"
+        )
     img, text, meta, rows, dim = [], [], [], [], None
     for p in imgs:
-        name = p.stem[len("img_emb_"):]
+        name = p.stem[len("img_emb_") :]
         m = root / "metadata" / f"metadata_{name}.parquet"
         if not m.is_file():
             what = "is a folder, expected a parquet file" if m.is_dir() else "missing"
@@ -124,5 +132,12 @@ def open_embedding_folder(path: str | Path) -> EmbeddingFolder:
     if dim is None:
         raise VseInputError(f"{root / 'img_emb'}: every img_emb file is empty (no picture could be embedded)")
     keep = [i for i, r in enumerate(rows) if r > 0]
-    return EmbeddingFolder(root, [img[i] for i in keep], [text[i] for i in keep], [meta[i] for i in keep],
-                           [rows[i] for i in keep], int(dim), info)
+    return EmbeddingFolder(
+        root,
+        [img[i] for i in keep],
+        [text[i] for i in keep],
+        [meta[i] for i in keep],
+        [rows[i] for i in keep],
+        int(dim),
+        info,
+    )

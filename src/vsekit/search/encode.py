@@ -38,6 +38,19 @@ def needs_rerank(model: VSEModel) -> bool:
     return model.recipe.model.similarity.name != "cosine"
 
 
+def scores_sets(model: VSEModel) -> bool:
+    """True when the model embeds a picture as a set of region vectors and a caption as a set of word vectors
+    (late interaction, e.g. CHAN): its similarity declares `takes_sets`."""
+    return bool(getattr(model.sim, "takes_sets", False))
+
+
+def pad_set_width(sets: torch.Tensor, width: int) -> torch.Tensor:
+    """Sets [N, S, D] padded with zero rows (the sets' padding) to [N, width, D]; wider sets are an error."""
+    if sets.shape[1] > width:
+        raise ValueError(f"a set of {sets.shape[1]} elements does not fit a width of {width}")
+    return torch.nn.functional.pad(sets, (0, 0, 0, width - sets.shape[1]))
+
+
 def proxy_vectors(model: VSEModel, image_emb: torch.Tensor) -> torch.Tensor:
     """[N, D] vectors for the inner-product index.
 
@@ -95,7 +108,10 @@ class ImageEmbedder:
         img_cfg = model.recipe.model.image
         self.extractor = None
         self.spec: dict[str, Any] | None = None
-        if img_cfg.kind in ("backbone", "vit"):  # pixels in: a CNN backbone, or the ViT of an imported AVSE run
+        if img_cfg.kind in (
+            "backbone",
+            "vit",
+        ):  # pixels in: a CNN backbone, or the ViT of an imported AVSE run
             from vsekit.features.backbones import pixel_transform_of
 
             self.mode = "backbone"
@@ -110,15 +126,21 @@ class ImageEmbedder:
                     "index a dataset split with features instead (DATASET_DIR:SPLIT)"
                 )
             if spec.get("name") not in SUPPORTED_EXTRACTORS:
-                raise VseInputError(f"feature extractor {spec.get('name')!r} is not supported for raw pictures "
-                                 f"(supported: {', '.join(SUPPORTED_EXTRACTORS)})")  # fmt: skip
+                raise VseInputError(
+                    f"feature extractor {spec.get('name')!r} is not supported for raw pictures "
+                    f"(supported: {', '.join(SUPPORTED_EXTRACTORS)})"
+                )
             from vsekit.features.extractor import extractor_from_spec
 
-            self.extractor = extractor_from_spec(spec, device=self.device)  # refuses other weights in one line
+            self.extractor = extractor_from_spec(
+                spec, device=self.device
+            )  # refuses other weights in one line
             self.image_size = self.extractor.image_size
             local = self.extractor.spec
             if model.spec.img_dim != local["dim"]:
-                raise VseInputError(f"the extractor makes {local['dim']}-d features but the model expects {model.spec.img_dim}")
+                raise VseInputError(
+                    f"the extractor makes {local['dim']}-d features but the model expects {model.spec.img_dim}"
+                )
             self.mode = "extractor"
             self.spec = spec
 
@@ -145,7 +167,9 @@ class ImageEmbedder:
             lengths = torch.full((pixels.shape[0],), -1, dtype=torch.long, device=self.device)
             out = self.model.encode_images(pixels, lengths)
         else:
-            stored = self.extractor.run(pixels)  # float16, exactly as the dataset's builder stored its features
+            stored = self.extractor.run(
+                pixels
+            )  # float16, exactly as the dataset's builder stored its features
             feats = torch.from_numpy(stored).to(self.device).float()
             lengths = torch.full((feats.shape[0],), feats.shape[1], dtype=torch.long, device=self.device)
             out = self.model.encode_images(feats, lengths)
@@ -153,7 +177,9 @@ class ImageEmbedder:
 
 
 @torch.no_grad()
-def embed_features(model: VSEModel, feats: list[np.ndarray], device: str | torch.device = "cpu") -> torch.Tensor:
+def embed_features(
+    model: VSEModel, feats: list[np.ndarray], device: str | torch.device = "cpu"
+) -> torch.Tensor:
     """Precomputed feature sets [(R_i, D)] -> image embeddings as float32 on the CPU."""
     from vsekit.data.datasets import pad_sets
 
@@ -176,12 +202,34 @@ class TextEmbedder:
     def embed(self, texts: list[str], batch_size: int = 256) -> torch.Tensor:
         out = []
         for start in range(0, len(texts), batch_size):
-            ids = [torch.tensor(self.text.encode(t), dtype=torch.long) for t in texts[start : start + batch_size]]
+            ids = [
+                torch.tensor(self.text.encode(t), dtype=torch.long) for t in texts[start : start + batch_size]
+            ]
             tokens, lengths = pad_tokens(ids, self.pad_id)
             out.append(self.model.encode_texts(tokens.to(self.device), lengths.to(self.device)).float().cpu())
         if not out:
             return torch.zeros((0, self.model.recipe.model.embed_dim))
+        if scores_sets(self.model):  # word-vector sets: batches of different widths, padded to the widest
+            width = max(o.shape[1] for o in out)
+            out = [pad_set_width(o, width) for o in out]
         return torch.cat(out)
+
+    def embed_keys(self, texts: list[str], batch_size: int = 256) -> np.ndarray:
+        """One float32 vector [N, D] per text, what an index stores and searches captions by: the embedding, or
+        for a model of sets the normalised mean of its word vectors (`vsekit.search.proxies.query_proxies`)."""
+        from vsekit.search.proxies import query_proxies
+
+        keys = [
+            query_proxies(
+                self.embed(texts[start : start + batch_size], batch_size),
+                self.model.recipe.model.embed_dim,
+                scores_sets(self.model),
+            )
+            for start in range(0, len(texts), batch_size)
+        ]
+        if not keys:
+            return np.zeros((0, self.model.recipe.model.embed_dim), dtype=np.float32)
+        return np.ascontiguousarray(np.concatenate(keys), dtype=np.float32)
 
     def unknown_words(self, text: str) -> list[str]:
         """Words a BiGRU vocabulary maps to <unk> (they carry no meaning for the model)."""
@@ -189,4 +237,8 @@ class TextEmbedder:
 
         if not isinstance(self.text, Vocabulary):
             return []
-        return [w for w in tokenize_words(text, self.text.tokenizer) if w.isalnum() and w not in self.text.word2idx]
+        return [
+            w
+            for w in tokenize_words(text, self.text.tokenizer)
+            if w.isalnum() and w not in self.text.word2idx
+        ]

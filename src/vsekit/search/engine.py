@@ -4,7 +4,12 @@ where needed.
 For cosine models the FAISS inner product *is* the model's similarity, so a flat index is exact and an
 IVF/HNSW index only risks missing items. AEOM (AVSE) scores an image's several views block by block, which
 no inner-product index can do: the index ranks a shortlist by the views' mean, and the shortlist is
-re-scored exactly with `model.similarity` (depth = max(rerank_factor*k, rerank_min) candidates).
+re-scored exactly with `model.similarity` (depth = max(rerank_factor*k, rerank_min) candidates, or the
+`shortlist` an engine or a call is given). A late-interaction (CHAN) model is searched the same way: the index
+holds each picture's set of region vectors (flattened, padding rows zero) and its proxy, the normalised mean of
+the regions; a text query's proxy is the normalised mean of its word vectors (`vsekit.search.proxies`), and the
+shortlist those two rank is re-scored with the model's late interaction. Picture -> captions re-scores its
+shortlist the same way, re-encoding the shortlisted captions' texts (an index stores one vector per caption).
 
 Picture -> pictures scores two pictures by the cosine of their *picture vectors*: the image embedding itself
 for a cosine model, and for a multi-view (AVSE) model the L2-normalised mean of its views. The model's own
@@ -28,6 +33,7 @@ import torch
 from PIL import Image
 
 from vsekit.errors import VseInputError
+from vsekit.models.image_parts import reads_pixels
 from vsekit.search.encode import (
     SUPPORTED_EXTRACTORS,
     ImageEmbedder,
@@ -35,7 +41,9 @@ from vsekit.search.encode import (
     needs_rerank,
     proxy_vectors,
     run_extractor_spec,
+    scores_sets,
 )
+from vsekit.search.proxies import query_proxies
 from vsekit.search.store import IndexFormatError, SearchIndex
 from vsekit.utils.io import sha256_file
 
@@ -59,8 +67,16 @@ class Hit:
 class SearchEngine:
     """A loaded index plus the model that built it; thread-safe for concurrent searches (no state changes)."""
 
-    def __init__(self, index: SearchIndex, model, run_cfg: dict, device: str | torch.device = "cpu",
-                 rerank_factor: int = 10, rerank_min: int = 100) -> None:  # fmt: skip
+    def __init__(
+        self,
+        index: SearchIndex,
+        model,
+        run_cfg: dict,
+        device: str | torch.device = "cpu",
+        rerank_factor: int = 10,
+        rerank_min: int = 100,
+        shortlist: int | None = None,
+    ) -> None:
         self.index = index
         self.model = model.eval()
         self.run_cfg = run_cfg
@@ -69,13 +85,20 @@ class SearchEngine:
         self.rerank = needs_rerank(model)
         self.rerank_factor = rerank_factor
         self.rerank_min = rerank_min
+        self.shortlist = check_shortlist(shortlist)
+        self.sets = scores_sets(model)  # late interaction: pictures and queries are sets of vectors
         self.emb_shape = tuple(index.meta.get("image_emb_shape") or [])
         self._images: ImageEmbedder | None = None
         self._images_lock = threading.Lock()
 
     @classmethod
-    def open(cls, index_dir: str | Path, device: str | torch.device = "cpu", run_dir: str | Path | None = None,
-             **kwargs) -> SearchEngine:  # fmt: skip
+    def open(
+        cls,
+        index_dir: str | Path,
+        device: str | torch.device = "cpu",
+        run_dir: str | Path | None = None,
+        **kwargs,
+    ) -> SearchEngine:
         """Open an index and load its model, refusing a model whose weights differ from the indexed ones."""
         from vsekit.runs import load_run, weights_path
 
@@ -84,7 +107,9 @@ class SearchEngine:
         run = Path(run_dir) if run_dir else Path(m["run_dir"])
         weights = weights_path(run, m["checkpoint"])
         if not weights.is_file():
-            raise IndexFormatError(f"{index_dir}: its model {weights} is missing; pass the run with --run RUN_DIR")
+            raise IndexFormatError(
+                f"{index_dir}: its model {weights} is missing; pass the run with --run RUN_DIR"
+            )
         if sha256_file(weights) != m["weights_sha256"]:
             raise IndexFormatError(
                 f"{weights} differs from the weights this index was built with (sha256 {m['weights_sha256'][:12]}); "
@@ -107,34 +132,51 @@ class SearchEngine:
         h = self._hit_for_picture(int(pid), score)
         return Hit(cid, score, h.path, h.file, cap["text"], int(pid))
 
-    def _depth(self, k: int, n: int) -> int:
-        return min(n, max(k * self.rerank_factor, self.rerank_min)) if self.rerank else min(k, n)
+    def _depth(self, k: int, n: int, shortlist: int | None = None) -> int:
+        """How many candidates the first stage hands the exact re-scoring: the call's `shortlist`, else the
+        engine's, else max(rerank_factor*k, rerank_min); never fewer than k nor more than n. A model whose
+        similarity is the inner product needs no re-scoring: k."""
+        if not self.rerank:
+            return min(k, n)
+        depth = check_shortlist(shortlist) or self.shortlist or max(k * self.rerank_factor, self.rerank_min)
+        return min(n, max(k, depth))
+
+    def shortlist_size(self, k: int, shortlist: int | None = None) -> int:
+        """How many pictures a text query for k hits re-scores exactly (k when nothing is re-scored)."""
+        return self._depth(k, self.index.n_pictures, shortlist)
 
     # ---------------------------------------------------------------------------------- text -> image
     @torch.no_grad()
-    def search_text_vectors(self, queries: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
-        """Text embeddings [Q, D] -> per query [(picture id, score)] best first."""
+    def search_text_vectors(
+        self, queries: torch.Tensor, k: int, shortlist: int | None = None
+    ) -> list[list[tuple[int, float]]]:
+        """Text embeddings [Q, D] (a model of sets: [Q, L, D]) -> per query [(picture id, score)] best first;
+        `shortlist`: the candidates re-scored exactly (`_depth`)."""
         n = self.index.n_pictures
         if n == 0 or k < 1:
             return [[] for _ in range(len(queries))]
-        q = np.ascontiguousarray(queries.float().cpu().numpy())
-        scores, ids = self.index.image_faiss.search(q, self._depth(k, n))
+        q = query_proxies(queries, self.model.recipe.model.embed_dim, self.sets)
+        scores, ids = self.index.image_faiss.search(q, self._depth(k, n, shortlist))
         out = []
         for qi in range(len(q)):
             valid = ids[qi] >= 0
             cand, sc = ids[qi][valid], scores[qi][valid]
             if self.rerank and len(cand):
-                emb = torch.from_numpy(self.index.image_emb(cand)).reshape(len(cand), *self.emb_shape).to(self.device)
+                emb = (
+                    torch.from_numpy(self.index.image_emb(cand))
+                    .reshape(len(cand), *self.emb_shape)
+                    .to(self.device)
+                )
                 sc = self.model.sim(emb, queries[qi : qi + 1].to(self.device))[:, 0].float().cpu().numpy()
                 order = np.argsort(-sc, kind="stable")
                 cand, sc = cand[order], sc[order]
             out.append([(int(i), float(s)) for i, s in zip(cand[:k], sc[:k])])
         return out
 
-    def search_text(self, query: str, k: int = 10) -> list[Hit]:
-        """Pictures that best match a text query."""
+    def search_text(self, query: str, k: int = 10, shortlist: int | None = None) -> list[Hit]:
+        """Pictures that best match a text query (`shortlist`: see `search_text_vectors`)."""
         q = self.text.embed([query])
-        return [self._hit_for_picture(i, s) for i, s in self.search_text_vectors(q, k)[0]]
+        return [self._hit_for_picture(i, s) for i, s in self.search_text_vectors(q, k, shortlist)[0]]
 
     # ---------------------------------------------------------------------------------- image -> text
     @property
@@ -148,16 +190,20 @@ class SearchEngine:
     def picture_query_problem(self) -> str | None:
         """Why this index's model cannot embed a query picture, or None when it can; known from the run's
         config alone, so it is said before any picture is read or any extractor is built."""
-        if self.model.recipe.model.image.kind != "precomp":  # a backbone or ViT: pixels in
+        if reads_pixels(self.model.recipe.model.image.kind):  # a backbone or ViT: pixels in
             return None
         spec = run_extractor_spec(self.run_cfg)
         if spec is None:
-            return ("its model was trained on precomputed features and its run records no feature extractor (no "
-                    "'extractor' in its config.json nor in its dataset's manifest.json), so a picture cannot be "
-                    "turned into the features the model reads; only text queries work")  # fmt: skip
+            return (
+                "its model was trained on precomputed features and its run records no feature extractor (no "
+                "'extractor' in its config.json nor in its dataset's manifest.json), so a picture cannot be "
+                "turned into the features the model reads; only text queries work"
+            )
         if spec.get("name") not in SUPPORTED_EXTRACTORS:
-            return (f"its model was trained on features from {spec.get('name')!r}, an extractor vsekit cannot run on "
-                    f"pictures (it runs {', '.join(SUPPORTED_EXTRACTORS)}); only text queries work")  # fmt: skip
+            return (
+                f"its model was trained on features from {spec.get('name')!r}, an extractor vsekit cannot run on "
+                f"pictures (it runs {', '.join(SUPPORTED_EXTRACTORS)}); only text queries work"
+            )
         return None
 
     @torch.no_grad()
@@ -174,7 +220,11 @@ class SearchEngine:
             valid = ids[qi] >= 0
             cand, sc = ids[qi][valid], scores[qi][valid]
             if self.rerank and len(cand):
-                txt = torch.from_numpy(self.index.caption_emb(cand)).to(self.device)
+                if self.sets:  # an index keeps one vector per caption: the shortlist's word sets are re-made
+                    txt = self.text.embed([self.index.captions[int(c)]["text"] for c in cand])
+                else:
+                    txt = torch.from_numpy(self.index.caption_emb(cand))
+                txt = txt.to(self.device)
                 sc = self.model.sim(image_emb[qi : qi + 1].to(self.device), txt)[0].float().cpu().numpy()
                 order = np.argsort(-sc, kind="stable")
                 cand, sc = cand[order], sc[order]
@@ -222,15 +272,19 @@ class SearchEngine:
         emb = torch.as_tensor(image_emb).detach().float().cpu()
         width = self._picture_width()
         if emb.numel() == 0 or emb.numel() % width:
-            raise VseInputError(f"image embedding of shape {list(emb.shape)}: this index holds pictures embedded to "
-                                f"{list(self.emb_shape) or [width]} values each (what the model's encode_image gives)")  # fmt: skip
+            raise VseInputError(
+                f"image embedding of shape {list(emb.shape)}: this index holds pictures embedded to "
+                f"{list(self.emb_shape) or [width]} values each (what the model's encode_image gives)"
+            )
         if not torch.isfinite(emb).all():
             raise VseInputError("image embedding: it holds NaN or infinite values")
         v = proxy_vectors(self.model, emb.reshape(-1, width))
         return np.ascontiguousarray(torch.nn.functional.normalize(v, dim=-1).numpy(), dtype=np.float32)
 
     @torch.no_grad()
-    def search_image_vectors_to_images(self, image_emb: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+    def search_image_vectors_to_images(
+        self, image_emb: torch.Tensor, k: int
+    ) -> list[list[tuple[int, float]]]:
         """Image embeddings [Q, ...] -> per query [(picture id, cosine of the picture vectors)] best first."""
         q = self.picture_vectors(image_emb)
         n = self.index.n_pictures
@@ -249,18 +303,24 @@ class SearchEngine:
             x = self.index.proxies(np.asarray(self.index.segment_arrays(s)[0]))
             x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
             best_s = np.concatenate([best_s, q @ x.T], axis=1)
-            best_i = np.concatenate([best_i, np.broadcast_to(np.arange(pics.start, pics.stop), (len(q), len(pics)))], axis=1)
+            best_i = np.concatenate(
+                [best_i, np.broadcast_to(np.arange(pics.start, pics.stop), (len(q), len(pics)))], axis=1
+            )
             top = np.argsort(-best_s, axis=1, kind="stable")[:, :k]
             best_s, best_i = np.take_along_axis(best_s, top, 1), np.take_along_axis(best_i, top, 1)
         return [[(int(i), float(s)) for i, s in zip(best_i[r], best_s[r])] for r in range(len(q))]
 
-    def search_image_to_images(self, image: str | Path | Image.Image | torch.Tensor, k: int = 10) -> list[Hit]:
+    def search_image_to_images(
+        self, image: str | Path | Image.Image | torch.Tensor, k: int = 10
+    ) -> list[Hit]:
         """Indexed pictures most like a picture, best first: a file path or a PIL image (embedded as the index's
         pictures were), or that picture's image embedding as a tensor (e.g. from `model.encode_image`)."""
         emb = image if isinstance(image, torch.Tensor) else self.embed_picture(image)
         if emb.numel() > self._picture_width():
-            raise VseInputError(f"image embedding of shape {list(emb.shape)}: give one picture's "
-                                f"({list(self.emb_shape)}); search_image_vectors_to_images takes several")  # fmt: skip
+            raise VseInputError(
+                f"image embedding of shape {list(emb.shape)}: give one picture's "
+                f"({list(self.emb_shape)}); search_image_vectors_to_images takes several"
+            )
         return [self._hit_for_picture(i, s) for i, s in self.search_image_vectors_to_images(emb, k)[0]]
 
     def info(self) -> dict:
@@ -271,5 +331,15 @@ class SearchEngine:
             "index": self.index.params.kind,
             "similarity": m["model"]["similarity"],
             "rerank": self.rerank,
+            "shortlist": self.shortlist if self.rerank else None,
             "recipe": m["model"].get("recipe"),
         }
+
+
+def check_shortlist(shortlist: int | None) -> int | None:
+    """A shortlist size as given (None: the default rule), or a VseInputError naming it when it is below 1."""
+    if shortlist is None:
+        return None
+    if isinstance(shortlist, bool) or not isinstance(shortlist, (int, np.integer)) or shortlist < 1:
+        raise VseInputError(f"shortlist: must be an integer of at least 1, got {shortlist!r}")
+    return int(shortlist)

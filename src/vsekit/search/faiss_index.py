@@ -26,14 +26,18 @@ class FaissParams:
     (docs/search.md has the measured trade-off)."""
 
     kind: str = "flat"
-    nlist: int = 0  # ivf: number of lists; 0 = about 4*sqrt(n) (autofaiss' rule), at least 39 vectors per list
+    nlist: int = (
+        0  # ivf: number of lists; 0 = about 4*sqrt(n) (autofaiss' rule), at least 39 vectors per list
+    )
     nprobe: int = 16  # ivf: lists visited per query (search time; more = higher recall, slower)
     hnsw_m: int = 32  # hnsw: graph degree (memory: 8*M bytes per vector on top of the vector)
     ef_construction: int = 80  # hnsw: build-time beam
     ef_search: int = 64  # hnsw: query-time beam (search time; more = higher recall, slower)
     pq_m: int = 0  # ivfpq: sub-quantizers (bytes per code); 0 = auto_pq(d): about d/8, dividing d
     trained_on: int = 0  # ivf/ivfpq: vectors in the index when its lists were last trained (the retrain rule)
-    refine: int = 10  # ivfpq: re-score the top refine*k of the PQ codes exactly with the stored embeddings (0 = off)
+    refine: int = (
+        10  # ivfpq: re-score the top refine*k of the PQ codes exactly with the stored embeddings (0 = off)
+    )
 
     def validate(self) -> None:
         if self.kind not in INDEX_KINDS:
@@ -94,15 +98,19 @@ def check_trainable(params: FaissParams, n: int, d: int | None = None) -> None:
         return
     nlist = params.nlist or auto_nlist(n)
     if n < nlist:
-        raise VseInputError(f"--nlist {nlist}: an IVF index with {nlist} lists needs at least {nlist} vectors to "
-                            f"train, got {n}; use a smaller --nlist (0 = automatic) or --index flat")  # fmt: skip
+        raise VseInputError(
+            f"--nlist {nlist}: an IVF index with {nlist} lists needs at least {nlist} vectors to "
+            f"train, got {n}; use a smaller --nlist (0 = automatic) or --index flat"
+        )
     if params.kind == "ivfpq":
         if d is not None and params.pq_m and d % params.pq_m:
             raise VseInputError(f"--pq-m {params.pq_m} must divide the vector dimension {d}")
         _, nbits = auto_pq(d or 8, n)
         if n < 2**nbits:
-            raise VseInputError(f"--index ivfpq: an IVF-PQ index needs at least {2**nbits} vectors to train its "
-                                f"codes, got {n}; use --index flat or ivf")  # fmt: skip
+            raise VseInputError(
+                f"--index ivfpq: an IVF-PQ index needs at least {2**nbits} vectors to train its "
+                f"codes, got {n}; use --index flat or ivf"
+            )
 
 
 def build_faiss(vectors: np.ndarray, params: FaissParams, seed: int = 0):
@@ -125,13 +133,23 @@ def build_faiss(vectors: np.ndarray, params: FaissParams, seed: int = 0):
                 m = params.pq_m
             index = faiss.IndexIVFPQ(faiss.IndexFlatIP(d), d, nlist, m, nbits, faiss.METRIC_INNER_PRODUCT)
             max_train = max(ivfpq_train_size(n, nlist), min(n, 39 * 2**nbits))
-            logger.info("IVF-PQ: %d lists, %d x %d-bit codes, trained on %d of %d vectors", nlist, m, nbits,
-                        min(n, max_train), n)  # fmt: skip
+            logger.info(
+                "IVF-PQ: %d lists, %d x %d-bit codes, trained on %d of %d vectors",
+                nlist,
+                m,
+                nbits,
+                min(n, max_train),
+                n,
+            )
         else:
             index = faiss.IndexIVFFlat(faiss.IndexFlatIP(d), d, nlist, faiss.METRIC_INNER_PRODUCT)
             max_train = 256 * nlist
         index.cp.seed = seed
-        train = x if n <= max_train else x[np.sort(np.random.default_rng(seed).choice(n, max_train, replace=False))]
+        train = (
+            x
+            if n <= max_train
+            else x[np.sort(np.random.default_rng(seed).choice(n, max_train, replace=False))]
+        )
         index.train(train)
         params.trained_on = n
     if n:
@@ -201,5 +219,7 @@ def write_faiss(index, path: Path) -> None:
 def build_caption_faiss(caption_emb: np.ndarray, params: FaissParams):
     """The caption index of a new (or rebuilt) index: the pictures' kind, except a flat one when there are too
     few captions to train IVF lists (or PQ codes) on."""
-    small = params.kind in IVF_KINDS and len(caption_emb) < max(39 * max(1, params.nlist), 10_000 if params.kind == "ivfpq" else 0)
+    small = params.kind in IVF_KINDS and len(caption_emb) < max(
+        39 * max(1, params.nlist), 10_000 if params.kind == "ivfpq" else 0
+    )
     return build_faiss(caption_emb, FaissParams("flat") if small else replace(params))

@@ -62,10 +62,21 @@ from vsekit.search.store import (
 )
 
 
-def refresh_index(run_dir: str | Path, source: str, out_dir: str | Path, *, checkpoint: str = "best",
-                  params: FaissParams | None = None, device: str | torch.device = "cpu", batch_size: int = 16,
-                  chunk_size: int = 256, strict: bool = False, captions_file: str | Path | None = None,
-                  progress: bool = True, log: Callable[[str], None] = print) -> dict:  # fmt: skip
+def refresh_index(
+    run_dir: str | Path,
+    source: str,
+    out_dir: str | Path,
+    *,
+    checkpoint: str = "best",
+    params: FaissParams | None = None,
+    device: str | torch.device = "cpu",
+    batch_size: int = 16,
+    chunk_size: int = 256,
+    strict: bool = False,
+    captions_file: str | Path | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Make the index in `out_dir` hold what a fresh `vse index run_dir source` would: re-embed the pictures of
     the folder `source` whose bytes changed, add the new ones, drop the deleted ones, keep the rest.
 
@@ -76,11 +87,35 @@ def refresh_index(run_dir: str | Path, source: str, out_dir: str | Path, *, chec
     with writing(out_dir, log):
         if not (out_dir / "index.json").is_file():
             log(f"note: {out_dir} holds no index yet; building it")
-            return build_under_lock(run_dir, source, out_dir, checkpoint=checkpoint, params=params, device=device,
-                                    batch_size=batch_size, chunk_size=chunk_size, pixels=False, strict=strict,
-                                    captions_file=captions_file, progress=progress, log=log)  # fmt: skip
-        return _refresh(Path(run_dir), source, out_dir, checkpoint, params, torch.device(device), batch_size,
-                        chunk_size, strict, captions_file, progress, log)  # fmt: skip
+            return build_under_lock(
+                run_dir,
+                source,
+                out_dir,
+                checkpoint=checkpoint,
+                params=params,
+                device=device,
+                batch_size=batch_size,
+                chunk_size=chunk_size,
+                pixels=False,
+                strict=strict,
+                captions_file=captions_file,
+                progress=progress,
+                log=log,
+            )
+        return _refresh(
+            Path(run_dir),
+            source,
+            out_dir,
+            checkpoint,
+            params,
+            torch.device(device),
+            batch_size,
+            chunk_size,
+            strict,
+            captions_file,
+            progress,
+            log,
+        )
 
 
 def check_refresh_source(source: str | Path) -> None:
@@ -89,11 +124,15 @@ def check_refresh_source(source: str | Path) -> None:
     folder with the other splits')."""
     path = Path(source)
     if not path.is_dir():
-        raise VseInputError(f"--refresh: {display_path(source)}: {path_kind(path)}; --refresh re-reads a folder of "
-                            "pictures (add a single picture or a DATASET_DIR:SPLIT without --refresh)")  # fmt: skip
+        raise VseInputError(
+            f"--refresh: {display_path(source)}: {path_kind(path)}; --refresh re-reads a folder of "
+            "pictures (add a single picture or a DATASET_DIR:SPLIT without --refresh)"
+        )
     if is_dataset_dir(path):
-        raise VseInputError(f"--refresh: {display_path(source)} is a dataset directory, whose splits' "
-                            "{split}_images.txt fix their pictures; index its splits without --refresh")  # fmt: skip
+        raise VseInputError(
+            f"--refresh: {display_path(source)} is a dataset directory, whose splits' "
+            "{split}_images.txt fix their pictures; index its splits without --refresh"
+        )
 
 
 def refresh_source(source: str, captions_per_image: int) -> Source:
@@ -102,9 +141,20 @@ def refresh_source(source: str, captions_per_image: int) -> Source:
     return resolve_source(source, captions_per_image)
 
 
-def _refresh(run_dir: Path, source: str, out_dir: Path, checkpoint: str, params: FaissParams | None,
-             device: torch.device, batch_size: int, chunk_size: int, strict: bool,
-             captions_file: str | Path | None, progress: bool, log: Callable[[str], None]) -> dict:  # fmt: skip
+def _refresh(
+    run_dir: Path,
+    source: str,
+    out_dir: Path,
+    checkpoint: str,
+    params: FaissParams | None,
+    device: torch.device,
+    batch_size: int,
+    chunk_size: int,
+    strict: bool,
+    captions_file: str | Path | None,
+    progress: bool,
+    log: Callable[[str], None],
+) -> dict:
     model, run_cfg = load_run(run_dir, checkpoint, device)
     fingerprint = model_fingerprint(run_dir, checkpoint, model)
     old = SearchIndex(out_dir)
@@ -116,7 +166,9 @@ def _refresh(run_dir: Path, source: str, out_dir: Path, checkpoint: str, params:
     if strict and src.problems:
         raise DataFormatError(src.problems[0])
     extra = read_extra_captions(captions_file)
-    embedder = ImageEmbedder(model, run_cfg, device)  # before any hashing: a run that cannot embed pictures says so
+    embedder = ImageEmbedder(
+        model, run_cfg, device
+    )  # before any hashing: a run that cannot embed pictures says so
 
     roots = [str(r) for r in old.roots]
     if str(src.root) not in roots:
@@ -135,11 +187,15 @@ def _refresh(run_dir: Path, source: str, out_dir: Path, checkpoint: str, params:
     deleted = [path for path in stored if path not in present]
     unhashed = sum(h is None for _, h in stored.values())
     if unhashed:
-        log(f"note: {unhashed} of the {len(stored)} pictures of {src.root} in {out_dir} were indexed without a content "
+        log(
+            f"note: {unhashed} of the {len(stored)} pictures of {src.root} in {out_dir} were indexed without a content "
             "hash (by an older vsekit, from a dataset's features or from an embeddings folder); they are re-embedded "
-            "once and hashed from now on")  # fmt: skip
-    log(f"refresh {out_dir} from {display_path(source)}: {len(unchanged)} unchanged, {n_changed} changed, "
-        f"{len(todo) - n_changed} new, {len(deleted)} deleted")  # fmt: skip
+            "once and hashed from now on"
+        )
+    log(
+        f"refresh {out_dir} from {display_path(source)}: {len(unchanged)} unchanged, {n_changed} changed, "
+        f"{len(todo) - n_changed} new, {len(deleted)} deleted"
+    )
     problems = src.problems + unread
     _warn(problems, log)
 
@@ -154,32 +210,55 @@ def _refresh(run_dir: Path, source: str, out_dir: Path, checkpoint: str, params:
             old_texts.setdefault(int(c["image"]), []).append(c["text"])
     known = {c["text"] for c in old.captions}
     new_extra = [s for s in dict.fromkeys(extra) if s not in known and s not in {t for t, _ in src.captions}]
-    captions_same = all(old.pictures[stored[src.paths[i]][0]].get("caption") == first[i]
-                        and old_texts.get(stored[src.paths[i]][0], []) == texts_of.get(i, []) for i in unchanged)  # fmt: skip
+    captions_same = all(
+        old.pictures[stored[src.paths[i]][0]].get("caption") == first[i]
+        and old_texts.get(stored[src.paths[i]][0], []) == texts_of.get(i, [])
+        for i in unchanged
+    )
     if not todo and not deleted and not new_extra and captions_same:
         log(f"{out_dir} is up to date with {display_path(source)}: nothing to embed")
         return old.meta
 
     shape = list(old.meta.get("image_emb_shape") or [])
     # an IVF index left with fewer pictures than its lists fails now, before any embedding
-    check_trainable(params, len(old.pictures) - len(stored) + len(unchanged) + len(todo), shape[-1] if shape else None)
+    check_trainable(
+        params, len(old.pictures) - len(stored) + len(unchanged) + len(todo), shape[-1] if shape else None
+    )
     new_row: dict[int, int] = {}
     work = None
     if todo:
         mode = embedder.describe()
-        job = hashlib.sha256(json.dumps(["refresh", fingerprint["weights_sha256"], mode, str(src.root),
-                                         [[src.paths[i], sha[i]] for i in todo]], sort_keys=True).encode()).hexdigest()[:16]  # fmt: skip
+        job = hashlib.sha256(
+            json.dumps(
+                [
+                    "refresh",
+                    fingerprint["weights_sha256"],
+                    mode,
+                    str(src.root),
+                    [[src.paths[i], sha[i]] for i in todo],
+                ],
+                sort_keys=True,
+            ).encode()
+        ).hexdigest()[:16]
         work = out_dir / ".work" / job
         emb, kept_local, emb_problems, new_shape = encode_resumable(
-            work, len(todo), lambda j: embedder.load(src.root / src.paths[todo[j]]),
-            lambda items: embedder.embed(torch.stack(items)), chunk_size, batch_size, strict, progress,
-            desc="embed pictures")  # fmt: skip
+            work,
+            len(todo),
+            lambda j: embedder.load(src.root / src.paths[todo[j]]),
+            lambda items: embedder.embed(torch.stack(items)),
+            chunk_size,
+            batch_size,
+            strict,
+            progress,
+            desc="embed pictures",
+        )
         _warn(emb_problems, log)
         problems += emb_problems
         new_row = {todo[j]: r for r, j in enumerate(kept_local)}
         if new_row and new_shape != shape:
-            raise IndexFormatError(f"{out_dir / 'index.json'}: pictures embed to shape {shape}, the changed ones to "
-                                   f"{new_shape}")  # fmt: skip
+            raise IndexFormatError(
+                f"{out_dir / 'index.json'}: pictures embed to shape {shape}, the changed ones to {new_shape}"
+            )
 
     # DIR's pictures in DIR's order, unchanged ones with their stored embeddings
     block = [i for i in range(len(src.paths)) if i in same or i in new_row]
@@ -191,14 +270,37 @@ def _refresh(run_dir: Path, source: str, out_dir: Path, checkpoint: str, params:
     fresh = [r for r, i in enumerate(block) if i in new_row]
     if fresh:
         block_emb[fresh] = emb[[new_row[block[r]] for r in fresh]]
-    block_pics = [{"root": rid, "path": src.paths[i], "caption": first[i], "id": src.ids[i], "sha256": sha[i]}
-                  for i in block]  # fmt: skip
-    meta = _write_refreshed(out_dir, old, rid, block, block_pics, block_emb, texts_of, extra=new_extra,
-                            model=model, device=device, params=params, fingerprint=fingerprint, roots=roots,
-                            shape=shape, segment={"source": src.label, "embedded_from": embedder.describe(),
-                                                  "skipped": problems,
-                                                  "refresh": {"unchanged": len(unchanged), "changed": n_changed,
-                                                              "new": len(todo) - n_changed, "deleted": len(deleted)}})  # fmt: skip
+    block_pics = [
+        {"root": rid, "path": src.paths[i], "caption": first[i], "id": src.ids[i], "sha256": sha[i]}
+        for i in block
+    ]
+    meta = _write_refreshed(
+        out_dir,
+        old,
+        rid,
+        block,
+        block_pics,
+        block_emb,
+        texts_of,
+        extra=new_extra,
+        model=model,
+        device=device,
+        params=params,
+        fingerprint=fingerprint,
+        roots=roots,
+        shape=shape,
+        segment={
+            "source": src.label,
+            "embedded_from": embedder.describe(),
+            "skipped": problems,
+            "refresh": {
+                "unchanged": len(unchanged),
+                "changed": n_changed,
+                "new": len(todo) - n_changed,
+                "deleted": len(deleted),
+            },
+        },
+    )
     if work is not None:
         shutil.rmtree(work, ignore_errors=True)
         if (out_dir / ".work").is_dir() and not any((out_dir / ".work").iterdir()):
@@ -214,10 +316,24 @@ def _warn(problems: list[str], log: Callable[[str], None]) -> None:
         log(f"warning: … and {len(problems) - 10} more unreadable pictures skipped")
 
 
-def _write_refreshed(out_dir: Path, old: SearchIndex, rid: int, block: list[int], block_pics: list[dict],
-                     block_emb: np.ndarray, texts_of: dict[int, list[str]], *, extra: list[str], model,
-                     device: torch.device, params: FaissParams, fingerprint: dict, roots: list[str], shape: list[int],
-                     segment: dict) -> dict:  # fmt: skip
+def _write_refreshed(
+    out_dir: Path,
+    old: SearchIndex,
+    rid: int,
+    block: list[int],
+    block_pics: list[dict],
+    block_emb: np.ndarray,
+    texts_of: dict[int, list[str]],
+    *,
+    extra: list[str],
+    model,
+    device: torch.device,
+    params: FaissParams,
+    fingerprint: dict,
+    roots: list[str],
+    shape: list[int],
+    segment: dict,
+) -> dict:
     """Write the refreshed index: the other roots' segments (kept, or re-listed with renumbered captions), the
     refreshed folder's one new segment where its first picture was, rebuilt FAISS indexes, then index.json
     (`store.commit_generation`)."""
@@ -252,7 +368,9 @@ def _write_refreshed(out_dir: Path, old: SearchIndex, rid: int, block: list[int]
             image = old.captions[c].get("image")
             if image is None and rows:
                 keep_caps.append(c)
-            elif image is None:  # a caption without a picture, added with the refreshed folder: it moves along
+            elif (
+                image is None
+            ):  # a caption without a picture, added with the refreshed folder: it moves along
                 moved_extra.append((old.captions[c]["text"], c))
             elif int(image) in pid_map:
                 keep_caps.append(c)
@@ -262,19 +380,23 @@ def _write_refreshed(out_dir: Path, old: SearchIndex, rid: int, block: list[int]
     if not placed:
         place_block()
     if n_pics == 0:
-        raise DataFormatError(f"{out_dir}: after this refresh the index would hold no pictures (none of the folder's "
-                              "pictures could be embedded); nothing was changed")  # fmt: skip
+        raise DataFormatError(
+            f"{out_dir}: after this refresh the index would hold no pictures (none of the folder's "
+            "pictures could be embedded); nothing was changed"
+        )
 
     # the block's captions: the folder's own (re-read), then kept and new captions without a picture
     first_id = next(o["first"] for o in out_segments if o.get("block"))
-    block_caps = [{"text": t, "image": first_id + r} for r, i in enumerate(block) for t in texts_of.get(i, [])]
+    block_caps = [
+        {"text": t, "image": first_id + r} for r, i in enumerate(block) for t in texts_of.get(i, [])
+    ]
     block_caps += [{"text": t, "image": None} for t, _ in moved_extra]
     block_caps += [{"text": t, "image": None} for t in extra]
     by_text = {}
     for c, cap in enumerate(old.captions):
         by_text.setdefault(cap["text"], c)
     need = [t for t in dict.fromkeys(c["text"] for c in block_caps) if t not in by_text]
-    embedded = dict(zip(need, TextEmbedder(model, device).embed(need).numpy().astype(np.float32))) if need else {}
+    embedded = dict(zip(need, TextEmbedder(model, device).embed_keys(need))) if need else {}
     dim = fingerprint.get("embed_dim") or model.recipe.model.embed_dim
     block_cap_emb = np.zeros((len(block_caps), dim), dtype=np.float32)
     reuse = [(r, by_text[c["text"]]) for r, c in enumerate(block_caps) if c["text"] in by_text]
@@ -289,28 +411,54 @@ def _write_refreshed(out_dir: Path, old: SearchIndex, rid: int, block: list[int]
             seg_rel = write_segment(out_dir, number, block_pics, block_emb, block_caps, block_cap_emb)
             number += 1
             o.clear()
-            o.update({"dir": seg_rel, "pictures": len(block_pics), "captions": len(block_caps), **segment, "added": now})
+            o.update(
+                {
+                    "dir": seg_rel,
+                    "pictures": len(block_pics),
+                    "captions": len(block_caps),
+                    **segment,
+                    "added": now,
+                }
+            )
             img_parts.append(block_emb)
             cap_parts.append(block_cap_emb)
             continue
         s, seg, rows, keep_caps = plans[o.pop("plan")]
         pics, caps = spans[s]
         img, cap = old.segment_arrays(s)
-        captions = [{**old.captions[c], **({"image": pid_map[int(old.captions[c]["image"])]}
-                                            if old.captions[c].get("image") is not None else {})} for c in keep_caps]  # fmt: skip
-        if len(rows) == len(pics) and captions == [old.captions[c] for c in caps]:  # nothing moved: kept as it is
+        captions = [
+            {
+                **old.captions[c],
+                **(
+                    {"image": pid_map[int(old.captions[c]["image"])]}
+                    if old.captions[c].get("image") is not None
+                    else {}
+                ),
+            }
+            for c in keep_caps
+        ]
+        if len(rows) == len(pics) and captions == [
+            old.captions[c] for c in caps
+        ]:  # nothing moved: kept as it is
             o.update({**seg})
         else:  # a file that keeps all its rows is linked, not rewritten
             old_dir, all_rows = old.dir / seg["dir"], len(rows) == len(pics)
             if len(keep_caps) == len(caps):
                 cap_emb: np.ndarray | Path = old_dir / "caption_emb.npy"
             else:
-                cap_emb = np.asarray(cap[[c - caps.start for c in keep_caps]]) if cap is not None else np.zeros((0, dim))
+                cap_emb = (
+                    np.asarray(cap[[c - caps.start for c in keep_caps]])
+                    if cap is not None
+                    else np.zeros((0, dim))
+                )
             seg_rel = write_segment(
-                out_dir, number,
+                out_dir,
+                number,
                 old_dir / "pictures.jsonl" if all_rows else [old.pictures[p] for p in rows],
                 old_dir / "image_emb.npy" if all_rows else np.asarray(img[[p - pics.start for p in rows]]),
-                captions, cap_emb)  # fmt: skip
+                captions,
+                cap_emb,
+            )
             number += 1
             o.update({**seg, "dir": seg_rel, "pictures": len(rows), "captions": len(captions)})
         img_parts.append(np.asarray(img[[p - pics.start for p in rows]]))
@@ -324,6 +472,16 @@ def _write_refreshed(out_dir: Path, old: SearchIndex, rid: int, block: list[int]
     built = replace(params)
     img_index = build_faiss(proxy_vectors(model, torch.from_numpy(all_emb)).numpy(), built)
     cap_index = build_caption_faiss(all_cap, built) if len(all_cap) else None
-    return commit_generation(out_dir, old, fingerprint=fingerprint, params=built, roots=roots, emb_shape=shape,
-                             segments=out_segments, image_index=img_index, caption_index=cap_index,
-                             counts={"pictures": len(all_emb), "captions": len(all_cap)}, now=now)  # fmt: skip
+    return commit_generation(
+        out_dir,
+        old,
+        fingerprint=fingerprint,
+        params=built,
+        roots=roots,
+        emb_shape=shape,
+        segments=out_segments,
+        image_index=img_index,
+        caption_index=cap_index,
+        counts={"pictures": len(all_emb), "captions": len(all_cap)},
+        now=now,
+    )

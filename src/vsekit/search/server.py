@@ -49,8 +49,13 @@ SECURITY_HEADERS = {
     "content-security-policy": "default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; "
     "frame-ancestors 'none'; form-action 'self'",
 }
-STATIC_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
-                ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml", ".png": "image/png"}  # fmt: skip
+STATIC_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
+    ".png": "image/png",
+}
 
 
 @dataclass
@@ -128,9 +133,16 @@ class Guard:
     """Outermost ASGI layer: rate limit, cross-origin refusal, body-size cap, timeout, security headers and
     one structured log line per request."""
 
-    def __init__(self, app, max_body_bytes: int, logger: logging.Logger, rate_per_s: float = 0.0,
-                 rate_burst: int = 1, timeout_s: float = 0.0,
-                 allowed_origins: tuple[str, ...] = ()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        app,
+        max_body_bytes: int,
+        logger: logging.Logger,
+        rate_per_s: float = 0.0,
+        rate_burst: int = 1,
+        timeout_s: float = 0.0,
+        allowed_origins: tuple[str, ...] = (),
+    ) -> None:
         self.app = app
         self.max_body = max_body_bytes
         self.logger = logger
@@ -163,7 +175,9 @@ class Guard:
                     raise _BodyTooLarge
             return message
 
-        too_large = JSONResponse({"detail": f"request body is larger than the {self.max_body} byte limit"}, 413)
+        too_large = JSONResponse(
+            {"detail": f"request body is larger than the {self.max_body} byte limit"}, 413
+        )
         client = scope.get("client")
         try:
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers") or []}
@@ -172,15 +186,21 @@ class Guard:
             wait = self.limiter.allow(client[0] if client else "?")
             if wait > 0:
                 retry = str(max(1, int(wait + 0.999)))
-                await JSONResponse({"detail": f"too many requests from this address; retry in {retry} s"}, 429,
-                                   headers={"retry-after": retry})(scope, receive, send_wrapper)  # fmt: skip
+                await JSONResponse(
+                    {"detail": f"too many requests from this address; retry in {retry} s"},
+                    429,
+                    headers={"retry-after": retry},
+                )(scope, receive, send_wrapper)
             elif foreign_origin(origin, headers.get("host"), self.allowed_origins):
-                why = (f"cross-origin request from {origin[:80]!r} refused: this server answers its own page "
-                       "and clients that send no Origin (vse serve --cors-origin ORIGIN allows "
-                       "a site)")  # fmt: skip
+                why = (
+                    f"cross-origin request from {origin[:80]!r} refused: this server answers its own page "
+                    "and clients that send no Origin (vse serve --cors-origin ORIGIN allows "
+                    "a site)"
+                )
                 await JSONResponse({"detail": why}, 403)(scope, receive, send_wrapper)
-            elif length is not None and not (length.isascii() and length.isdigit()
-                                             and int(length) <= self.max_body):  # fmt: skip
+            elif length is not None and not (
+                length.isascii() and length.isdigit() and int(length) <= self.max_body
+            ):
                 await too_large(scope, receive, send_wrapper)
             elif self.timeout > 0:
                 await asyncio.wait_for(self.app(scope, limited_receive, send_wrapper), self.timeout)
@@ -191,14 +211,23 @@ class Guard:
                 await too_large(scope, receive, send_wrapper)
         except asyncio.TimeoutError:
             if not state["started"]:
-                await JSONResponse({"detail": f"the request took longer than the {self.timeout:g} s limit"},
-                                   504)(scope, receive, send_wrapper)  # fmt: skip
+                await JSONResponse(
+                    {"detail": f"the request took longer than the {self.timeout:g} s limit"}, 504
+                )(scope, receive, send_wrapper)
         finally:
-            self.logger.info(json.dumps({
-                "ts": round(time.time(), 3), "event": "request", "method": scope.get("method"),
-                "path": scope.get("path"), "status": state["status"],
-                "ms": round((time.perf_counter() - t0) * 1000, 2), "client": client[0] if client else None,
-            }))  # fmt: skip
+            self.logger.info(
+                json.dumps(
+                    {
+                        "ts": round(time.time(), 3),
+                        "event": "request",
+                        "method": scope.get("method"),
+                        "path": scope.get("path"),
+                        "status": state["status"],
+                        "ms": round((time.perf_counter() - t0) * 1000, 2),
+                        "client": client[0] if client else None,
+                    }
+                )
+            )
 
 
 def json_log_handler(stream=None) -> logging.Handler:
@@ -224,11 +253,15 @@ def _parse_k(raw, limits: ServerLimits) -> int:
     if raw is None or raw == "":
         return min(10, limits.max_k)
     try:
-        if isinstance(raw, (float, bool)) or (isinstance(raw, str) and not (raw.isascii() and len(raw) <= 20)):
+        if isinstance(raw, (float, bool)) or (
+            isinstance(raw, str) and not (raw.isascii() and len(raw) <= 20)
+        ):
             raise ValueError
         k = int(raw)
     except (TypeError, ValueError, OverflowError):
-        raise HTTPException(422, f"k must be an integer between 1 and {limits.max_k}, got {str(raw)[:20]!r}") from None
+        raise HTTPException(
+            422, f"k must be an integer between 1 and {limits.max_k}, got {str(raw)[:20]!r}"
+        ) from None
     if not 1 <= k <= limits.max_k:
         raise HTTPException(422, f"k must be between 1 and {limits.max_k}, got {k}")
     return k
@@ -241,7 +274,9 @@ def _check_query(q, limits: ServerLimits) -> str:
     if not q:
         raise HTTPException(422, "the query is empty; type a few words describing a picture")
     if len(q) > limits.max_query_chars:
-        raise HTTPException(422, f"the query is {len(q)} characters long; the limit is {limits.max_query_chars}")
+        raise HTTPException(
+            422, f"the query is {len(q)} characters long; the limit is {limits.max_query_chars}"
+        )
     if any(ord(ch) < 32 for ch in q):
         raise HTTPException(422, "the query contains control characters")
     try:
@@ -251,12 +286,24 @@ def _check_query(q, limits: ServerLimits) -> str:
     return q
 
 
-def create_app(index_dir: str | Path | SearchEngine, *, device: str = "cpu", run_dir: str | Path | None = None,
-               limits: ServerLimits | None = None, cors_origins: list[str] | None = None,
-               allowed_hosts: list[str] | tuple[str, ...] | None = ("127.0.0.1", "localhost"),
-               logger: logging.Logger | None = None) -> FastAPI:  # fmt: skip
-    """The app for one index (or an already opened engine). No module-level state: two apps never share."""
-    engine = index_dir if isinstance(index_dir, SearchEngine) else SearchEngine.open(index_dir, device, run_dir=run_dir)
+def create_app(
+    index_dir: str | Path | SearchEngine,
+    *,
+    device: str = "cpu",
+    run_dir: str | Path | None = None,
+    limits: ServerLimits | None = None,
+    cors_origins: list[str] | None = None,
+    allowed_hosts: list[str] | tuple[str, ...] | None = ("127.0.0.1", "localhost"),
+    logger: logging.Logger | None = None,
+    shortlist: int | None = None,
+) -> FastAPI:
+    """The app for one index (or an already opened engine). No module-level state: two apps never share.
+    `shortlist`: the candidates a model whose similarity is not an inner product re-scores (`SearchEngine`)."""
+    engine = (
+        index_dir
+        if isinstance(index_dir, SearchEngine)
+        else SearchEngine.open(index_dir, device, run_dir=run_dir, shortlist=shortlist)
+    )
     limits = limits or ServerLimits()
     logger = logger or logging.getLogger("vsekit.search.server")
     static = _static_files()
@@ -270,7 +317,10 @@ def create_app(index_dir: str | Path | SearchEngine, *, device: str = "cpu", run
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        msgs = ["{}: {}".format(".".join(str(p) for p in e.get("loc", ())[1:]) or "request", e.get("msg")) for e in exc.errors()]
+        msgs = [
+            "{}: {}".format(".".join(str(p) for p in e.get("loc", ())[1:]) or "request", e.get("msg"))
+            for e in exc.errors()
+        ]
         return JSONResponse({"detail": "; ".join(msgs)}, 422)
 
     @app.exception_handler(HTTPException)
@@ -318,9 +368,17 @@ def create_app(index_dir: str | Path | SearchEngine, *, device: str = "cpu", run
     def text_search(q: str, k: int) -> dict:
         t0 = time.perf_counter()
         hits = engine.search_text(q, k)
-        results = [{"id": h.id, "score": round(h.score, 6), "caption": h.caption, **picture_json(h.picture)} for h in hits]
-        return {"query": q, "k": k, "took_ms": round((time.perf_counter() - t0) * 1000, 2),
-                "unknown_words": engine.text.unknown_words(q), "results": results}  # fmt: skip
+        results = [
+            {"id": h.id, "score": round(h.score, 6), "caption": h.caption, **picture_json(h.picture)}
+            for h in hits
+        ]
+        return {
+            "query": q,
+            "k": k,
+            "took_ms": round((time.perf_counter() - t0) * 1000, 2),
+            "unknown_words": engine.text.unknown_words(q),
+            "results": results,
+        }
 
     @app.get("/", include_in_schema=False)
     def page() -> Response:
@@ -336,8 +394,11 @@ def create_app(index_dir: str | Path | SearchEngine, *, device: str = "cpu", run
 
     @app.get("/healthz")
     def healthz() -> dict:
-        return {"status": "ok", **engine.info(),
-                "limits": {"max_k": limits.max_k, "max_query_chars": limits.max_query_chars}}  # fmt: skip
+        return {
+            "status": "ok",
+            **engine.info(),
+            "limits": {"max_k": limits.max_k, "max_query_chars": limits.max_query_chars},
+        }
 
     @app.get("/search")
     def search_get(q: str | None = None, k: str | None = None) -> dict:
@@ -377,13 +438,25 @@ def create_app(index_dir: str | Path | SearchEngine, *, device: str = "cpu", run
 
         def run() -> dict:
             try:
-                hits = engine.search_image_to_images(img, kk) if target == "images" else engine.search_image(img, kk)
+                hits = (
+                    engine.search_image_to_images(img, kk)
+                    if target == "images"
+                    else engine.search_image(img, kk)
+                )
             except DataFormatError as e:
                 raise HTTPException(400, str(e)) from None
             except ValueError as e:  # e.g. a run without a feature extractor
                 raise HTTPException(501, f"picture queries are not available for this index: {e}") from None
-            results = [{"id": h.id, "score": round(h.score, 6), "caption": h.caption, **picture_json(h.picture)} for h in hits]
-            return {"k": kk, "target": target, "took_ms": round((time.perf_counter() - t0) * 1000, 2), "results": results}
+            results = [
+                {"id": h.id, "score": round(h.score, 6), "caption": h.caption, **picture_json(h.picture)}
+                for h in hits
+            ]
+            return {
+                "k": kk,
+                "target": target,
+                "took_ms": round((time.perf_counter() - t0) * 1000, 2),
+                "results": results,
+            }
 
         return await run_in_threadpool(run)
 
@@ -419,15 +492,25 @@ def create_app(index_dir: str | Path | SearchEngine, *, device: str = "cpu", run
     if cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["content-type"])  # fmt: skip
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["content-type"],
+        )
     if allowed_hosts and "*" not in allowed_hosts:
         from starlette.middleware.trustedhost import TrustedHostMiddleware
 
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))
-    app.add_middleware(Guard, max_body_bytes=limits.max_body_bytes, logger=logger, rate_per_s=limits.rate_per_s,
-                       rate_burst=limits.rate_burst, timeout_s=limits.timeout_s,
-                       allowed_origins=tuple(cors_origins or ()))  # fmt: skip
+    app.add_middleware(
+        Guard,
+        max_body_bytes=limits.max_body_bytes,
+        logger=logger,
+        rate_per_s=limits.rate_per_s,
+        rate_burst=limits.rate_burst,
+        timeout_s=limits.timeout_s,
+        allowed_origins=tuple(cors_origins or ()),
+    )
     app.state.engine = engine
     app.state.limits = limits
     return app

@@ -90,12 +90,16 @@ def _read_captions_beside(root: Path, name: str, i: int, problems: list[str]) ->
     if not os.path.lexists(side):
         return []
     try:
-        text = read_inside(root, name, MAX_CAPTION_FILE_BYTES, label="the folder", expected="a caption file").decode()
+        text = read_inside(
+            root, name, MAX_CAPTION_FILE_BYTES, label="the folder", expected="a caption file"
+        ).decode()
     except UntrustedFileError as e:
         problems.append(f"{display_path(side)}: {e.detail}; its captions were skipped")
         return []
     except OSError as e:
-        problems.append(f"{display_path(side)}: cannot be read ({e.strerror or e}); its captions were skipped")
+        problems.append(
+            f"{display_path(side)}: cannot be read ({e.strerror or e}); its captions were skipped"
+        )
         return []
     except UnicodeDecodeError as e:
         problems.append(f"{display_path(side)}: not UTF-8 text ({e}); its captions were skipped")
@@ -116,10 +120,19 @@ def split_source(root: Path, split: str, captions_per_image: int) -> Source:
     if data.image_paths is None:
         data.require_features()  # neither pictures nor features: nothing to index
         rows = [f"{split}:{i}" for i in range(data.n_images)]
-        return Source(f"{root}:{split}", root.resolve(), rows, list(data.image_ids), caps, data, features_only=True)
+        return Source(
+            f"{root}:{split}", root.resolve(), rows, list(data.image_ids), caps, data, features_only=True
+        )
     for i in range(len(data.image_paths)):  # a line resolving outside the images root refuses the split, as
         data.abs_image_path(i)  # check, train, eval and show refuse it (one rule: precomp.resolve_image_path)
-    return Source(f"{root}:{split}", data.images_root.resolve(), list(data.image_paths), list(data.image_ids), caps, data)
+    return Source(
+        f"{root}:{split}",
+        data.images_root.resolve(),
+        list(data.image_paths),
+        list(data.image_ids),
+        caps,
+        data,
+    )
 
 
 def folder_source(root: Path) -> Source:
@@ -131,13 +144,17 @@ def folder_source(root: Path) -> Source:
     found = sorted(
         p.relative_to(root).as_posix()
         for p in root.rglob("*")
-        if p.suffix.lower() in IMAGE_SUFFIXES and not p.is_dir()
+        if p.suffix.lower() in IMAGE_SUFFIXES
+        and not p.is_dir()
         and not any(part.startswith(".") for part in p.relative_to(root).parts)
-    )  # fmt: skip
+    )
     if not found:
         raise DataFormatError(f"{root}: no pictures ({', '.join(IMAGE_SUFFIXES)}) in this folder or below")
-    problems = [f"{display_path(root / rel)}: its file name is not valid UTF-8; rename it to index it"
-                for rel in found if not is_utf8_name(rel)]  # fmt: skip
+    problems = [
+        f"{display_path(root / rel)}: its file name is not valid UTF-8; rename it to index it"
+        for rel in found
+        if not is_utf8_name(rel)
+    ]
     paths = []
     for rel in found:
         if not is_utf8_name(rel):
@@ -150,8 +167,10 @@ def folder_source(root: Path) -> Source:
             continue
         paths.append(rel)
     if not paths:
-        raise DataFormatError(f"{root}: none of its {len(found)} pictures can be indexed (e.g. "
-                              f"{problems[0]}); rename them or move them into the folder")  # fmt: skip
+        raise DataFormatError(
+            f"{root}: none of its {len(found)} pictures can be indexed (e.g. "
+            f"{problems[0]}); rename them or move them into the folder"
+        )
     caps = []
     for i, rel in enumerate(paths):
         caps += _read_captions_beside(root, Path(rel).with_suffix(".txt").as_posix(), i, problems)
@@ -162,8 +181,10 @@ def _require_utf8(path: Path) -> None:
     """SOURCE's own path must be valid UTF-8: it is stored (index.json's roots, parquet's image_path)."""
     full = os.path.abspath(path)
     if not is_utf8_name(full):
-        raise DataFormatError(f"{display_path(full)}: this path is not valid UTF-8 text, so the pictures' paths "
-                              "could not be stored; rename it (or the folder above it that is not)")  # fmt: skip
+        raise DataFormatError(
+            f"{display_path(full)}: this path is not valid UTF-8 text, so the pictures' paths "
+            "could not be stored; rename it (or the folder above it that is not)"
+        )
 
 
 def resolve_source(spec: str, captions_per_image: int = 5) -> Source:
@@ -175,7 +196,9 @@ def resolve_source(spec: str, captions_per_image: int = 5) -> Source:
         if is_dataset_dir(path):
             if not (path / "test_caps.txt").is_file():
                 splits = sorted(p.name[: -len("_caps.txt")] for p in path.glob("*_caps.txt"))
-                raise DataFormatError(f"{path}: a dataset directory; name a split as {path}:SPLIT ({', '.join(splits)})")
+                raise DataFormatError(
+                    f"{path}: a dataset directory; name a split as {path}:SPLIT ({', '.join(splits)})"
+                )
             return split_source(path, "test", captions_per_image)
         return folder_source(path)
     if path.is_file():
@@ -189,12 +212,15 @@ def resolve_source(spec: str, captions_per_image: int = 5) -> Source:
         if Path(root).is_dir() and split:
             _require_utf8(Path(root))
             return split_source(Path(root), split, captions_per_image)
-    raise DataFormatError(f"{display_path(spec)}: {path_kind(path)} (give a folder of pictures, a dataset directory, or "
-                          "DATASET_DIR:SPLIT)")  # fmt: skip
+    raise DataFormatError(
+        f"{display_path(spec)}: {path_kind(path)} (give a folder of pictures, a dataset directory, or "
+        "DATASET_DIR:SPLIT)"
+    )
 
 
-def hash_pictures(root: Path, paths: list[str], progress: bool = False,
-                  desc: str = "hash pictures") -> tuple[list[str | None], list[str]]:  # fmt: skip
+def hash_pictures(
+    root: Path, paths: list[str], progress: bool = False, desc: str = "hash pictures"
+) -> tuple[list[str | None], list[str]]:
     """The sha256 of each picture file's bytes (what pictures.jsonl records, so `vse index --refresh` can tell a
     changed picture from an unchanged one), and a problem naming each file that cannot be read (its hash None).
 
@@ -207,8 +233,11 @@ def hash_pictures(root: Path, paths: list[str], progress: bool = False,
     for rel in progress_bar(paths, desc=desc, unit="img", enabled=progress):
         path = root / rel  # checked inside `root` when the source was read; a FIFO or device is refused here
         try:
-            hashes.append(hashlib.sha256(read_bounded(path, MAX_PICTURE_BYTES, follow_symlinks=True,
-                                                      expected="a picture file")).hexdigest())  # fmt: skip
+            hashes.append(
+                hashlib.sha256(
+                    read_bounded(path, MAX_PICTURE_BYTES, follow_symlinks=True, expected="a picture file")
+                ).hexdigest()
+            )
         except OSError as e:
             hashes.append(None)
             problems.append(f"{display_path(path)}: cannot read image ({e.strerror or e})")

@@ -6,7 +6,10 @@ INDEX_DIR/
                              `--refresh` writes the refreshed folder's pictures as one new segment: search/refresh.py)
     pictures.jsonl           {"root": i, "path": relative path, "caption": str|null, "id": str, "sha256": hex of the
                              file's bytes (pictures embedded from files; what --refresh compares)} per picture
-    image_emb.npy            float32 [n, F]: the model's full image embeddings (re-ranking, rebuilding)
+    image_emb.npy            float32 [n, F]: the model's full image embeddings (re-ranking, rebuilding), F values of
+                             index.json's `image_emb_shape`: [D]; [views, D] (multi-view); or for a late-interaction
+                             run *set embeddings* [S, D], each picture's set of region vectors padded with zero rows
+                             to S (a zero row is padding, as the model's sets mark it: no lengths file is needed)
     captions.jsonl           {"text": str, "image": global picture id|null} per caption (image -> text search)
     caption_emb.npy          float32 [m, D]
   images.gN.faiss            inner-product index over the pictures' proxy vectors (generation N)
@@ -127,18 +130,24 @@ class SearchIndex:
         self.dir = Path(index_dir)
         meta_path = self.dir / "index.json"
         if self.dir.exists() and not self.dir.is_dir():
-            raise IndexFormatError(f"{self.dir}: {path_kind(self.dir)}, expected an index folder (built by `vse index`)")
+            raise IndexFormatError(
+                f"{self.dir}: {path_kind(self.dir)}, expected an index folder (built by `vse index`)"
+            )
         if meta_path.exists() and not meta_path.is_file():
             raise IndexFormatError(f"{meta_path}: {path_kind(meta_path)}, expected the index's JSON file")
         if not meta_path.is_file():
-            raise IndexFormatError(f"{self.dir}: not a vsekit index (no index.json); build one with `vse index`")
+            raise IndexFormatError(
+                f"{self.dir}: not a vsekit index (no index.json); build one with `vse index`"
+            )
         try:
             self.meta = json.loads(meta_path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
             raise IndexFormatError(f"{meta_path}: not valid JSON ({e})") from e
         if not isinstance(self.meta, dict) or self.meta.get("format") != INDEX_FORMAT:
-            raise IndexFormatError(f"{meta_path}: format {self.meta.get('format') if isinstance(self.meta, dict) else None!r}; "
-                                   f"this vsekit reads {INDEX_FORMAT}")  # fmt: skip
+            raise IndexFormatError(
+                f"{meta_path}: format {self.meta.get('format') if isinstance(self.meta, dict) else None!r}; "
+                f"this vsekit reads {INDEX_FORMAT}"
+            )
         try:
             self.roots = [Path(r) for r in self.meta["roots"]]
             self.params = FaissParams(**self.meta["faiss"])
@@ -155,8 +164,14 @@ class SearchIndex:
             pics = _read_jsonl(sdir / "pictures.jsonl")
             caps = _read_jsonl(sdir / "captions.jsonl")
             for lineno, p in enumerate(pics, 1):
-                if not isinstance(p.get("path"), str) or not isinstance(p.get("root"), int) or not 0 <= p["root"] < len(self.roots):
-                    raise IndexFormatError(f"{sdir / 'pictures.jsonl'}:{lineno}: needs a 'path' string and a valid 'root'")
+                if (
+                    not isinstance(p.get("path"), str)
+                    or not isinstance(p.get("root"), int)
+                    or not 0 <= p["root"] < len(self.roots)
+                ):
+                    raise IndexFormatError(
+                        f"{sdir / 'pictures.jsonl'}:{lineno}: needs a 'path' string and a valid 'root'"
+                    )
             self.pictures += pics
             self.captions += caps
             self._img.append(_load_emb(sdir / "image_emb.npy", len(pics), mmap))
@@ -166,14 +181,19 @@ class SearchIndex:
         self.image_faiss = _read_faiss(self.dir / files["images"])
         self.caption_faiss = _read_faiss(self.dir / files["captions"]) if files.get("captions") else None
         if self.image_faiss.ntotal != len(self.pictures):
-            raise IndexFormatError(f"{self.dir / files['images']}: holds {self.image_faiss.ntotal} vectors but the "
-                                   f"segments list {len(self.pictures)} pictures")  # fmt: skip
+            raise IndexFormatError(
+                f"{self.dir / files['images']}: holds {self.image_faiss.ntotal} vectors but the "
+                f"segments list {len(self.pictures)} pictures"
+            )
         n_caps = 0 if self.caption_faiss is None else self.caption_faiss.ntotal
         if n_caps != len(self.captions):
-            raise IndexFormatError(f"{self.dir}: caption index holds {n_caps} vectors for {len(self.captions)} captions")
+            raise IndexFormatError(
+                f"{self.dir}: caption index holds {n_caps} vectors for {len(self.captions)} captions"
+            )
         if self.params.kind == "ivfpq" and self.params.refine:
-            self.image_faiss = RefinedIndex(self.image_faiss, lambda ids: self.proxies(self.image_emb(ids)),
-                                            self.params.refine)  # fmt: skip
+            self.image_faiss = RefinedIndex(
+                self.image_faiss, lambda ids: self.proxies(self.image_emb(ids)), self.params.refine
+            )
             if self.caption_faiss is not None and type(self.caption_faiss).__name__ == "IndexIVFPQ":
                 self.caption_faiss = RefinedIndex(self.caption_faiss, self.caption_emb, self.params.refine)
         tune_faiss(self.image_faiss, self.params)
@@ -184,7 +204,9 @@ class SearchIndex:
         """The inner-product vectors of this index's pictures (`search.proxies`: the embedding, or the
         normalised mean of its views) of image embeddings as stored here."""
         model = self.meta.get("model") or {}
-        views = view_width(self.meta.get("image_emb_shape") or [], model.get("embed_dim"), bool(model.get("rerank")))
+        views = view_width(
+            self.meta.get("image_emb_shape") or [], model.get("embed_dim"), bool(model.get("rerank"))
+        )
         return picture_proxies(image_emb, views)
 
     @property
@@ -207,7 +229,9 @@ class SearchIndex:
 
     def _gather(self, parts: list, offsets: np.ndarray, ids: np.ndarray) -> np.ndarray:
         seg = np.searchsorted(offsets, ids, side="right") - 1
-        return np.stack([np.asarray(parts[s][i - offsets[s]]) for s, i in zip(seg, ids)]) if len(ids) else None
+        return (
+            np.stack([np.asarray(parts[s][i - offsets[s]]) for s, i in zip(seg, ids)]) if len(ids) else None
+        )
 
     def image_emb(self, ids: np.ndarray) -> np.ndarray:
         """Full image embeddings [len(ids), F] of pictures by global id."""
@@ -217,12 +241,19 @@ class SearchIndex:
         return self._gather(self._cap, self._cap_offsets, np.asarray(ids, dtype=np.int64))
 
     def all_image_emb(self) -> np.ndarray:
-        return np.concatenate([np.asarray(a) for a in self._img]) if self._img else np.zeros((0, 0), np.float32)
+        return (
+            np.concatenate([np.asarray(a) for a in self._img]) if self._img else np.zeros((0, 0), np.float32)
+        )
 
     def segment_spans(self) -> list[tuple[range, range]]:
         """Per segment (in index.json's order): the global ids of its pictures and of its captions."""
-        return [(range(int(self._img_offsets[s]), int(self._img_offsets[s + 1])),
-                 range(int(self._cap_offsets[s]), int(self._cap_offsets[s + 1]))) for s in range(len(self._img))]  # fmt: skip
+        return [
+            (
+                range(int(self._img_offsets[s]), int(self._img_offsets[s + 1])),
+                range(int(self._cap_offsets[s]), int(self._cap_offsets[s + 1])),
+            )
+            for s in range(len(self._img))
+        ]
 
     def segment_arrays(self, s: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Segment `s`'s stored (memory-mapped) image and caption embeddings (None: it has no captions)."""
@@ -266,7 +297,9 @@ def writer_lock(out_dir: Path, log: Callable[[str], None] = print) -> Iterator[N
         yield
 
 
-_LEFTOVER = re.compile(r"(images|captions)\.g\d+\.faiss|\.(index\.json|(images|captions)\.g\d+\.faiss)\..+\.tmp")
+_LEFTOVER = re.compile(
+    r"(images|captions)\.g\d+\.faiss|\.(index\.json|(images|captions)\.g\d+\.faiss)\..+\.tmp"
+)
 
 
 def _first_build_leftovers(out_dir: Path) -> list[Path] | None:
@@ -293,9 +326,13 @@ def check_new_out(out_dir: Path, log: Callable[[str], None]) -> None:
         return
     leftovers = _first_build_leftovers(out_dir)
     if leftovers is None:
-        raise IndexFormatError(f"{out_dir}: exists, is not empty and holds no index.json; choose an empty or new --out")
+        raise IndexFormatError(
+            f"{out_dir}: exists, is not empty and holds no index.json; choose an empty or new --out"
+        )
     if leftovers:
-        log(f"note: {out_dir}: removing what an unfinished first `vse index` left ({', '.join(sorted(p.name for p in leftovers))})")
+        log(
+            f"note: {out_dir}: removing what an unfinished first `vse index` left ({', '.join(sorted(p.name for p in leftovers))})"
+        )
         for p in leftovers:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
 
@@ -306,18 +343,25 @@ def _undo_on_failure(out_dir: Path) -> Iterator[None]:
     anything that was there before: new top-level files and folders, new segments/NNNN, new .work/JOB. After
     Ctrl-C the finished chunks in .work are kept (the rerun resumes from them); after an error they are not
     (the folder is left as it was, so a rerun is never refused because of this run)."""
+
     def listing(d: Path) -> set[str]:
         try:
             return set(os.listdir(d))
         except OSError:
             return set()
 
-    before = {".": listing(out_dir), "segments": listing(out_dir / "segments"), ".work": listing(out_dir / ".work")}
+    before = {
+        ".": listing(out_dir),
+        "segments": listing(out_dir / "segments"),
+        ".work": listing(out_dir / ".work"),
+    }
     stamp = file_stamp(out_dir / "index.json")
     try:
         yield
     except BaseException as e:
-        if file_stamp(out_dir / "index.json") == stamp:  # not committed: nothing of this run is listed anywhere
+        if (
+            file_stamp(out_dir / "index.json") == stamp
+        ):  # not committed: nothing of this run is listed anywhere
             keep_work = isinstance(e, KeyboardInterrupt)
             for sub in ("segments", ".work"):
                 if sub in before["."] and not (sub == ".work" and keep_work):
@@ -342,7 +386,11 @@ def next_segment_number(meta: dict | None) -> int:
     renumbers segments, so their count is not enough: a new folder must never be one that is still listed)."""
     if not meta:
         return 0
-    listed = [int(m.group(1)) for seg in meta["segments"] if (m := re.fullmatch(r"segments/(\d+)", str(seg.get("dir"))))]
+    listed = [
+        int(m.group(1))
+        for seg in meta["segments"]
+        if (m := re.fullmatch(r"segments/(\d+)", str(seg.get("dir"))))
+    ]
     return max(len(meta["segments"]), max(listed, default=-1) + 1)
 
 
@@ -373,8 +421,14 @@ def _link_or_copy(src: Path, dst: Path) -> None:
             os.fsync(f.fileno())
 
 
-def write_segment(out_dir: Path, number: int, pictures: list[dict] | Path, image_emb: np.ndarray | Path,
-                  captions: list[dict] | Path, caption_emb: np.ndarray | Path) -> str:  # fmt: skip
+def write_segment(
+    out_dir: Path,
+    number: int,
+    pictures: list[dict] | Path,
+    image_emb: np.ndarray | Path,
+    captions: list[dict] | Path,
+    caption_emb: np.ndarray | Path,
+) -> str:
     """Write segment folder `number` (unlisted until `commit_generation` names it) and return its name in
     index.json (`segments/NNNN`). Each file is given as its rows / array, or as the Path of an existing
     segment's file with the same content, which is hard-linked (copied where links fail). A folder of that name
@@ -394,16 +448,30 @@ def write_segment(out_dir: Path, number: int, pictures: list[dict] | Path, image
     return seg_rel
 
 
-def commit_generation(out_dir: Path, old: SearchIndex | None, *, fingerprint: dict, params: FaissParams,
-                      roots: list[str], emb_shape: list[int], segments: list[dict], image_index, caption_index,
-                      counts: dict, now: str) -> dict:  # fmt: skip
+def commit_generation(
+    out_dir: Path,
+    old: SearchIndex | None,
+    *,
+    fingerprint: dict,
+    params: FaissParams,
+    roots: list[str],
+    emb_shape: list[int],
+    segments: list[dict],
+    image_index,
+    caption_index,
+    counts: dict,
+    now: str,
+) -> dict:
     """Switch the index in `out_dir` over to `segments` (already written) and the given FAISS indexes: write the
     indexes as the next generation's files, then index.json in one rename (the commit point), then delete what
     the old index.json listed and this one does not, and segment folders no index.json lists (a killed writer's).
     Readers that opened the old index.json keep their open files. Returns the new index.json contents."""
     out_dir = Path(out_dir)
     gen = int(old.meta["generation"]) + 1 if old else 1
-    files = {"images": f"images.g{gen}.faiss", "captions": f"captions.g{gen}.faiss" if caption_index is not None else None}
+    files = {
+        "images": f"images.g{gen}.faiss",
+        "captions": f"captions.g{gen}.faiss" if caption_index is not None else None,
+    }
     write_faiss(image_index, out_dir / files["images"])
     if caption_index is not None:
         write_faiss(caption_index, out_dir / files["captions"])
@@ -432,23 +500,44 @@ def commit_generation(out_dir: Path, old: SearchIndex | None, *, fingerprint: di
     return meta
 
 
-def append_segment(out_dir: Path, old: SearchIndex | None, *, fingerprint: dict, params: FaissParams, roots: list[str],
-                   pictures: list[dict], image_emb: np.ndarray, emb_shape: list[int], proxies: np.ndarray,
-                   captions: list[dict], caption_emb: np.ndarray, segment: dict) -> dict:  # fmt: skip
+def append_segment(
+    out_dir: Path,
+    old: SearchIndex | None,
+    *,
+    fingerprint: dict,
+    params: FaissParams,
+    roots: list[str],
+    pictures: list[dict],
+    image_emb: np.ndarray,
+    emb_shape: list[int],
+    proxies: np.ndarray,
+    captions: list[dict],
+    caption_emb: np.ndarray,
+    segment: dict,
+) -> dict:
     """Write one segment, extend (or build) the FAISS indexes, then switch index.json over to them
     (`commit_generation`) — a crash at any point leaves a readable index."""
     out_dir = Path(out_dir)
-    seg_rel = write_segment(out_dir, next_segment_number(old.meta if old else None), pictures, image_emb, captions,
-                            caption_emb)  # fmt: skip
+    seg_rel = write_segment(
+        out_dir, next_segment_number(old.meta if old else None), pictures, image_emb, captions, caption_emb
+    )
     if old is None:
         img_index = build_faiss(proxies, params)
     else:
         img_index = old.image_faiss
         total = img_index.ntotal + len(proxies)
-        trained = params.trained_on or int(old.meta["segments"][0]["pictures"])  # indexes from before the rule
+        trained = params.trained_on or int(
+            old.meta["segments"][0]["pictures"]
+        )  # indexes from before the rule
         if params.kind in IVF_KINDS and total > RETRAIN_GROWTH * trained:
-            logger.info("%s: %d vectors, more than %g x the %d its IVF lists were trained on: re-training them on "
-                        "a fresh sample and rebuilding the index", out_dir, total, RETRAIN_GROWTH, trained)  # fmt: skip
+            logger.info(
+                "%s: %d vectors, more than %g x the %d its IVF lists were trained on: re-training them on "
+                "a fresh sample and rebuilding the index",
+                out_dir,
+                total,
+                RETRAIN_GROWTH,
+                trained,
+            )
             stored = old.proxies(old.all_image_emb())
             img_index = build_faiss(np.concatenate([stored, np.asarray(proxies, dtype=np.float32)]), params)
         else:
@@ -460,8 +549,20 @@ def append_segment(out_dir: Path, old: SearchIndex | None, *, fingerprint: dict,
         cap_index.add(np.ascontiguousarray(caption_emb, dtype=np.float32))
     now = timestamp()
     entry = {"dir": seg_rel, "pictures": len(pictures), "captions": len(captions), **segment, "added": now}
-    counts = {"pictures": (old.n_pictures if old else 0) + len(pictures),
-              "captions": (old.n_captions if old else 0) + len(captions)}  # fmt: skip
-    return commit_generation(out_dir, old, fingerprint=fingerprint, params=params, roots=roots, emb_shape=emb_shape,
-                             segments=(old.meta["segments"] if old else []) + [entry], image_index=img_index,
-                             caption_index=cap_index, counts=counts, now=now)  # fmt: skip
+    counts = {
+        "pictures": (old.n_pictures if old else 0) + len(pictures),
+        "captions": (old.n_captions if old else 0) + len(captions),
+    }
+    return commit_generation(
+        out_dir,
+        old,
+        fingerprint=fingerprint,
+        params=params,
+        roots=roots,
+        emb_shape=emb_shape,
+        segments=(old.meta["segments"] if old else []) + [entry],
+        image_index=img_index,
+        caption_index=cap_index,
+        counts=counts,
+        now=now,
+    )

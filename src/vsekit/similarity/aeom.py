@@ -102,8 +102,9 @@ def max_sum(a: torch.Tensor) -> torch.Tensor:
     return a.amax(dim=-2).sum(dim=-1)
 
 
-def _scaled_sinkhorn_scores(k: torch.Tensor, e: float, p: int, q: int, iters: int, tol: float = 0.0,
-                            log: bool = False) -> torch.Tensor:  # fmt: skip
+def _scaled_sinkhorn_scores(
+    k: torch.Tensor, e: float, p: int, q: int, iters: int, tol: float = 0.0, log: bool = False
+) -> torch.Tensor:
     """Eq. 2 after Sinkhorn in scaling form on K = exp(A) laid out [p, q, n] (n pairs), dustbin cells = e;
     `log`: read the log plan (Σ_j log max_i P_ij) instead of the plan.
 
@@ -171,13 +172,17 @@ class AEOMSimilarity(nn.Module):
         self.converged_tol = 1e-6
 
     def extra_repr(self) -> str:
-        return (f"p={self.p}, q={self.q}, block_dim={self.block_dim}, readout={self.readout}, iters={self.iters}, "
-                f"temperature={self.temperature}")  # fmt: skip
+        return (
+            f"p={self.p}, q={self.q}, block_dim={self.block_dim}, readout={self.readout}, iters={self.iters}, "
+            f"temperature={self.temperature}"
+        )
 
     def _check(self, image_emb: torch.Tensor, text_emb: torch.Tensor) -> None:
         if image_emb.ndim != 2 or image_emb.shape[1] != self.views * self.embed_dim:
-            raise ValueError(f"AEOM expects image embeddings [N, {self.views * self.embed_dim}] "
-                             f"({self.views} views x {self.embed_dim}), got {tuple(image_emb.shape)}")  # fmt: skip
+            raise ValueError(
+                f"AEOM expects image embeddings [N, {self.views * self.embed_dim}] "
+                f"({self.views} views x {self.embed_dim}), got {tuple(image_emb.shape)}"
+            )
         if text_emb.ndim != 2 or text_emb.shape[1] != self.embed_dim:
             raise ValueError(
                 f"AEOM expects caption embeddings [N, {self.embed_dim}], got {tuple(text_emb.shape)}"
@@ -248,6 +253,7 @@ class AEOMSimilarity(nn.Module):
             flat = out[s : s + c].view(-1)
             log = self.readout == "log_plan"
             for t in range(0, c * nt, pairs):
-                flat[t : t + pairs] = _scaled_sinkhorn_scores(k[:, :, t : t + pairs], e, p, q, self.iters,
-                                                              self.converged_tol, log)  # fmt: skip
+                flat[t : t + pairs] = _scaled_sinkhorn_scores(
+                    k[:, :, t : t + pairs], e, p, q, self.iters, self.converged_tol, log
+                )
         return out

@@ -71,7 +71,9 @@ class ChanSimilarity(nn.Module):
 
     def forward(self, image_emb: torch.Tensor, text_emb: torch.Tensor) -> torch.Tensor:
         if image_emb.ndim != 3 or text_emb.ndim != 3 or image_emb.shape[-1] != text_emb.shape[-1]:
-            raise ValueError(f"CHAN scores sets [N, S, D]: got images {tuple(image_emb.shape)} and captions "
-                             f"{tuple(text_emb.shape)}")  # fmt: skip
+            raise ValueError(
+                f"CHAN scores sets [N, S, D]: got images {tuple(image_emb.shape)} and captions "
+                f"{tuple(text_emb.shape)}"
+            )
         codes, word_mask = vha_codes(image_emb, text_emb)
         return pool_codes(codes, word_mask, self.pooling, self.temperature)

@@ -41,8 +41,9 @@ def pair_cost(image_emb: torch.Tensor, text_emb: torch.Tensor) -> int:
     return max(1, per_image * per_text)
 
 
-def shard_sizes(image_emb: torch.Tensor, text_emb: torch.Tensor, image_shard: int, text_shard: int,
-                max_values: int) -> tuple[int, int]:  # fmt: skip
+def shard_sizes(
+    image_emb: torch.Tensor, text_emb: torch.Tensor, image_shard: int, text_shard: int, max_values: int
+) -> tuple[int, int]:
     """(image shard, caption shard) at most the given ones, halved (captions first) until a shard's
     [images x captions x pair_cost] values fit in `max_values` (at least one pair per shard)."""
     cost = pair_cost(image_emb, text_emb)

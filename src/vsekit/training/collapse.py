@@ -51,10 +51,12 @@ SPREAD_DROP = 0.1
 SPREAD_FLOOR = 1e-4
 # each remedy changes the recipe, which `vse train --resume` keeps (only the lr schedule may change there, and
 # a collapsed state rarely recovers): the advice is a new run, with the `--set` that `vse train` takes
-REMEDIES = ("start a new run (vse train --out NEW_RUN ... --set KEY=VALUE; --resume keeps the recipe) with a lower "
-            "learning rate (--set optim.lr=..., e.g. a tenth of this run's); a warm-up with all negatives before the "
-            "hardest ones (--set loss.warmup_epochs=1, or --set loss.max_violation=false); for pixel runs, a "
-            "longer frozen-backbone phase (--set model.image.backbone_frozen_epochs=...)")  # fmt: skip
+REMEDIES = (
+    "start a new run (vse train --out NEW_RUN ... --set KEY=VALUE; --resume keeps the recipe) with a lower "
+    "learning rate (--set optim.lr=..., e.g. a tenth of this run's); a warm-up with all negatives before the "
+    "hardest ones (--set loss.warmup_epochs=1, or --set loss.max_violation=false); for pixel runs, a "
+    "longer frozen-backbone phase (--set model.image.backbone_frozen_epochs=...)"
+)
 
 # the loss kinds the collapse value is known for (codes kept on the device with the alarm's snapshot)
 KINDS = ("hardest-negative triplet", "triplet over all negatives", "InfoNCE", "ADOPT")
@@ -77,7 +79,9 @@ def embedding_spread(*embeddings: torch.Tensor) -> torch.Tensor:
     return torch.stack(out).min()
 
 
-def negatives_per_row(image_ids: torch.Tensor | None, batch: int, mask_same_image: bool = True) -> torch.Tensor:
+def negatives_per_row(
+    image_ids: torch.Tensor | None, batch: int, mask_same_image: bool = True
+) -> torch.Tensor:
     """[B] float64: how many in-batch negatives each query has (captions of the query's own image excluded
     when `mask_same_image`), on the ids' device (CPU for the DataLoader's batches: no device work)."""
     if image_ids is None or not mask_same_image:
@@ -100,8 +104,9 @@ def collapse_kind(cfg: LossConfig, hardest: bool) -> int | None:
     return None  # ladder, ladder_auto: relevance-dependent
 
 
-def collapse_value(cfg: LossConfig, negatives: torch.Tensor, hardest: bool = True,
-                   k: float | torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
+def collapse_value(
+    cfg: LossConfig, negatives: torch.Tensor, hardest: bool = True, k: float | torch.Tensor | None = None
+) -> torch.Tensor | None:
     """The loss `cfg` takes when all similarities of the batch are equal (module docstring), as a 0-d tensor
     on the device of `negatives` (or of `k`, ADOPT's K when it is a device tensor); None for the ladder losses."""
     kind = collapse_kind(cfg, hardest)
@@ -116,7 +121,9 @@ def collapse_value(cfg: LossConfig, negatives: torch.Tensor, hardest: bool = Tru
         return 2 * torch.log1p(n).mean()
     if k is None:
         raise ValueError("the ADOPT collapse value needs the K of the step (the loss's K_i2t)")
-    if torch.is_tensor(k):  # ADOPT's K on the device (host_diag off): the counts go there, without a host sync
+    if torch.is_tensor(
+        k
+    ):  # ADOPT's K on the device (host_diag off): the counts go there, without a host sync
         n = to_device_async(n, k.device)
         kept = torch.minimum(n, k.to(n.dtype))
     else:
@@ -142,13 +149,19 @@ class CollapseReport:
     def message(self) -> str:
         why = []
         if self.by_loss:
-            why.append(f"the loss stayed within {TOLERANCE:.0%} of {self.collapse_value:.4g}, its value when every "
-                       f"similarity in the batch is equal ({self.kind}), now {self.loss:.4g}")  # fmt: skip
+            why.append(
+                f"the loss stayed within {TOLERANCE:.0%} of {self.collapse_value:.4g}, its value when every "
+                f"similarity in the batch is equal ({self.kind}), now {self.loss:.4g}"
+            )
         if self.by_spread:
-            why.append(f"the embeddings' spread (1 - mean cosine between the batch's embeddings) stayed below "
-                       f"{SPREAD_DROP:.0%} of its highest value in this run or below {SPREAD_FLOOR:g}, now {self.spread:.3g}")  # fmt: skip
-        return (f"training looks collapsed at step {self.step}: for {self.steps} consecutive steps "
-                f"{' and '.join(why)}. Known remedies: {REMEDIES}")  # fmt: skip
+            why.append(
+                f"the embeddings' spread (1 - mean cosine between the batch's embeddings) stayed below "
+                f"{SPREAD_DROP:.0%} of its highest value in this run or below {SPREAD_FLOOR:g}, now {self.spread:.3g}"
+            )
+        return (
+            f"training looks collapsed at step {self.step}: for {self.steps} consecutive steps "
+            f"{' and '.join(why)}. Known remedies: {REMEDIES}"
+        )
 
 
 class CollapseMonitor:
@@ -164,8 +177,16 @@ class CollapseMonitor:
         self._top: torch.Tensor | None = None  # highest spread so far
         self.reported = False
 
-    def update(self, out: dict, image_ids: torch.Tensor | None, batch: int, *, hardest: bool, step: int,
-               scale: float = 1.0) -> None:  # fmt: skip
+    def update(
+        self,
+        out: dict,
+        image_ids: torch.Tensor | None,
+        batch: int,
+        *,
+        hardest: bool,
+        step: int,
+        scale: float = 1.0,
+    ) -> None:
         """One training step: `TrainStep`'s output (loss, spread, the loss's diagnostics), the batch's image ids
         (None, or this process's shard under torchrun: the rows are then taken as distinct images), the batch
         size the loss saw, whether the hardest negatives were in use, the loss's ramp factor and the 1-based
@@ -187,7 +208,9 @@ class CollapseMonitor:
         nan = torch.full((), float("nan"), device=dev)
         if kind is not None:
             ids = image_ids if image_ids is not None and image_ids.numel() == batch else None
-            value = collapse_value(cfg, negatives_per_row(ids, batch, cfg.mask_same_image), hardest, out.get("K_i2t"))
+            value = collapse_value(
+                cfg, negatives_per_row(ids, batch, cfg.mask_same_image), hardest, out.get("K_i2t")
+            )
             v = _on(value, dev) * scale
             by_loss = ((base - v).abs() <= TOLERANCE * v) & (v > 0)
         else:
@@ -199,8 +222,16 @@ class CollapseMonitor:
         self._run = torch.where(hit, self._run + 1, 0)
         newly = (self._fired < 0) & (self._run >= self.steps)
         self._fired = torch.where(newly, step, self._fired)
-        snap = torch.stack([loss, v, spread, by_loss.float(), by_spread.float(),
-                            torch.full((), float(-1 if kind is None else kind), device=dev)])  # fmt: skip
+        snap = torch.stack(
+            [
+                loss,
+                v,
+                spread,
+                by_loss.float(),
+                by_spread.float(),
+                torch.full((), float(-1 if kind is None else kind), device=dev),
+            ]
+        )
         self._snap = torch.where(newly, snap, self._snap)
 
     def poll(self) -> CollapseReport | None:
@@ -213,8 +244,16 @@ class CollapseMonitor:
             return None
         self.reported = True
         loss, value, spread, by_loss, by_spread, kind = values[1:]
-        return CollapseReport(step, self.steps, loss, value, spread, bool(by_loss), bool(by_spread),
-                              KINDS[int(kind)] if kind >= 0 else self.cfg.name)  # fmt: skip
+        return CollapseReport(
+            step,
+            self.steps,
+            loss,
+            value,
+            spread,
+            bool(by_loss),
+            bool(by_spread),
+            KINDS[int(kind)] if kind >= 0 else self.cfg.name,
+        )
 
 
 def _on(x: float | torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -66,29 +66,43 @@ def cuda_graph_blockers(recipe: Recipe, device: torch.device, dist: DistContext 
     if device.type != "cuda":
         out.append(f"the run is on {device} (CUDA graphs need a CUDA device; train.device=cuda)")
     if dist is not None and dist.enabled:
-        out.append("torchrun (the all-gather of embeddings and the gradient all-reduce across ranks are not captured)")
+        out.append(
+            "torchrun (the all-gather of embeddings and the gradient all-reduce across ranks are not captured)"
+        )
     if r.train.compile:
         out.append("train.compile=true (choose one of the two: the graph replays eager kernels)")
     if r.model.image.kind != "precomp":
-        out.append(f"model.image.kind={r.model.image.kind} (pixel encoders: the backbone unfreezes and its loss or lr "
-                   "warm-up changes the step from one step to the next)")  # fmt: skip
+        out.append(
+            f"model.image.kind={r.model.image.kind} (pixel encoders: the backbone unfreezes and its loss or lr "
+            "warm-up changes the step from one step to the next)"
+        )
     if r.model.text.kind not in ("bigru", "bow"):
-        out.append(f"model.text.kind={r.model.text.kind} (only bigru and bow text encoders are checked free of host "
-                   "syncs; the transformer's length-sorted chunks and frozen-state cache read lengths back)")  # fmt: skip
+        out.append(
+            f"model.text.kind={r.model.text.kind} (only bigru and bow text encoders are checked free of host "
+            "syncs; the transformer's length-sorted chunks and frozen-state cache read lengths back)"
+        )
     if r.loss.name not in _CAPTURABLE_LOSSES:
-        out.append(f"loss.name={r.loss.name} (only {', '.join(_CAPTURABLE_LOSSES)} are checked free of host syncs)")
+        out.append(
+            f"loss.name={r.loss.name} (only {', '.join(_CAPTURABLE_LOSSES)} are checked free of host syncs)"
+        )
     if r.loss.name == "adopt" and r.loss.adopt_zero_fill_negatives:
-        out.append("loss.adopt_zero_fill_negatives=true (the released selection reads K back to the host every step)")
+        out.append(
+            "loss.adopt_zero_fill_negatives=true (the released selection reads K back to the host every step)"
+        )
     if r.model.image.views > 1 and not hasattr(torch.cuda.CUDAGraph, "register_generator_state"):
-        out.append(f"model.image.views={r.model.image.views} (random views need graph-safe generators, "
-                   f"torch >= 2.4; this is {torch.__version__})")  # fmt: skip
+        out.append(
+            f"model.image.views={r.model.image.views} (random views need graph-safe generators, "
+            f"torch >= 2.4; this is {torch.__version__})"
+        )
     # the data path's settings a graph cannot run with: one entry each, here
     if r.data.num_workers > 0 and r.train.data_on_device is not True:
         on_device = str(r.train.data_on_device).lower()
-        out.append(f"data.num_workers={r.data.num_workers} with train.data_on_device={on_device} "
-                   "(when the DataLoader makes the batches, its pin-memory thread calls CUDA while a step is "
-                   "being captured, which the capture's global mode forbids; set data.num_workers=0, or "
-                   "train.data_on_device=true to keep the set on the GPU)")  # fmt: skip
+        out.append(
+            f"data.num_workers={r.data.num_workers} with train.data_on_device={on_device} "
+            "(when the DataLoader makes the batches, its pin-memory thread calls CUDA while a step is "
+            "being captured, which the capture's global mode forbids; set data.num_workers=0, or "
+            "train.data_on_device=true to keep the set on the GPU)"
+        )
     return out
 
 
@@ -179,8 +193,13 @@ class StepGraphs:
     shape's buffers (capturing on first sight), replays, and returns copies of the outputs (a replay
     overwrites them)."""
 
-    def __init__(self, body: Body, capture: Callable[[Callable[[], dict]], Replay], device: torch.device,
-                 before_run: Callable[[int], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        body: Body,
+        capture: Callable[[Callable[[], dict]], Replay],
+        device: torch.device,
+        before_run: Callable[[int], None] | None = None,
+    ) -> None:
         self.body, self.capture, self.device = body, capture, device
         self.before_run = before_run
         self.entries: dict[tuple, _Entry] = {}
@@ -192,8 +211,11 @@ class StepGraphs:
         if entry is None:
             inputs = batch.map(lambda t: torch.empty(t.shape, dtype=t.dtype, device=self.device))
             self._copy(inputs, batch)
-            logger.info("capturing the training step for batch shape %s (graph %d)",
-                        {k: tuple(v.shape) for k, v in inputs.items()}, len(self.entries) + 1)  # fmt: skip
+            logger.info(
+                "capturing the training step for batch shape %s (graph %d)",
+                {k: tuple(v.shape) for k, v in inputs.items()},
+                len(self.entries) + 1,
+            )
             entry = _Entry(inputs, self.capture(lambda: self.body(inputs, flags)))
             self.entries[key] = entry
         else:
@@ -233,8 +255,15 @@ class CudaCapture:
     model's and optimizer's state put back, then `torch.cuda.graph`. Every graph shares one memory pool
     (they never run at the same time). NOT YET RUN ON A GPU (tests/test_cuda_graph.py)."""
 
-    def __init__(self, modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer, lrs: LrTensors,
-                 generator: torch.Generator | None, device: torch.device, warmup: int = WARMUP_STEPS) -> None:  # fmt: skip
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        optimizer: torch.optim.Optimizer,
+        lrs: LrTensors,
+        generator: torch.Generator | None,
+        device: torch.device,
+        warmup: int = WARMUP_STEPS,
+    ) -> None:
         self.modules, self.optimizer, self.lrs = list(modules), optimizer, lrs
         self.generator, self.device, self.warmup = generator, device, warmup
         self.pool = None

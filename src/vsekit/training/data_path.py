@@ -90,8 +90,15 @@ class EpochBatches(Sampler[list[int]]):
     rank's contiguous shard of each (see vsekit.distributed), so the gathered batch is the global one.
     """
 
-    def __init__(self, n: int, batch_size: int, seed: int, lengths: np.ndarray | None = None,
-                 rank: int = 0, world_size: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self,
+        n: int,
+        batch_size: int,
+        seed: int,
+        lengths: np.ndarray | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
         self.n, self.batch_size, self.seed = n, batch_size, seed
         self.lengths = lengths
         self.rank, self.world_size = rank, world_size
@@ -103,7 +110,12 @@ class EpochBatches(Sampler[list[int]]):
         if self.lengths is not None:
             # length bucketing: sort within chunks of 50 batches so batches hold similar lengths
             chunk = self.batch_size * 50
-            perm = np.concatenate([c[np.argsort(self.lengths[c], kind="stable")] for c in np.array_split(perm, max(1, math.ceil(self.n / chunk)))])
+            perm = np.concatenate(
+                [
+                    c[np.argsort(self.lengths[c], kind="stable")]
+                    for c in np.array_split(perm, max(1, math.ceil(self.n / chunk)))
+                ]
+            )
         batches = [perm[i : i + self.batch_size].tolist() for i in range(0, self.n, self.batch_size)]
         # a single-sample batch has no negatives; under torchrun every rank needs at least one sample
         batches = [b for b in batches if len(b) >= max(2, self.world_size)]
@@ -111,7 +123,7 @@ class EpochBatches(Sampler[list[int]]):
             # shuffle the full batches; a short remainder batch stays last
             full = batches if len(batches[-1]) == self.batch_size else batches[:-1]
             order = torch.randperm(len(full), generator=g).tolist()
-            batches = [full[i] for i in order] + batches[len(full):]
+            batches = [full[i] for i in order] + batches[len(full) :]
         return batches
 
     def __iter__(self):
@@ -177,7 +189,9 @@ def caption_widths(lengths: np.ndarray, buckets: int) -> tuple[int, ...]:
     lengths = np.asarray(lengths)
     if buckets == 0 or lengths.size == 0:
         return ()
-    qs = np.quantile(lengths, [k / buckets for k in range(1, buckets)], method="higher") if buckets > 1 else []
+    qs = (
+        np.quantile(lengths, [k / buckets for k in range(1, buckets)], method="higher") if buckets > 1 else []
+    )
     return tuple(sorted({int(q) for q in qs} | {int(lengths.max())}))
 
 
@@ -211,10 +225,14 @@ class FixedWidthCollate:
         tokens = out.tokens
         width = bucket_width(self.widths, tokens.shape[1])
         if width > tokens.shape[1]:
-            out = out.replace(tokens=torch.nn.functional.pad(tokens, (0, width - tokens.shape[1]), value=self.pad_id))
+            out = out.replace(
+                tokens=torch.nn.functional.pad(tokens, (0, width - tokens.shape[1]), value=self.pad_id)
+            )
         images = out.images
         if self.image_width is not None and images.ndim == 3 and images.shape[1] < self.image_width:
-            out = out.replace(images=torch.nn.functional.pad(images, (0, 0, 0, self.image_width - images.shape[1])))
+            out = out.replace(
+                images=torch.nn.functional.pad(images, (0, 0, 0, self.image_width - images.shape[1]))
+            )
         return out
 
 
@@ -246,7 +264,11 @@ def _feature_layout(split) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if isinstance(feats, RaggedFrames):
         return feats.frames, feats.offsets[:-1][rows], feats.lengths[rows].astype(np.int64)
     n, width, dim = feats.shape
-    sizes = np.full(len(rows), width, dtype=np.int64) if split.set_sizes is None else np.asarray(split.set_sizes, np.int64)[rows]
+    sizes = (
+        np.full(len(rows), width, dtype=np.int64)
+        if split.set_sizes is None
+        else np.asarray(split.set_sizes, np.int64)[rows]
+    )
     return feats.reshape(n * width, dim), rows * width, sizes
 
 
@@ -289,7 +311,9 @@ class DeviceData:
             for a in range(0, len(sizes), per_chunk):
                 b = min(len(sizes), a + per_chunk)
                 n = sizes[a:b]
-                rows = np.repeat(starts[a:b] - np.cumsum(np.concatenate([[0], n[:-1]])), n) + np.arange(int(n.sum()))
+                rows = np.repeat(starts[a:b] - np.cumsum(np.concatenate([[0], n[:-1]])), n) + np.arange(
+                    int(n.sum())
+                )
                 block = torch.from_numpy(np.ascontiguousarray(source[rows]))
                 self.flat[dest[a] : dest[a] + len(rows)].copy_(block)
             self.starts = torch.from_numpy(dest).to(device)
@@ -329,7 +353,9 @@ def token_matrix(captions: list[str], text: Vocabulary) -> tuple[torch.Tensor, t
     width = int(lengths.max())
     out = np.zeros((len(words), width), dtype=np.int32)
     slots = np.arange(width)[None, :]
-    out[(slots >= 1) & (slots < lengths[:, None] - 1)] = np.fromiter(itertools.chain.from_iterable(words), np.int32)
+    out[(slots >= 1) & (slots < lengths[:, None] - 1)] = np.fromiter(
+        itertools.chain.from_iterable(words), np.int32
+    )
     out[:, 0] = text.word2idx[START]
     out[np.arange(len(words)), lengths - 1] = text.word2idx[END]
     return torch.from_numpy(out), torch.from_numpy(lengths)
@@ -341,9 +367,17 @@ class DeviceBatches:
     `widths`: the caption bucket widths (`caption_widths`; None: the one width of the longest caption, () each
     batch's own longest)."""
 
-    def __init__(self, data: DeviceData, sampler: EpochBatches, cap2img: np.ndarray, seed: int,
-                 image_aug: AugmentConfig | None, text_prob: float, dist: DistContext | None = None,
-                 widths: Sequence[int] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        data: DeviceData,
+        sampler: EpochBatches,
+        cap2img: np.ndarray,
+        seed: int,
+        image_aug: AugmentConfig | None,
+        text_prob: float,
+        dist: DistContext | None = None,
+        widths: Sequence[int] | None = None,
+    ) -> None:
         self.data, self.sampler, self.seed = data, sampler, seed
         self.device = data.device
         self.cap2img = torch.as_tensor(np.asarray(cap2img, dtype=np.int64)).to(self.device)
@@ -355,7 +389,9 @@ class DeviceBatches:
 
     def width_for(self, captions: Sequence[int]) -> int:
         """The caption width of the global batch `captions` (host ids), from the host copy of the lengths."""
-        return bucket_width(self.widths, int(self.data.caption_lengths[np.asarray(captions, dtype=np.int64)].max()))
+        return bucket_width(
+            self.widths, int(self.data.caption_lengths[np.asarray(captions, dtype=np.int64)].max())
+        )
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -366,7 +402,9 @@ class DeviceBatches:
         if not batches:
             return
         # the epoch's caption order goes to the device once; each batch is a slice of it (no copy, no sync)
-        order = torch.from_numpy(np.concatenate([np.asarray(b, dtype=np.int64) for b in batches])).to(self.device)
+        order = torch.from_numpy(np.concatenate([np.asarray(b, dtype=np.int64) for b in batches])).to(
+            self.device
+        )
         start = 0
         for k, b in enumerate(batches):
             yield self.batch(order[start : start + len(b)], epoch, skip + k, self.width_for(b))
@@ -385,16 +423,27 @@ class DeviceBatches:
             keep = torch.arange(d.width, device=self.device) < sizes[:, None]
         tokens, lengths = d.tokens.index_select(0, captions).long(), d.token_lengths[captions]
         if self.text_prob > 0:
-            tokens, lengths = augment_token_batch(tokens, lengths, g, self.text_prob, d.mask_id, d.random_range,
-                                                  d.start_id, d.end_id, d.pad_id)  # fmt: skip
+            tokens, lengths = augment_token_batch(
+                tokens, lengths, g, self.text_prob, d.mask_id, d.random_range, d.start_id, d.end_id, d.pad_id
+            )
         if width is not None and width < tokens.shape[1]:  # augmented at the full width: the same draws
             tokens = tokens[:, :width].contiguous()
-        if self.dist.enabled:  # the draws above cover the global batch: a rank's shard is the same for any world size
+        if (
+            self.dist.enabled
+        ):  # the draws above cover the global batch: a rank's shard is the same for any world size
             part = shard_slice(captions.shape[0], self.dist.rank, self.dist.world_size)
-            captions, image_index, keep, tokens, lengths = (t[part] for t in (captions, image_index, keep, tokens, lengths))
+            captions, image_index, keep, tokens, lengths = (
+                t[part] for t in (captions, image_index, keep, tokens, lengths)
+            )
         images, image_lengths = d.images(image_index, keep)
-        return Batch(images=images, image_lengths=image_lengths, tokens=tokens, token_lengths=lengths,
-                     image_index=image_index, caption_index=captions)
+        return Batch(
+            images=images,
+            image_lengths=image_lengths,
+            tokens=tokens,
+            token_lengths=lengths,
+            image_index=image_index,
+            caption_index=captions,
+        )
 
 
 # --------------------------------------------------------------------------------------- the choice
@@ -411,8 +460,15 @@ def train_feature_source(recipe: Recipe, split) -> FeatureSource:
 
 def train_pairs(recipe: Recipe, split, text, images) -> PairDataset:
     d = recipe.data
-    return PairDataset(images, split.captions, split.cap2img, text, train=True, seed=recipe.train.seed,
-                       text_augment_prob=d.text_augment_prob if d.size_augment else 0.0)  # fmt: skip
+    return PairDataset(
+        images,
+        split.captions,
+        split.cap2img,
+        text,
+        train=True,
+        seed=recipe.train.seed,
+        text_augment_prob=d.text_augment_prob if d.size_augment else 0.0,
+    )
 
 
 def device_path_blocker(pairs: PairDataset, split) -> str | None:
@@ -420,8 +476,10 @@ def device_path_blocker(pairs: PairDataset, split) -> str | None:
     if getattr(pairs.images, "kind", None) != "features":
         return "pixel recipes decode and transform each picture on the host (DataLoader workers)"
     if not isinstance(pairs.text, Vocabulary):
-        return ("transformer text: its word-piece augmentation works on whole words, which only the tokenizer "
-                "knows per caption")  # fmt: skip
+        return (
+            "transformer text: its word-piece augmentation works on whole words, which only the tokenizer "
+            "knows per caption"
+        )
     feats = split.features
     source = feats.frames if isinstance(feats, RaggedFrames) else feats
     if not (isinstance(source, np.ndarray) and source.flags.c_contiguous):
@@ -463,9 +521,17 @@ class TrainData:
             yield batch
 
 
-def make_train_data(recipe: Recipe, split, pairs: PairDataset, sampler: EpochBatches, device: torch.device,
-                    dist: DistContext | None = None, recorded: str = "", pad_id: int = 0,
-                    log=None) -> TrainData:  # fmt: skip
+def make_train_data(
+    recipe: Recipe,
+    split,
+    pairs: PairDataset,
+    sampler: EpochBatches,
+    device: torch.device,
+    dist: DistContext | None = None,
+    recorded: str = "",
+    pad_id: int = 0,
+    log=None,
+) -> TrainData:
     """Choose the data path (module docstring) and build it. `recorded`: the path a resumed run was trained
     with ('' for a new run). `log` gets the warnings a user should see (a resumed run on another path)."""
     setting = recipe.train.data_on_device
@@ -475,26 +541,49 @@ def make_train_data(recipe: Recipe, split, pairs: PairDataset, sampler: EpochBat
         data = DeviceData(split, pairs.text, device)
         aug = getattr(pairs.images, "aug", None)
         widths = caption_widths(data.caption_lengths, buckets)
-        loader = DeviceBatches(data, sampler, split.cap2img, recipe.train.seed, aug, pairs.text_augment_prob, dist,
-                               widths)  # fmt: skip
-        return TrainData(loader, sampler, device, f"{DEVICE}:{device.type}",
-                         f"on the {device.type}: {reason}; {_widths_note(widths)}", widths)  # fmt: skip
+        loader = DeviceBatches(
+            data, sampler, split.cap2img, recipe.train.seed, aug, pairs.text_augment_prob, dist, widths
+        )
+        return TrainData(
+            loader,
+            sampler,
+            device,
+            f"{DEVICE}:{device.type}",
+            f"on the {device.type}: {reason}; {_widths_note(widths)}",
+            widths,
+        )
     workers = recipe.data.num_workers
     float32 = device.type == "cpu"
     widths: tuple[int, ...] = ()
     if buckets > 0 and isinstance(pairs.text, Vocabulary):
         widths = caption_widths(vocabulary_lengths(split.captions, pairs.text), buckets)
-        image_width = int(_feature_layout(split)[2].max()) if getattr(pairs.images, "kind", None) == "features" else None
+        image_width = (
+            int(_feature_layout(split)[2].max())
+            if getattr(pairs.images, "kind", None) == "features"
+            else None
+        )
         collate = FixedWidthCollate(pad_id, float32, widths, image_width)
     else:
         collate = Collate(pad_id, float32=float32).pairs
     # the workers' base seed from the loader's own generator: starting an epoch never draws from torch's global
     # generator, whose state a resumed run restores for in-model dropout (a draw there would shift every mask)
-    loader = DataLoader(pairs, batch_sampler=TaggedBatches(sampler), collate_fn=collate, num_workers=workers,
-                        pin_memory=device.type == "cuda", persistent_workers=workers > 0,
-                        generator=torch.Generator().manual_seed(derived_seed(recipe.train.seed, 0x10AD)))  # fmt: skip
-    return TrainData(loader, sampler, device, LOADER, f"DataLoader ({workers} workers): {reason}; {_widths_note(widths)}",
-                     widths)  # fmt: skip
+    loader = DataLoader(
+        pairs,
+        batch_sampler=TaggedBatches(sampler),
+        collate_fn=collate,
+        num_workers=workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=workers > 0,
+        generator=torch.Generator().manual_seed(derived_seed(recipe.train.seed, 0x10AD)),
+    )
+    return TrainData(
+        loader,
+        sampler,
+        device,
+        LOADER,
+        f"DataLoader ({workers} workers): {reason}; {_widths_note(widths)}",
+        widths,
+    )
 
 
 def _widths_note(widths: tuple[int, ...]) -> str:
@@ -509,32 +598,43 @@ def _choose(setting, pairs: PairDataset, split, device: torch.device, recorded: 
     blocker = device_path_blocker(pairs, split)
     if blocker is not None:
         if setting is True:
-            raise SetupError(f"train.data_on_device=true, but {blocker}; use train.data_on_device=auto or false")
+            raise SetupError(
+                f"train.data_on_device=true, but {blocker}; use train.data_on_device=auto or false"
+            )
         return False, blocker
     need = feature_bytes(split, device) + len(split.captions) * 4 * 64  # captions: a generous bound
     free = free_memory(device)
     have = f"{_gib(need)} of features and captions, {_gib(free) if free is not None else 'unknown'} free"
     if setting is True:
         if free is not None and need > free:
-            raise SetupError(f"train.data_on_device=true: the training set needs {_gib(need)} on {device} but "
-                             f"only {_gib(free)} is free; use train.data_on_device=auto (the DataLoader when it "
-                             "does not fit) or false")  # fmt: skip
+            raise SetupError(
+                f"train.data_on_device=true: the training set needs {_gib(need)} on {device} but "
+                f"only {_gib(free)} is free; use train.data_on_device=auto (the DataLoader when it "
+                "does not fit) or false"
+            )
         return True, f"train.data_on_device=true ({have})"
     if recorded:  # auto, resumed: keep the path the run was trained with, so the resumed batches are the same
         if recorded == LOADER:
             return False, "the run was trained with the DataLoader (resumed with the same path)"
         if free is None or need <= free:
             if recorded != f"{DEVICE}:{device.type}" and log is not None:
-                log(f"warning: this run made its batches on {recorded.split(':', 1)[-1]}, now on {device.type}: "
+                log(
+                    f"warning: this run made its batches on {recorded.split(':', 1)[-1]}, now on {device.type}: "
                     "the random draws of the size augmentation differ between devices, so the batches from here "
-                    "on are not those of an uninterrupted run")  # fmt: skip
+                    "on are not those of an uninterrupted run"
+                )
             return True, f"the run was trained with batches made on the device ({have})"
         if log is not None:
-            log(f"warning: this run made its batches on the device, but now {have}: the DataLoader makes them, "
-                "with other augmentation draws than an uninterrupted run")  # fmt: skip
+            log(
+                f"warning: this run made its batches on the device, but now {have}: the DataLoader makes them, "
+                "with other augmentation draws than an uninterrupted run"
+            )
         return False, f"the set does not fit ({have})"
     if free is None:
-        return False, f"the free memory of {device} is unknown (train.data_on_device=true keeps the set there)"
+        return (
+            False,
+            f"the free memory of {device} is unknown (train.data_on_device=true keeps the set there)",
+        )
     if need > AUTO_MEMORY_SHARE * free:
         return False, f"the set takes more than {AUTO_MEMORY_SHARE:.0%} of the free memory ({have})"
     return True, f"the set fits ({have})"

@@ -78,9 +78,11 @@ def grad_cache_blockers(recipe: Recipe, dist: DistContext | None = None) -> list
     (With train.compile or train.cuda_graph: `config.validate_recipe`, a fact of the recipe alone.)"""
     out = []
     if recipe.train.grad_cache_chunk > 0 and dist is not None and dist.enabled:
-        out.append("train.grad_cache_chunk under torchrun (several processes) is not supported yet: the cached "
-                   "embeddings would have to be gathered across ranks; train on one process or set "
-                   "train.grad_cache_chunk=0")  # fmt: skip
+        out.append(
+            "train.grad_cache_chunk under torchrun (several processes) is not supported yet: the cached "
+            "embeddings would have to be gathered across ranks; train on one process or set "
+            "train.grad_cache_chunk=0"
+        )
     return out
 
 
@@ -145,9 +147,11 @@ class FullBatchNorm:
             if not isinstance(m, nn.modules.batchnorm._BatchNorm) or not _uses_batch_stats(m):
                 continue
             if not isinstance(m, MaskedBatchNorm1d):
-                raise GradCacheError(f"train.grad_cache_chunk: module {name or type(model).__name__} "
-                                     f"({type(m).__name__}) uses batch statistics, which chunks would change; "
-                                     "only the masked BatchNorm of vsekit's encoders is supported")  # fmt: skip
+                raise GradCacheError(
+                    f"train.grad_cache_chunk: module {name or type(model).__name__} "
+                    f"({type(m).__name__}) uses batch statistics, which chunks would change; "
+                    "only the masked BatchNorm of vsekit's encoders is supported"
+                )
             self.modules.append(m)
         self._mode = "off"
         self._calls: dict[int, int] = {}
@@ -203,9 +207,11 @@ class FullBatchNorm:
             occurrence, second = divmod(k, 2)
             width = m.num_features + (0 if second else 1)
             if t.shape != (width,):
-                raise RuntimeError(f"grad caching: {type(m).__name__}.reduce_sum got shape {tuple(t.shape)}, "
-                                   f"expected ({width},): the module no longer sums its statistics as "
-                                   "vsekit.training.grad_cache expects")  # fmt: skip
+                raise RuntimeError(
+                    f"grad caching: {type(m).__name__}.reduce_sum got shape {tuple(t.shape)}, "
+                    f"expected ({width},): the module no longer sums its statistics as "
+                    "vsekit.training.grad_cache expects"
+                )
             mode = self._mode
             if mode == "collect":
                 per_occ = self._collected.setdefault(key, [])
@@ -241,7 +247,9 @@ class FullBatchNorm:
             key, c = id(m), m.num_features
             per_call = self._collected.get(key, [])
             if len(per_call) % 2:
-                raise RuntimeError("grad caching: a masked BatchNorm summed its statistics an odd number of times")
+                raise RuntimeError(
+                    "grad caching: a masked BatchNorm summed its statistics an odd number of times"
+                )
             firsts, seconds = [], []
             for occ in range(len(per_call) // 2):
                 sums = torch.stack(per_call[2 * occ])  # [chunks, C + 1]
@@ -299,8 +307,10 @@ def _stat_buffers(m: nn.modules.batchnorm._BatchNorm) -> tuple[torch.Tensor, ...
 
 def _require_mask(module: nn.Module, args: tuple) -> None:
     if len(args) < 2 or args[1] is None:
-        raise GradCacheError(f"train.grad_cache_chunk: a {type(module).__name__} was called without a mask (plain "
-                             "batch statistics of each chunk); grad caching cannot make them the batch's")  # fmt: skip
+        raise GradCacheError(
+            f"train.grad_cache_chunk: a {type(module).__name__} was called without a mask (plain "
+            "batch statistics of each chunk); grad caching cannot make them the batch's"
+        )
 
 
 # ------------------------------------------------------------------------------------------- the step
@@ -319,9 +329,14 @@ class GradCache:
         self.parts, self.chunk = parts, chunk
         self.passes = 0  # encoder calls of the last step (tests count them)
 
-    def __call__(self, batch: Batch | Mapping[str, torch.Tensor], generator: torch.Generator | None, *,
-                 warmup: bool = False, ramp: tuple[int, int] | None = None
-                 ) -> tuple[torch.Tensor, dict, torch.Tensor, torch.Tensor]:  # fmt: skip
+    def __call__(
+        self,
+        batch: Batch | Mapping[str, torch.Tensor],
+        generator: torch.Generator | None,
+        *,
+        warmup: bool = False,
+        ramp: tuple[int, int] | None = None,
+    ) -> tuple[torch.Tensor, dict, torch.Tensor, torch.Tensor]:
         """`warmup`: the loss's warm-up form (all negatives); `ramp` = (step + 1, steps in the epoch): the loss
         scaled by their ratio, as in the first unfrozen-backbone epoch (`StepParts.score`)."""
         parts = self.parts
@@ -386,7 +401,7 @@ class GradCache:
                     emb = encode(side, span)
                     if g is not None and emb.requires_grad:
                         outs.append(emb)
-                        grads.append(g[span[0]:span[1]].to(emb.dtype))
+                        grads.append(g[span[0] : span[1]].to(emb.dtype))
                 if outs:
                     torch.autograd.backward(outs, grads)
                 if bn:

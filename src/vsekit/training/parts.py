@@ -49,8 +49,10 @@ class StepParts:
         self.amp, self.grad_clip = amp, grad_clip
         self.dist = dist or DistContext()
         if self.dist.enabled and loss_fn.needs_sets:
-            raise ConfigError(f"{type(loss_fn).__name__} reads the encoders' local sets, which are not gathered "
-                              "across ranks: train it in one process")  # fmt: skip
+            raise ConfigError(
+                f"{type(loss_fn).__name__} reads the encoders' local sets, which are not gathered "
+                "across ranks: train it in one process"
+            )
         # what a loss asks for besides the embeddings (its `needs_sets`, `needs_generator`), from `encode`
         self.loss_inputs: dict = {}
         self._image_encoder, self._text_encoder = model.encode_images, model.encode_texts
@@ -74,7 +76,9 @@ class StepParts:
         with self.autocast(graph):
             return self._image_encoder(batch.images, batch.image_lengths, generator=generator)
 
-    def encode_texts(self, batch: Batch, graph: bool = False, generator: torch.Generator | None = None) -> torch.Tensor:
+    def encode_texts(
+        self, batch: Batch, graph: bool = False, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
         with self.autocast(graph):
             return self._text_encoder(batch.tokens, batch.token_lengths, generator=generator)
 
@@ -110,7 +114,13 @@ class StepParts:
             sims = self.model.similarity(img, txt).float()
         extra, self.loss_inputs = self.loss_inputs, {}
         loss, diag = self.loss_fn(
-            sims, image_ids=image_ids, caption_ids=caption_ids, warmup=warmup, image_emb=img, text_emb=txt, **extra
+            sims,
+            image_ids=image_ids,
+            caption_ids=caption_ids,
+            warmup=warmup,
+            image_emb=img,
+            text_emb=txt,
+            **extra,
         )
         if ramp is not None:
             loss = loss * ramp[0] / ramp[1]

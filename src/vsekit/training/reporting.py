@@ -71,7 +71,11 @@ def wandb_mode(target: str) -> str | None:
 def scalars(record: dict) -> dict[str, float]:
     """The numbers of one trainer record under TensorBoard's names (`{kind}/{key}`), step and epoch aside."""
     kind = record.get("kind", "train")
-    return {f"{kind}/{k}": v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "epoch")}
+    return {
+        f"{kind}/{k}": v
+        for k, v in record.items()
+        if isinstance(v, (int, float)) and k not in ("step", "epoch")
+    }
 
 
 class WandbReporter:
@@ -90,8 +94,14 @@ class WandbReporter:
         folder = Path(os.environ.get("WANDB_DIR") or self.run_dir)
         folder.mkdir(parents=True, exist_ok=True)
         # create_new (wandb >= 0.19.10): one W&B run per Trainer, whatever else the process has started
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or "vsekit", name=self.run_dir.name,
-                              dir=str(folder), config=self.config, mode=mode, reinit="create_new")  # fmt: skip
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or "vsekit",
+            name=self.run_dir.name,
+            dir=str(folder),
+            config=self.config,
+            mode=mode,
+            reinit="create_new",
+        )
         if getattr(self.run, "offline", mode == "offline"):
             if self.target == "wandb-offline":
                 why = "--report-to wandb-offline"
@@ -100,7 +110,9 @@ class WandbReporter:
             else:
                 why = f"WANDB_MODE={os.environ.get('WANDB_MODE', '')}"
             where = Path(self.run.dir).parent  # .../wandb/offline-run-*/files -> the run's folder
-            logger.info("wandb: offline run (%s) in %s; upload it later with: wandb sync %s", why, where, where)
+            logger.info(
+                "wandb: offline run (%s) in %s; upload it later with: wandb sync %s", why, where, where
+            )
         else:
             logger.info("wandb: logging to %s", getattr(self.run, "url", None) or "the W&B server")
 
@@ -119,6 +131,8 @@ class WandbReporter:
             self.run = None
 
 
-def make_reporters(targets: tuple[str, ...], run_dir: str | Path, config: dict[str, Any]) -> list[WandbReporter]:
+def make_reporters(
+    targets: tuple[str, ...], run_dir: str | Path, config: dict[str, Any]
+) -> list[WandbReporter]:
     """Reporters for validated `--report-to` targets (see `check_report_to`)."""
     return [WandbReporter(t, run_dir, config) for t in targets if t in REPORT_TARGETS]

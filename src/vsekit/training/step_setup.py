@@ -48,9 +48,11 @@ def check_step_setup(
     cache = grad_cache_blockers(recipe, dist)
     problems = list(cache)
     if dist is not None and dist.enabled and scores_sets(recipe.model.similarity.name):
-        problems.append(f"model.similarity.name={recipe.model.similarity.name} scores sets of vectors, which the "
-                        "all-gather of global negatives under torchrun does not carry (their widths differ by "
-                        "rank); train it in one process")  # fmt: skip
+        problems.append(
+            f"model.similarity.name={recipe.model.similarity.name} scores sets of vectors, which the "
+            "all-gather of global negatives under torchrun does not carry (their widths differ by "
+            "rank); train it in one process"
+        )
     if mode == "cuda" and (blockers := cuda_graph_blockers(recipe, device, dist)):
         problems.append(
             "train.cuda_graph=true cannot capture this run's step: "

@@ -14,7 +14,6 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +57,7 @@ from vsekit.runs import (
     write_checkpoint_set,
     write_run_config,
 )
+from vsekit.training.advice import small_data_advice  # noqa: F401 (imported from here too)
 from vsekit.training.collapse import CollapseMonitor, TrainingCollapsed
 from vsekit.training.data_path import (  # noqa: F401 (EpochBatches, device_batches: imported from here too)
     EpochBatches,
@@ -67,6 +67,7 @@ from vsekit.training.data_path import (  # noqa: F401 (EpochBatches, device_batc
     train_pairs,
 )
 from vsekit.training.reporting import check_report_to, make_reporters
+from vsekit.training.schedule import TrainState, lr_at_epoch  # noqa: F401 (lr_at_epoch: imported from here too)
 from vsekit.training.step import TrainStep, tf32_matmul  # noqa: F401 (tf32_matmul: imported from here too)
 from vsekit.training.step_setup import check_step_setup
 from vsekit.utils.progress import progress_bar
@@ -75,23 +76,6 @@ from vsekit.utils.runtime import resolve_device, seed_everything
 logger = logging.getLogger(__name__)
 
 LOSS_STATE = "__loss__."  # prefix of the loss's own state in the `last` checkpoint's optimizer file
-
-
-@dataclass
-class TrainState:
-    epoch: int = 0  # epoch in progress
-    step_in_epoch: int = 0  # batches of `epoch` already trained
-    global_step: int = 0
-    best_rsum: float = -1.0
-    best_epoch: int = -1
-    # where the batches are made (vsekit.training.data_path: "device:cuda", "device:cpu", "loader"): a resumed
-    # run under train.data_on_device=auto keeps it, so its batches are those of an uninterrupted run
-    data_path: str = ""
-
-
-def lr_at_epoch(base_lr: float, epoch: int, decay_epochs: list[int], decay: float) -> float:
-    """Step decay applied once per listed epoch (not compounding every epoch, unlike vse_2ad's code)."""
-    return base_lr * decay ** sum(1 for e in decay_epochs if epoch >= e)
 
 
 def load_text_processor(recipe: Recipe, train_captions: list[str], spec: DataSpec):
@@ -109,34 +93,23 @@ def load_text_processor(recipe: Recipe, train_captions: list[str], spec: DataSpe
     return HFTextProcessor(load_tokenizer(path), t.max_tokens)
 
 
-# Recipes whose settings (1024-d, hardest-negative triplet, from-scratch BiGRU, 25-epoch schedule) were chosen
-# for Flickr30K / MS-COCO (29k-113k images); below SMALL_DATA_IMAGES they do not beat the bag-of-words floor
-# on the data measured (openclipart, 2,506 images: docs/floor.md), and nothing measured there beat the floor
-COCO_SCALE_RECIPES = ("vse_infty", "vsepp", "vse_2ad", "cvsepp", "cvsepp_auto", "avse")
-SMALL_DATA_IMAGES = 10_000
-SMALL_DATA_RECIPE = "bow"
-# the preset: SMALL_DATA_RECIPE and this one trained apart, evaluated as an ensemble (docs/floor.md)
-SMALL_DATA_PARTNER = "small_data"
-
-
-def small_data_advice(recipe: Recipe, train_images: int) -> str | None:
-    """A one-line hint when a COCO-scale recipe meets a small training split (None otherwise)."""
-    if recipe.name not in COCO_SCALE_RECIPES or train_images >= SMALL_DATA_IMAGES:
-        return None
-    return (f"recipe {recipe.name!r} was built for 29k-113k training images and this split has {train_images:,}; "
-            f"on small data it scored below the bag-of-words floor (docs/floor.md). Best measured there: train "
-            f"`--recipe {SMALL_DATA_RECIPE}` and `--recipe {SMALL_DATA_PARTNER}` and score them together with "
-            f"`vse eval RUN_{SMALL_DATA_RECIPE.upper()} RUN_{SMALL_DATA_PARTNER.upper()}` (+28 rsum over the floor); "
-            f"the best single model was `--recipe {SMALL_DATA_RECIPE}`")  # fmt: skip
-
-
 def _quiet(*_args, **_kwargs) -> None:
     return None
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, data_dir: str | Path, run_dir: str | Path, *, resume: bool = False,
-                 overwrite: bool = False, progress: bool = True, log=print, report_to: Sequence[str] = ()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        recipe: Recipe,
+        data_dir: str | Path,
+        run_dir: str | Path,
+        *,
+        resume: bool = False,
+        overwrite: bool = False,
+        progress: bool = True,
+        log=print,
+        report_to: Sequence[str] = (),
+    ) -> None:
         report_to = check_report_to(report_to)  # `--report-to wandb` without wandb: fail before any work
         self.recipe = recipe
         self.data_dir = Path(data_dir)
@@ -163,11 +136,15 @@ class Trainer:
         if cfg.train_fraction < 1.0:
             full = self.train_split.n_images
             self.train_split = self.train_split.sample_images(cfg.train_fraction, cfg.train_subset_seed)
-            self.log(f"training on {self.train_split.n_images} of {full} training images "
-                     f"(data.train_fraction={cfg.train_fraction}, subset seed {cfg.train_subset_seed})")  # fmt: skip
+            self.log(
+                f"training on {self.train_split.n_images} of {full} training images "
+                f"(data.train_fraction={cfg.train_fraction}, subset seed {cfg.train_subset_seed})"
+            )
         if advice := small_data_advice(recipe, self.train_split.n_images):
             self.log(f"note: {advice}")
-        self.val_split = load_precomp_split(self.data_dir, cfg.val_split, cfg.captions_per_image).truncate(cfg.val_max_images)
+        self.val_split = load_precomp_split(self.data_dir, cfg.val_split, cfg.captions_per_image).truncate(
+            cfg.val_max_images
+        )
         if self.train_split.feature_shape[1] != self.val_split.feature_shape[1]:
             raise DataFormatError(
                 f"{self.data_dir}: feature size differs between {cfg.train_split} ({self.train_split.feature_shape[1]}) "
@@ -196,7 +173,11 @@ class Trainer:
                 recipe.loss.ladder_thresholds = list(self.loss_fn.derived_thresholds)
         self.loss_fn.to(self.device)
         params = self.model.parameter_groups(recipe.optim.lr)
-        params += [{"params": list(self.loss_fn.parameters()), "lr": recipe.optim.lr, "lr_mult": 1.0}] if list(self.loss_fn.parameters()) else []
+        params += (
+            [{"params": list(self.loss_fn.parameters()), "lr": recipe.optim.lr, "lr_mult": 1.0}]
+            if list(self.loss_fn.parameters())
+            else []
+        )
         self.optimizer = torch.optim.AdamW(params, lr=recipe.optim.lr, weight_decay=recipe.optim.weight_decay)
         self.state = TrainState()
         self.history: list[dict] = []
@@ -208,12 +189,18 @@ class Trainer:
         if not resume and self.dist.is_main:
             self._start_run_dir()  # only now: an error or Ctrl-C before this point leaves the folder as it was
             manifest = self._dataset_manifest()
-            write_run_config(self.run_dir, recipe, spec, {
-                "data_dir": str(self.data_dir.resolve()),
-                "extractor": manifest.get("extractor") or manifest.get("feature_extractor")
-                or (manifest.get("features") if isinstance(manifest.get("features"), dict) else None),
-                "dataset_format": manifest.get("format"),
-            })  # fmt: skip
+            write_run_config(
+                self.run_dir,
+                recipe,
+                spec,
+                {
+                    "data_dir": str(self.data_dir.resolve()),
+                    "extractor": manifest.get("extractor")
+                    or manifest.get("feature_extractor")
+                    or (manifest.get("features") if isinstance(manifest.get("features"), dict) else None),
+                    "dataset_format": manifest.get("format"),
+                },
+            )
         self.step_fn = TrainStep(
             recipe, self.model, self.loss_fn, self.optimizer, self.device, self.dist, setup=self.step_setup
         )
@@ -223,10 +210,14 @@ class Trainer:
         self._pending_steps: list[tuple[int, int, dict]] = []
         self._first_bad: torch.Tensor | None = None  # global step of the first non-finite loss, on the device
         # train.collapse_steps: counters on the device, read where _check_finite reads (training/collapse.py)
-        self._collapse = CollapseMonitor(recipe.loss, recipe.train.collapse_steps) if recipe.train.collapse_steps else None
+        self._collapse = (
+            CollapseMonitor(recipe.loss, recipe.train.collapse_steps) if recipe.train.collapse_steps else None
+        )
         self._tb = None
         # --report-to wandb: the records of _emit, also sent to W&B (rank 0 only)
-        self._reporters = make_reporters(report_to, self.run_dir, to_dict(recipe)) if self.dist.is_main else []
+        self._reporters = (
+            make_reporters(report_to, self.run_dir, to_dict(recipe)) if self.dist.is_main else []
+        )
 
     # ----------------------------------------------------------------------------------------- setup
     def _vocabulary_mismatch(self, saved: list[str], built: list[str]) -> None:
@@ -237,11 +228,19 @@ class Trainer:
             how = f"another vocabulary ({len(saved):,} words) than {self.data_dir} ({len(built):,} words {captions})"
         else:
             differ = sum(a != b for a, b in zip(saved, built))
-            how = (f"another vocabulary than {self.data_dir}: the same size ({len(saved):,} words) but {differ:,} "
-                   f"of them differ {captions}")  # fmt: skip
+            how = (
+                f"another vocabulary than {self.data_dir}: the same size ({len(saved):,} words) but {differ:,} "
+                f"of them differ {captions}"
+            )
         recorded = self._saved_cfg.get("data_dir")
-        hint = f"resume it on the data it was trained on ({recorded})" if recorded else "resume it on its own data"
-        raise CheckpointError(f"{self.run_dir}: this run was trained on {how}; {hint}, or start a new run with --out")
+        hint = (
+            f"resume it on the data it was trained on ({recorded})"
+            if recorded
+            else "resume it on its own data"
+        )
+        raise CheckpointError(
+            f"{self.run_dir}: this run was trained on {how}; {hint}, or start a new run with --out"
+        )
 
     def _dataset_manifest(self) -> dict:
         path = self.data_dir / "manifest.json"
@@ -281,28 +280,49 @@ class Trainer:
         if self.run_dir.is_dir():
             kept = clear_run_dir(self.run_dir)
             if kept:
-                self.log(f"note: {self.run_dir}: kept {len(kept)} file(s) vsekit did not write: "
-                         f"{', '.join(p.name for p in kept[:5])}{', …' if len(kept) > 5 else ''}")  # fmt: skip
+                self.log(
+                    f"note: {self.run_dir}: kept {len(kept)} file(s) vsekit did not write: "
+                    f"{', '.join(p.name for p in kept[:5])}{', …' if len(kept) > 5 else ''}"
+                )
         self.run_dir.mkdir(parents=True, exist_ok=True)
 
     def _image_source(self, split, train: bool):
         img = self.recipe.model.image
         if img.kind in ("backbone", "vit"):
             return PixelSource(split, img.image_size, augment=train, transform=pixel_transform_of(self.model))
-        split.require_width(self.model.spec.img_dim, f"the run in {self.run_dir}")  # --resume with other --data
+        split.require_width(
+            self.model.spec.img_dim, f"the run in {self.run_dir}"
+        )  # --resume with other --data
         return train_feature_source(self.recipe, split) if train else FeatureSource(split, None)
 
     def _build_loader(self) -> None:
         r = self.recipe
-        self.train_set = train_pairs(r, self.train_split, self.text, self._image_source(self.train_split, True))
+        self.train_set = train_pairs(
+            r, self.train_split, self.text, self._image_source(self.train_split, True)
+        )
         lengths = None
         if r.train.length_bucketing:
             lengths = np.array([len(c.split()) for c in self.train_split.captions])
-        self.sampler = EpochBatches(len(self.train_set), r.train.batch_size, r.train.seed, lengths,
-                                    rank=self.dist.rank, world_size=self.dist.world_size)  # fmt: skip
+        self.sampler = EpochBatches(
+            len(self.train_set),
+            r.train.batch_size,
+            r.train.seed,
+            lengths,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+        )
         # on the device when the set fits there (train.data_on_device), else the DataLoader: see data_path
-        self.data = make_train_data(r, self.train_split, self.train_set, self.sampler, self.device, self.dist,
-                                    recorded=self.state.data_path, pad_id=pad_id_for(self.text), log=self.log)  # fmt: skip
+        self.data = make_train_data(
+            r,
+            self.train_split,
+            self.train_set,
+            self.sampler,
+            self.device,
+            self.dist,
+            recorded=self.state.data_path,
+            pad_id=pad_id_for(self.text),
+            log=self.log,
+        )
         self.loader = self.data.loader
         self.state.data_path = self.data.path
         if self.dist.is_main:
@@ -317,17 +337,32 @@ class Trainer:
         # a loss's own parameters and buffers (HREM's graph layer and call counter) resume with the optimizer
         tensors.update({LOSS_STATE + k: v for k, v in self.loss_fn.state_dict().items()})
         metrics = self.run_dir / "metrics.jsonl"
-        state = {"train_state": self.state.__dict__, "optimizer": meta, "history": self.history,
-                 "metrics_bytes": metrics.stat().st_size if metrics.is_file() else 0}  # fmt: skip
+        state = {
+            "train_state": self.state.__dict__,
+            "optimizer": meta,
+            "history": self.history,
+            "metrics_bytes": metrics.stat().st_size if metrics.is_file() else 0,
+        }
         # one committed set (manifest with sha256 written last): a kill never mixes two steps
-        write_checkpoint_set(self.run_dir, tag, {
-            ".safetensors": tensor_bytes(self.model.state_dict()),
-            "_optim.safetensors": tensor_bytes(tensors),
-            "_state.json": (json.dumps(state, indent=2) + "\n").encode("utf-8"),
-        }, {"epoch": self.state.epoch, "step_in_epoch": self.state.step_in_epoch, "global_step": self.state.global_step})  # fmt: skip
+        write_checkpoint_set(
+            self.run_dir,
+            tag,
+            {
+                ".safetensors": tensor_bytes(self.model.state_dict()),
+                "_optim.safetensors": tensor_bytes(tensors),
+                "_state.json": (json.dumps(state, indent=2) + "\n").encode("utf-8"),
+            },
+            {
+                "epoch": self.state.epoch,
+                "step_in_epoch": self.state.step_in_epoch,
+                "global_step": self.state.global_step,
+            },
+        )
 
     def _load_state(self) -> None:
-        files = read_checkpoint_set(self.run_dir, "last", (".safetensors", "_optim.safetensors", "_state.json"))
+        files = read_checkpoint_set(
+            self.run_dir, "last", (".safetensors", "_optim.safetensors", "_state.json")
+        )
         if files is None:  # killed before the first checkpoint: start over (same seed, same result)
             self._truncate_metrics(0)
             self._record_epochs()
@@ -336,8 +371,9 @@ class Trainer:
         load_weights(self.model, files[".safetensors"])
         tensors = load_tensors(files["_optim.safetensors"])
         rng = tensors.pop("__torch_rng__", None)
-        self.loss_fn.load_state_dict({k[len(LOSS_STATE) :]: tensors.pop(k) for k in list(tensors)
-                                      if k.startswith(LOSS_STATE)})  # fmt: skip
+        self.loss_fn.load_state_dict(
+            {k[len(LOSS_STATE) :]: tensors.pop(k) for k in list(tensors) if k.startswith(LOSS_STATE)}
+        )
         path = files["_state.json"]
         try:
             saved = json.loads(path.read_text(encoding="utf-8"))
@@ -353,29 +389,40 @@ class Trainer:
         self._record_epochs()
         st, total = self.state, self.recipe.train.epochs
         if st.step_in_epoch:
-            self.log(f"resumed {self.run_dir} in epoch {st.epoch + 1}/{total}, after its step {st.step_in_epoch}")
+            self.log(
+                f"resumed {self.run_dir} in epoch {st.epoch + 1}/{total}, after its step {st.step_in_epoch}"
+            )
         elif st.epoch < total:
             self.log(f"resumed {self.run_dir} after epoch {st.epoch}/{total}")
         else:
-            self.log(f"resumed {self.run_dir}: all {total} epochs are trained, nothing to do "
-                     f"(`vse train --resume {self.run_dir} --epochs N` trains it on to N epochs)")  # fmt: skip
+            self.log(
+                f"resumed {self.run_dir}: all {total} epochs are trained, nothing to do "
+                f"(`vse train --resume {self.run_dir} --epochs N` trains it on to N epochs)"
+            )
 
     def _check_resume_epochs(self) -> None:
         """A resumed run may be given more epochs (or fewer, down to the epoch it is in), never fewer than it has."""
         st, want = self.state, self.recipe.train.epochs
         needed = st.epoch + (1 if st.step_in_epoch else 0)
         if want < needed:
-            done = f"{st.epoch} epoch(s)" + (f" and {st.step_in_epoch} steps of epoch {st.epoch + 1}" if st.step_in_epoch else "")
-            raise CheckpointError(f"{self.run_dir}: has already trained {done}; train.epochs (--epochs) {want} is "
-                                  f"fewer: give --epochs {needed} or more")  # fmt: skip
+            done = f"{st.epoch} epoch(s)" + (
+                f" and {st.step_in_epoch} steps of epoch {st.epoch + 1}" if st.step_in_epoch else ""
+            )
+            raise CheckpointError(
+                f"{self.run_dir}: has already trained {done}; train.epochs (--epochs) {want} is "
+                f"fewer: give --epochs {needed} or more"
+            )
 
     def _record_epochs(self) -> None:
         """A resumed run given another train.epochs or lr schedule (`--epochs`, `--set optim.lr_decay…`):
         config.json records the new values, so a later --resume keeps them."""
         saved = self._saved_cfg.get("recipe", {})
         o = self.recipe.optim
-        now = {"train.epochs": self.recipe.train.epochs, "optim.lr_decay_epochs": list(o.lr_decay_epochs),
-               "optim.lr_decay": o.lr_decay}  # fmt: skip
+        now = {
+            "train.epochs": self.recipe.train.epochs,
+            "optim.lr_decay_epochs": list(o.lr_decay_epochs),
+            "optim.lr_decay": o.lr_decay,
+        }
         changes = {}
         for key, value in now.items():
             section, leaf = key.split(".")
@@ -390,8 +437,10 @@ class Trainer:
         if "optim.lr_decay_epochs" in changes or "optim.lr_decay" in changes:
             self.log(f"{self.run_dir}: {said}")
         else:
-            self.log(f"{self.run_dir}: {said}; the lr schedule is unchanged "
-                     f"(optim.lr_decay_epochs={o.lr_decay_epochs}, optim.lr_decay={o.lr_decay})")  # fmt: skip
+            self.log(
+                f"{self.run_dir}: {said}; the lr schedule is unchanged "
+                f"(optim.lr_decay_epochs={o.lr_decay_epochs}, optim.lr_decay={o.lr_decay})"
+            )
 
     def _truncate_metrics(self, size: int | None) -> None:
         """Drop metrics.jsonl lines written after the checkpoint (they are replayed), torn last line included."""
@@ -413,7 +462,9 @@ class Trainer:
                 logger.debug("TensorBoard scalars go to %s", self.run_dir / "tb")
             except ImportError:
                 self._tb = False
-                logger.debug("tensorboard is not installed; the records are in %s only", self.run_dir / "metrics.jsonl")
+                logger.debug(
+                    "tensorboard is not installed; the records are in %s only", self.run_dir / "metrics.jsonl"
+                )
         if self._tb:
             step = record.get("step", 0)
             for k, v in record.items():
@@ -438,8 +489,15 @@ class Trainer:
         enc.set_backbone_trainable(epoch >= frozen)
         return epoch == frozen and frozen > 0
 
-    def train_step(self, batch: Batch, epoch: int, step: int, steps_in_epoch: int, loss_warmup: bool,
-                   shard_sizes: list[int] | None = None) -> dict:  # fmt: skip
+    def train_step(
+        self,
+        batch: Batch,
+        epoch: int,
+        step: int,
+        steps_in_epoch: int,
+        loss_warmup: bool,
+        shard_sizes: list[int] | None = None,
+    ) -> dict:
         return self.step_fn(batch, epoch, step, steps_in_epoch, loss_warmup, shard_sizes)
 
     def _track_finite(self, loss: torch.Tensor) -> None:
@@ -454,8 +512,10 @@ class Trainer:
         per-step records (`_pending_steps`) are written here too."""
         self._write_step_records()
         if self._first_bad is not None and int(self._first_bad) >= 0:
-            raise FloatingPointError(f"loss became NaN/inf at step {int(self._first_bad)} (epoch {epoch + 1}); "
-                                     f"{self._last_checkpoint_note()}")  # fmt: skip
+            raise FloatingPointError(
+                f"loss became NaN/inf at step {int(self._first_bad)} (epoch {epoch + 1}); "
+                f"{self._last_checkpoint_note()}"
+            )
         self._check_collapse()
 
     def _check_collapse(self) -> None:
@@ -463,14 +523,25 @@ class Trainer:
         report = self._collapse.poll() if self._collapse is not None else None
         if report is None:
             return
-        self._emit({"kind": "collapse", "step": report.step, "loss": report.loss, "collapse_value": report.collapse_value,
-                    "spread": report.spread, "by_loss": report.by_loss, "by_spread": report.by_spread})  # fmt: skip
+        self._emit(
+            {
+                "kind": "collapse",
+                "step": report.step,
+                "loss": report.loss,
+                "collapse_value": report.collapse_value,
+                "spread": report.spread,
+                "by_loss": report.by_loss,
+                "by_spread": report.by_spread,
+            }
+        )
         if not self.recipe.train.stop_on_collapse:
             self.log(f"warning: {report.message()} (train.stop_on_collapse=true stops such a run)")
             return
         self._save_state()  # the state at this step: `vse train --resume` can continue it, e.g. with another lr schedule
-        raise TrainingCollapsed(f"{report.message()}. Stopped at step {self.state.global_step} "
-                                f"(train.stop_on_collapse=true); its state is saved in {self.run_dir}")  # fmt: skip
+        raise TrainingCollapsed(
+            f"{report.message()}. Stopped at step {self.state.global_step} "
+            f"(train.stop_on_collapse=true); its state is saved in {self.run_dir}"
+        )
 
     def _write_step_records(self) -> None:
         """The per-step records kept since the last read (ADOPT's K and gammas), read back in one transfer per
@@ -481,21 +552,34 @@ class Trainer:
         for _, _, values in self._pending_steps:
             for v in values.values():
                 if torch.is_tensor(v):
-                    by_device.setdefault(v.device, []).append(v.detach().reshape(()).to(
-                        torch.float32 if v.device.type == "mps" else torch.float64))  # fmt: skip
+                    by_device.setdefault(v.device, []).append(
+                        v.detach().reshape(()).to(torch.float32 if v.device.type == "mps" else torch.float64)
+                    )
         host = {dev: iter(torch.stack(vs).tolist()) for dev, vs in by_device.items()}
         pending, self._pending_steps = self._pending_steps, []
         for epoch, step, values in pending:
-            self._emit({"kind": "step", "epoch": epoch, "step": step,
-                        **{k: next(host[v.device]) if torch.is_tensor(v) else float(v) for k, v in values.items()}})  # fmt: skip
+            self._emit(
+                {
+                    "kind": "step",
+                    "epoch": epoch,
+                    "step": step,
+                    **{
+                        k: next(host[v.device]) if torch.is_tensor(v) else float(v) for k, v in values.items()
+                    },
+                }
+            )
 
     def _last_checkpoint_note(self) -> str:
         """Where the last good weights are: only a checkpoint that was committed is named."""
         if (self.run_dir / "last.manifest.json").is_file() or (self.run_dir / "last.safetensors").is_file():
-            return (f"last good checkpoint: {self.run_dir / 'last.safetensors'} (`vse train --resume {self.run_dir}` "
-                    "continues from it)")  # fmt: skip
-        return (f"no checkpoint was saved before it ({self.run_dir} holds no weights); check the recipe's values "
-                "(learning rate, margins, temperatures) and start the run again")  # fmt: skip
+            return (
+                f"last good checkpoint: {self.run_dir / 'last.safetensors'} (`vse train --resume {self.run_dir}` "
+                "continues from it)"
+            )
+        return (
+            f"no checkpoint was saved before it ({self.run_dir} holds no weights); check the recipe's values "
+            "(learning rate, margins, temperatures) and start the run again"
+        )
 
     def validate(self) -> dict:
         sims = split_similarities(self.model, self.val_split, self.recipe.train.eval_batch_size, self.device)
@@ -509,15 +593,24 @@ class Trainer:
             failed = False
             return result
         finally:
-            for reporter in self._reporters:  # a W&B run is closed however training ends (exit code 1: it failed)
+            for (
+                reporter
+            ) in self._reporters:  # a W&B run is closed however training ends (exit code 1: it failed)
                 reporter.finish(exit_code=int(failed))
 
     def _fit(self, max_steps: int | None) -> dict:
         r = self.recipe
         if self.state.epoch < r.train.epochs and self.dist.is_main and logger.isEnabledFor(logging.INFO):
-            logger.info("training %s: recipe %s, epochs %d-%d, %d steps per epoch, batch %d, on %s", self.run_dir,
-                        r.name, self.state.epoch + 1, r.train.epochs, len(self.sampler.batches()),
-                        r.train.batch_size, self.device)  # fmt: skip
+            logger.info(
+                "training %s: recipe %s, epochs %d-%d, %d steps per epoch, batch %d, on %s",
+                self.run_dir,
+                r.name,
+                self.state.epoch + 1,
+                r.train.epochs,
+                len(self.sampler.batches()),
+                r.train.batch_size,
+                self.device,
+            )
         total_epochs = r.train.epochs
         steps_done = 0
         while self.state.epoch < total_epochs:
@@ -534,25 +627,45 @@ class Trainer:
             t_epoch = time.perf_counter()
             t_data = t_log = time.perf_counter()
             meter = {"loss": 0.0, "data_time": 0.0, "step_time": 0.0, "n": 0}
-            bar = progress_bar(total=steps_in_epoch, initial=self.state.step_in_epoch, desc=f"epoch {epoch + 1}/{total_epochs}",
-                               enabled=self.progress, leave=False, dynamic_ncols=True)  # fmt: skip
+            bar = progress_bar(
+                total=steps_in_epoch,
+                initial=self.state.step_in_epoch,
+                desc=f"epoch {epoch + 1}/{total_epochs}",
+                enabled=self.progress,
+                leave=False,
+                dynamic_ncols=True,
+            )
             for batch in self.data.epoch(epoch, self.state.step_in_epoch):
                 data_time = time.perf_counter() - t_data
                 t0 = time.perf_counter()
                 step = self.state.step_in_epoch
                 samples += len(epoch_batches[step])
-                sizes = shard_sizes(len(epoch_batches[step]), self.dist.world_size) if self.dist.enabled else None
+                sizes = (
+                    shard_sizes(len(epoch_batches[step]), self.dist.world_size) if self.dist.enabled else None
+                )
                 if warmup == "lr":
                     self._set_lr(epoch, (step + 1) / steps_in_epoch)
                 out = self.train_step(batch, epoch, step, steps_in_epoch, loss_warmup, sizes)
-                self._track_finite(out["loss"])  # no float(loss) here: that would sync with the GPU every step
+                self._track_finite(
+                    out["loss"]
+                )  # no float(loss) here: that would sync with the GPU every step
                 if self._collapse is not None:
-                    self._collapse.update(out, batch.image_index, len(epoch_batches[step]),
-                                          hardest=epoch >= r.loss.warmup_epochs, step=self.state.global_step + 1,
-                                          scale=(step + 1) / steps_in_epoch if loss_warmup else 1.0)  # fmt: skip
+                    self._collapse.update(
+                        out,
+                        batch.image_index,
+                        len(epoch_batches[step]),
+                        hardest=epoch >= r.loss.warmup_epochs,
+                        step=self.state.global_step + 1,
+                        scale=(step + 1) / steps_in_epoch if loss_warmup else 1.0,
+                    )
                 if self._step_keys:
-                    self._pending_steps.append((epoch + 1, self.state.global_step + 1,
-                                                {k: out[k] for k in self._step_keys if k in out}))  # fmt: skip
+                    self._pending_steps.append(
+                        (
+                            epoch + 1,
+                            self.state.global_step + 1,
+                            {k: out[k] for k in self._step_keys if k in out},
+                        )
+                    )
                 step_time = time.perf_counter() - t0  # host time; the device may still be working
                 self.state.step_in_epoch += 1
                 self.state.global_step += 1
@@ -567,19 +680,24 @@ class Trainer:
                     n = meter["n"]
                     wall = time.perf_counter() - t_log
                     rec = {
-                        "kind": "train", "epoch": epoch + 1, "step": self.state.global_step,
-                        "loss": float(meter["loss"]) / n, "data_time": meter["data_time"] / n,
+                        "kind": "train",
+                        "epoch": epoch + 1,
+                        "step": self.state.global_step,
+                        "loss": float(meter["loss"]) / n,
+                        "data_time": meter["data_time"] / n,
                         "step_time": meter["step_time"] / n,
                         "samples_per_s": r.train.batch_size * n / max(wall, 1e-9),
                         "lr": self.optimizer.param_groups[0]["lr"],
                         **{k: float(v) for k, v in out.items() if k != "loss"},
-                    }  # fmt: skip
+                    }
                     bar.set_postfix(loss=f"{rec['loss']:.3f}")
                     self._emit(rec)
                     if not self.progress:
-                        self.log(f"epoch {epoch + 1} step {self.state.global_step} loss {rec['loss']:.4f} "
-                                 f"data {rec['data_time'] * 1e3:.1f}ms step {rec['step_time'] * 1e3:.1f}ms "
-                                 f"{rec['samples_per_s']:.0f} samples/s")  # fmt: skip
+                        self.log(
+                            f"epoch {epoch + 1} step {self.state.global_step} loss {rec['loss']:.4f} "
+                            f"data {rec['data_time'] * 1e3:.1f}ms step {rec['step_time'] * 1e3:.1f}ms "
+                            f"{rec['samples_per_s']:.0f} samples/s"
+                        )
                     meter = {"loss": 0.0, "data_time": 0.0, "step_time": 0.0, "n": 0}
                     t_log = time.perf_counter()
                 if r.train.checkpoint_every and self.state.global_step % r.train.checkpoint_every == 0:
@@ -597,31 +715,56 @@ class Trainer:
             samples_per_s = samples / max(train_time, 1e-9)
             # the epoch's throughput (training only, validation excluded) in a record of its own: the val record
             # holds what is the same in any two runs of the recipe (the resume tests compare them whole)
-            self._emit({"kind": "epoch", "epoch": epoch + 1, "step": self.state.global_step, "samples": samples,
-                        "train_time_s": train_time, "samples_per_s": samples_per_s,
-                        "data_path": self.data.path})  # fmt: skip
+            self._emit(
+                {
+                    "kind": "epoch",
+                    "epoch": epoch + 1,
+                    "step": self.state.global_step,
+                    "samples": samples,
+                    "train_time_s": train_time,
+                    "samples_per_s": samples_per_s,
+                    "data_path": self.data.path,
+                }
+            )
             metrics = self.validate()
             improved = metrics["rsum"] > self.state.best_rsum
-            record = {"kind": "val", "epoch": epoch + 1, "step": self.state.global_step, "train_time_s": train_time, **metrics}
+            record = {
+                "kind": "val",
+                "epoch": epoch + 1,
+                "step": self.state.global_step,
+                "train_time_s": train_time,
+                **metrics,
+            }
             self.history.append(record)
             self._emit(record)
-            self.log(f"epoch {epoch + 1}/{total_epochs} dev: {format_table(metrics)}{'  (best)' if improved else ''}"
-                     f"  [{samples_per_s:,.0f} samples/s]")  # fmt: skip
+            self.log(
+                f"epoch {epoch + 1}/{total_epochs} dev: {format_table(metrics)}{'  (best)' if improved else ''}"
+                f"  [{samples_per_s:,.0f} samples/s]"
+            )
             self.state.epoch += 1
             self.state.step_in_epoch = 0
             if improved:
                 self.state.best_rsum, self.state.best_epoch = metrics["rsum"], epoch
             if improved and self.dist.is_main:
                 best = {"epoch": epoch + 1, "split": r.data.val_split, **metrics}
-                write_checkpoint_set(self.run_dir, "best", {
-                    ".safetensors": tensor_bytes(self.model.state_dict()),
-                    ".json": (json.dumps(best, indent=2) + "\n").encode("utf-8"),
-                }, {"epoch": epoch})  # fmt: skip
+                write_checkpoint_set(
+                    self.run_dir,
+                    "best",
+                    {
+                        ".safetensors": tensor_bytes(self.model.state_dict()),
+                        ".json": (json.dumps(best, indent=2) + "\n").encode("utf-8"),
+                    },
+                    {"epoch": epoch},
+                )
             self._save_state()
         if self._tb:
             self._tb.flush()
         # epochs count from 1 for users (logs, metrics.jsonl, best.json); the trainer's state counts finished epochs
-        return {"best_rsum": self.state.best_rsum, "best_epoch": self.state.best_epoch + 1, "history": self.history}
+        return {
+            "best_rsum": self.state.best_rsum,
+            "best_epoch": self.state.best_epoch + 1,
+            "history": self.history,
+        }
 
 
 def train(recipe: Recipe, data_dir: str | Path, run_dir: str | Path, **kwargs) -> dict:

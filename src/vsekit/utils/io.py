@@ -151,8 +151,9 @@ def open_npy(path: Path, error: type[Exception] = VseInputError) -> np.ndarray:
         return np.load(path, mmap_mode="r", allow_pickle=False)
     except ValueError as e:
         if "pickled" in str(e) or "Python objects" in str(e):
-            raise error(f"{path}: not a plain numeric .npy array: it holds Python objects (dtype=object), not "
-                        "numbers") from e  # fmt: skip
+            raise error(
+                f"{path}: not a plain numeric .npy array: it holds Python objects (dtype=object), not numbers"
+            ) from e
         raise error(f"{path}: not a plain numeric .npy array ({e})") from e
     except (OSError, EOFError) as e:
         raise error(f"{path}: cannot be read as .npy ({e or type(e).__name__}; truncated?)") from e
@@ -175,8 +176,10 @@ def check_output_file(path: str | Path, option: str, inputs: Iterable[str | Path
     parent = out.parent
     if not parent.is_dir():
         why = "is not a folder" if parent.exists() else "does not exist"
-        raise VseInputError(f"{where}: the folder {parent} {why}; nothing is created for a result file: create the "
-                            "folder first or name another")  # fmt: skip
+        raise VseInputError(
+            f"{where}: the folder {parent} {why}; nothing is created for a result file: create the "
+            "folder first or name another"
+        )
     if not os.access(parent, os.W_OK | os.X_OK):
         raise VseInputError(f"{where}: the folder {parent} is not writable")
     written = {parent.resolve() / out.name, out.resolve()}  # the name itself, and where a symlink there leads
@@ -187,17 +190,26 @@ def check_output_file(path: str | Path, option: str, inputs: Iterable[str | Path
         real = inp.resolve()
         if inp.is_dir():
             if any(w == real or w.is_relative_to(real) for w in written):
-                raise VseInputError(f"{where}: is inside {given}, which this command reads; nothing was written: a "
-                                    "result never goes into an input run, index or dataset folder, name a file "
-                                    "outside it")  # fmt: skip
+                raise VseInputError(
+                    f"{where}: is inside {given}, which this command reads; nothing was written: a "
+                    "result never goes into an input run, index or dataset folder, name a file "
+                    "outside it"
+                )
         elif real in written or (out.exists() and os.path.samefile(out, inp)):
-            raise VseInputError(f"{where}: is {given}, which this command reads; nothing was written: name "
-                                "another file")  # fmt: skip
+            raise VseInputError(
+                f"{where}: is {given}, which this command reads; nothing was written: name another file"
+            )
     return out
 
 
-def prepare_dataset_dir(out: Path, overwrite: bool, splits: tuple[str, ...], split_files: tuple[str, ...],
-                        extra_files: tuple[str, ...] = (), extra_dirs: tuple[str, ...] = ()) -> None:  # fmt: skip
+def prepare_dataset_dir(
+    out: Path,
+    overwrite: bool,
+    splits: tuple[str, ...],
+    split_files: tuple[str, ...],
+    extra_files: tuple[str, ...] = (),
+    extra_dirs: tuple[str, ...] = (),
+) -> None:
     """Refuse a non-empty dataset folder unless `overwrite`; with it, remove only the files a builder writes
     (`{split}{suffix}` for every split and suffix, `extra_files`, `extra_dirs`): a stale cap2img or picture
     list of an earlier dataset would otherwise be read with the new features, and anything else stays."""
@@ -207,8 +219,10 @@ def prepare_dataset_dir(out: Path, overwrite: bool, splits: tuple[str, ...], spl
         raise VseInputError(f"{out}: exists and is not a folder; choose another --out")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
-            raise VseInputError(f"{out}: exists and is not empty; nothing was written: choose a new or empty --out, "
-                                "or pass --overwrite to replace the dataset there")  # fmt: skip
+            raise VseInputError(
+                f"{out}: exists and is not empty; nothing was written: choose a new or empty --out, "
+                "or pass --overwrite to replace the dataset there"
+            )
         for split in splits:
             for suffix in split_files:
                 (out / f"{split}{suffix}").unlink(missing_ok=True)

@@ -50,7 +50,9 @@ class _Holder:
 
     def busy(self, lock: Path, pid: int | None) -> VseInputError:
         who = f" (pid {pid})" if pid is not None else ""
-        return self.error(f"{lock}: another {self.holder} is writing to {self.what} right now{who}; wait for it to finish")
+        return self.error(
+            f"{lock}: another {self.holder} is writing to {self.what} right now{who}; wait for it to finish"
+        )
 
 
 def _acquire_flock(lock: Path, words: _Holder) -> int:
@@ -87,17 +89,29 @@ def _acquire_pidfile(lock: Path, words: _Holder, log: Callable[[str], None]) -> 
             if alive:
                 raise words.busy(lock, pid) from None
             if alive is None:
-                by = f"{words.holder} (pid {pid})" if pid is not None else f"a {words.holder} that recorded no pid"
-                raise words.error(f"{lock}: held by {by}; if no {words.holder} is writing to {words.what} any "
-                                  f"more, delete {lock} and run again") from None  # fmt: skip
+                by = (
+                    f"{words.holder} (pid {pid})"
+                    if pid is not None
+                    else f"a {words.holder} that recorded no pid"
+                )
+                raise words.error(
+                    f"{lock}: held by {by}; if no {words.holder} is writing to {words.what} any "
+                    f"more, delete {lock} and run again"
+                ) from None
             log(f"note: {lock}: its writer (pid {pid}) is not running any more; taking the lock over")
             lock.unlink(missing_ok=True)
     raise words.busy(lock, lock_owner(lock))
 
 
 @contextmanager
-def folder_lock(folder: str | Path, holder: str, what: str, error: type[VseInputError] = VseInputError,
-                log: Callable[[str], None] = print, name: str = LOCK_NAME) -> Iterator[Path]:  # fmt: skip
+def folder_lock(
+    folder: str | Path,
+    holder: str,
+    what: str,
+    error: type[VseInputError] = VseInputError,
+    log: Callable[[str], None] = print,
+    name: str = LOCK_NAME,
+) -> Iterator[Path]:
     """Hold `folder/name` exclusively for the block; a second writer gets `error`: "FOLDER/.lock: another
     `holder` is writing to `what` right now (pid N); wait for it to finish". Yields the lock file's path.
 
@@ -119,7 +133,9 @@ def folder_lock(folder: str | Path, holder: str, what: str, error: type[VseInput
             flocked, fd = True, _acquire_flock(lock, words)
             prev = lock_owner(lock)
             if prev is not None and prev != os.getpid():  # its holder is gone, or we would not hold the flock
-                log(f"note: {lock}: left by a {holder} (pid {prev}) that stopped without finishing; taking it over")
+                log(
+                    f"note: {lock}: left by a {holder} (pid {prev}) that stopped without finishing; taking it over"
+                )
         except ImportError:
             flocked, fd = False, _acquire_pidfile(lock, words, log)
         try:

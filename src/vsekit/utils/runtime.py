@@ -18,11 +18,17 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SetupError(f"device {name!r} requested but CUDA is not available on this machine; use --device cpu")
+        raise SetupError(
+            f"device {name!r} requested but CUDA is not available on this machine; use --device cpu"
+        )
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise SetupError(f"device {name!r} requested but this machine has {torch.cuda.device_count()} CUDA device(s)")
+        raise SetupError(
+            f"device {name!r} requested but this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise SetupError(f"device {name!r} requested but MPS is not available on this machine; use --device cpu")
+        raise SetupError(
+            f"device {name!r} requested but MPS is not available on this machine; use --device cpu"
+        )
     return device
 
 

@@ -48,9 +48,19 @@ def _timed(fn, device: torch.device) -> tuple[float, np.ndarray]:
     return time.perf_counter() - t0, out
 
 
-def bench_aeom(n_images: int = 1000, n_captions: int = 5000, dim: int = 1024, device: str = "cpu", repeats: int = 3,
-               *, views: int = 2, block_dim: int = 512, iters: int = 20, dustbin: float = 1.0,
-               seed: int = 0) -> dict:  # fmt: skip
+def bench_aeom(
+    n_images: int = 1000,
+    n_captions: int = 5000,
+    dim: int = 1024,
+    device: str = "cpu",
+    repeats: int = 3,
+    *,
+    views: int = 2,
+    block_dim: int = 512,
+    iters: int = 20,
+    dustbin: float = 1.0,
+    seed: int = 0,
+) -> dict:
     """Median wall-clock seconds of cosine vs AEOM all-pairs scoring (and + metrics); see module doc."""
     if min(n_images, n_captions, dim, repeats, views, block_dim, iters) < 1:
         raise VseInputError("n_images, n_captions, dim, repeats, views, block_dim and iters must be positive")
@@ -101,20 +111,36 @@ def bench_aeom(n_images: int = 1000, n_captions: int = 5000, dim: int = 1024, de
     fast = aeom.score_no_grad(img[:k], txt)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
-        "n_images": n_images, "n_captions": n_captions, "dim": dim, "views": views, "block_dim": block_dim,
-        "p": aeom.p, "q": aeom.q, "iters": iters, "device": str(dev), "threads": torch.get_num_threads(),
+        "n_images": n_images,
+        "n_captions": n_captions,
+        "dim": dim,
+        "views": views,
+        "block_dim": block_dim,
+        "p": aeom.p,
+        "q": aeom.q,
+        "iters": iters,
+        "device": str(dev),
+        "threads": torch.get_num_threads(),
         "repeats": repeats,
         **{f"{k}_s": v for k, v in med.items()},
         "ratio": med["aeom"] / med["cosine"],
         "ratio_nosinkhorn": med["aeom_nosinkhorn"] / med["cosine"],
         "ratio_end_to_end": med["aeom_e2e"] / med["cosine_e2e"],
         "max_abs_diff_vs_log_space": float((fast - ref).abs().max()),
-    }  # fmt: skip
+    }
 
 
-def bench_aeom_eval(n_images: int = 1000, captions_per_image: int = 5, device: str = "cpu", repeats: int = 3, *,
-                    regions: int = 36, img_dim: int = 2048, overrides: list[str] | None = None,
-                    seed: int = 0) -> dict:  # fmt: skip
+def bench_aeom_eval(
+    n_images: int = 1000,
+    captions_per_image: int = 5,
+    device: str = "cpu",
+    repeats: int = 3,
+    *,
+    regions: int = 36,
+    img_dim: int = 2048,
+    overrides: list[str] | None = None,
+    seed: int = 0,
+) -> dict:
     """`vse eval` end to end (encode images and captions, score all pairs, metrics) under recipe `avse`
     (2 views, AEOM) and `vse_infty` (cosine), both at their default sizes, on one synthetic precomp split of
     `n_images` x `n_images*captions_per_image`; timed through `evaluate_model`, the path `vse eval` takes.
@@ -132,8 +158,16 @@ def bench_aeom_eval(n_images: int = 1000, captions_per_image: int = 5, device: s
         raise VseInputError("n_images, captions_per_image, repeats, regions and img_dim must be positive")
     dev = torch.device(device)
     with tempfile.TemporaryDirectory(prefix="vse-bench-aeom-") as tmp:
-        make_synthetic_precomp(tmp, n_train=1, n_dev=1, n_test=n_images, regions=regions, dim=img_dim,
-                               captions_per_image=captions_per_image, seed=seed)  # fmt: skip
+        make_synthetic_precomp(
+            tmp,
+            n_train=1,
+            n_dev=1,
+            n_test=n_images,
+            regions=regions,
+            dim=img_dim,
+            captions_per_image=captions_per_image,
+            seed=seed,
+        )
         n_caps = len(load_precomp_split(tmp, "test", captions_per_image).captions)
         spec = DataSpec(img_dim=img_dim, vocab_words=[*SPECIALS, *sorted(set(ATTRIBUTES) | set(FILLERS))])
         models = {}
@@ -154,9 +188,18 @@ def bench_aeom_eval(n_images: int = 1000, captions_per_image: int = 5, device: s
     med = {k: statistics.median(v) for k, v in times.items()}
     sim = models["avse"].sim
     return {
-        "n_images": n_images, "n_captions": n_caps, "regions": regions, "img_dim": img_dim,
-        "embed_dim": models["avse"].recipe.model.embed_dim, "views": sim.views, "block_dim": sim.block_dim,
-        "iters": sim.iters, "device": str(dev), "threads": torch.get_num_threads(), "repeats": repeats,
-        "cosine_eval_s": med["vse_infty"], "aeom_eval_s": med["avse"], "ratio_eval": med["avse"] / med["vse_infty"],
-    }  # fmt: skip
-
+        "n_images": n_images,
+        "n_captions": n_caps,
+        "regions": regions,
+        "img_dim": img_dim,
+        "embed_dim": models["avse"].recipe.model.embed_dim,
+        "views": sim.views,
+        "block_dim": sim.block_dim,
+        "iters": sim.iters,
+        "device": str(dev),
+        "threads": torch.get_num_threads(),
+        "repeats": repeats,
+        "cosine_eval_s": med["vse_infty"],
+        "aeom_eval_s": med["avse"],
+        "ratio_eval": med["avse"] / med["vse_infty"],
+    }

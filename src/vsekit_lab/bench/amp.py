@@ -39,17 +39,26 @@ from vsekit.models.vse import DataSpec, VSEModel
 NOISE_DRIVEN = ("mlp.fc1.bias", "pool.balance.bias")
 
 
-def _synthetic_batch(batch: int, regions: int, img_dim: int, vocab: int, min_tokens: int, max_tokens: int,
-                     seed: int) -> Batch:  # fmt: skip
+def _synthetic_batch(
+    batch: int, regions: int, img_dim: int, vocab: int, min_tokens: int, max_tokens: int, seed: int
+) -> Batch:
     g = torch.Generator().manual_seed(seed)
     img_len = torch.randint(max(1, regions // 2), regions + 1, (batch,), generator=g)
     slots = torch.arange(regions)[None, :]
-    images = torch.randn(batch, regions, img_dim, generator=g).masked_fill((slots >= img_len[:, None]).unsqueeze(-1), 0.0)
+    images = torch.randn(batch, regions, img_dim, generator=g).masked_fill(
+        (slots >= img_len[:, None]).unsqueeze(-1), 0.0
+    )
     tok_len = torch.randint(min_tokens, max_tokens + 1, (batch,), generator=g)
     tokens = torch.randint(4, vocab, (batch, max_tokens), generator=g)
     tokens = tokens.masked_fill(torch.arange(max_tokens)[None, :] >= tok_len[:, None], 0)
-    return Batch(images=images, image_lengths=img_len, tokens=tokens, token_lengths=tok_len,
-                 image_index=torch.arange(batch), caption_index=torch.arange(batch))
+    return Batch(
+        images=images,
+        image_lengths=img_len,
+        tokens=tokens,
+        token_lengths=tok_len,
+        image_index=torch.arange(batch),
+        caption_index=torch.arange(batch),
+    )
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -58,12 +67,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
-def _one_pass(model: VSEModel, loss_fn: nn.Module, batch: Batch, amp: bool, device: torch.device, warmup: bool,
-              dtypes: dict[str, torch.dtype] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:  # fmt: skip
+def _one_pass(
+    model: VSEModel,
+    loss_fn: nn.Module,
+    batch: Batch,
+    amp: bool,
+    device: torch.device,
+    warmup: bool,
+    dtypes: dict[str, torch.dtype] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
     hooks = []
     if dtypes is not None:
         for name, mod in model.named_modules():
             if name and not list(mod.children()):
+
                 def hook(_m, _i, out, name=name):
                     out = out[0] if isinstance(out, tuple) else out
                     out = getattr(out, "data", out)  # a PackedSequence (the packed BiGRU): its values
@@ -87,10 +104,20 @@ def _one_pass(model: VSEModel, loss_fn: nn.Module, batch: Batch, amp: bool, devi
     return loss.detach().float(), img.detach().float(), txt.detach().float(), grads
 
 
-def bf16_numerics(recipes: Sequence[str] = ("vsepp", "vse_infty"), batch: int = 64, regions: int = 36,
-                  img_dim: int = 512, embed_dim: int = 256, vocab: int = 2000, min_tokens: int = 8,
-                  max_tokens: int = 25, seeds: Sequence[int] = (0, 1, 2), device: str = "cpu",
-                  overrides: Sequence[str] = (), warmup: bool = False) -> list[dict]:  # fmt: skip
+def bf16_numerics(
+    recipes: Sequence[str] = ("vsepp", "vse_infty"),
+    batch: int = 64,
+    regions: int = 36,
+    img_dim: int = 512,
+    embed_dim: int = 256,
+    vocab: int = 2000,
+    min_tokens: int = 8,
+    max_tokens: int = 25,
+    seeds: Sequence[int] = (0, 1, 2),
+    device: str = "cpu",
+    overrides: Sequence[str] = (),
+    warmup: bool = False,
+) -> list[dict]:
     """One row per recipe: the relative errors of a bf16-autocast step against float32 (the worst over
     `seeds`; the median too for the gradients) on a model of the given shapes (module docstring): the
     recipe's loss after its warm-up (`warmup=False`: hardest negatives for vsepp / vse_infty, whose choice
@@ -104,7 +131,10 @@ def bf16_numerics(recipes: Sequence[str] = ("vsepp", "vse_infty"), batch: int = 
     rows = []
     for recipe in recipes:
         r = load_recipe(recipe, [f"model.embed_dim={embed_dim}", *overrides])
-        spec = DataSpec(img_dim=img_dim, vocab_words=["<pad>", "<start>", "<end>", "<unk>"] + [f"w{i}" for i in range(vocab - 4)])
+        spec = DataSpec(
+            img_dim=img_dim,
+            vocab_words=["<pad>", "<start>", "<end>", "<unk>"] + [f"w{i}" for i in range(vocab - 4)],
+        )
         per_seed = []
         bf16_modules: set[str] = set()
         fp32_modules: set[str] = set()
@@ -125,23 +155,43 @@ def bf16_numerics(recipes: Sequence[str] = ("vsepp", "vse_infty"), batch: int = 
             kept = [n for n in ref[3] if not n.endswith(NOISE_DRIVEN)]
             per_tensor = {n: _rel(low[3][n], ref[3][n]) for n in kept}
             worst = max(per_tensor, key=per_tensor.__getitem__)
-            per_seed.append({
-                "loss": abs(float(low[0]) - float(ref[0])) / abs(float(ref[0])),
-                "image_emb": _rel(low[1], ref[1]), "text_emb": _rel(low[2], ref[2]),
-                "grads": _rel(torch.cat([low[3][n].flatten() for n in kept]), torch.cat([ref[3][n].flatten() for n in kept])),
-                "grad_median": statistics.median(per_tensor.values()), "grad_worst": per_tensor[worst],
-                "grad_worst_name": worst, "loss_fp32": float(ref[0]),
-                "noise_driven": sorted(set(ref[3]) - set(kept)),
-            })  # fmt: skip
+            per_seed.append(
+                {
+                    "loss": abs(float(low[0]) - float(ref[0])) / abs(float(ref[0])),
+                    "image_emb": _rel(low[1], ref[1]),
+                    "text_emb": _rel(low[2], ref[2]),
+                    "grads": _rel(
+                        torch.cat([low[3][n].flatten() for n in kept]),
+                        torch.cat([ref[3][n].flatten() for n in kept]),
+                    ),
+                    "grad_median": statistics.median(per_tensor.values()),
+                    "grad_worst": per_tensor[worst],
+                    "grad_worst_name": worst,
+                    "loss_fp32": float(ref[0]),
+                    "noise_driven": sorted(set(ref[3]) - set(kept)),
+                }
+            )
         worst_seed = max(per_seed, key=lambda s: s["grad_worst"])
-        rows.append({
-            "recipe": recipe, "device": str(dev), "seeds": len(seeds), "batch": batch,
-            "shapes": f"{regions}x{img_dim} features, embed {embed_dim}, vocab {vocab}, {min_tokens}-{max_tokens} tokens",
-            **{f"{k}_rel": max(s[k] for s in per_seed) for k in ("loss", "image_emb", "text_emb", "grads", "grad_median")},
-            "grad_worst_rel": worst_seed["grad_worst"], "grad_worst_tensor": worst_seed["grad_worst_name"],
-            "loss_fp32": statistics.mean(s["loss_fp32"] for s in per_seed),
-            "left_out": ", ".join(per_seed[0]["noise_driven"]) or "-",
-            "loss_kind": "all negatives (the warm-up's sum)" if warmup else "after the warm-up (the recipe's loss)",
-            "bf16_modules": sorted(bf16_modules), "fp32_modules": sorted(fp32_modules - bf16_modules),
-        })  # fmt: skip
+        rows.append(
+            {
+                "recipe": recipe,
+                "device": str(dev),
+                "seeds": len(seeds),
+                "batch": batch,
+                "shapes": f"{regions}x{img_dim} features, embed {embed_dim}, vocab {vocab}, {min_tokens}-{max_tokens} tokens",
+                **{
+                    f"{k}_rel": max(s[k] for s in per_seed)
+                    for k in ("loss", "image_emb", "text_emb", "grads", "grad_median")
+                },
+                "grad_worst_rel": worst_seed["grad_worst"],
+                "grad_worst_tensor": worst_seed["grad_worst_name"],
+                "loss_fp32": statistics.mean(s["loss_fp32"] for s in per_seed),
+                "left_out": ", ".join(per_seed[0]["noise_driven"]) or "-",
+                "loss_kind": "all negatives (the warm-up's sum)"
+                if warmup
+                else "after the warm-up (the recipe's loss)",
+                "bf16_modules": sorted(bf16_modules),
+                "fp32_modules": sorted(fp32_modules - bf16_modules),
+            }
+        )
     return rows

@@ -50,21 +50,34 @@ def synthetic_words(vocab: int) -> list[str]:
     return [f"w{i}" for i in range(max(1, vocab - len(SPECIALS)))]
 
 
-def write_coco_like(out_dir: str | Path, n: int, regions: int = 36, img_dim: int = 2048, captions_per_image: int = 5,
-                    min_words: int = 8, max_words: int = 25, vocab: int = 10_000, seed: int = 0,
-                    chunk_bytes: int = 128 << 20) -> Path:  # fmt: skip
+def write_coco_like(
+    out_dir: str | Path,
+    n: int,
+    regions: int = 36,
+    img_dim: int = 2048,
+    captions_per_image: int = 5,
+    min_words: int = 8,
+    max_words: int = 25,
+    vocab: int = 10_000,
+    seed: int = 0,
+    chunk_bytes: int = 128 << 20,
+) -> Path:
     """A `train` split in the precomp layout: float16 features [n, regions, img_dim] (standard normal), written
     chunk by chunk (never the whole array in memory), and `captions_per_image` captions per image of
     min_words..max_words words drawn from `synthetic_words(vocab)`."""
     if n < 2 or regions < 1 or img_dim < 1 or captions_per_image < 1:
-        raise VseInputError(f"need n >= 2 images and positive regions/img-dim/captions, got {n}, {regions}, {img_dim}, "
-                            f"{captions_per_image}")  # fmt: skip
+        raise VseInputError(
+            f"need n >= 2 images and positive regions/img-dim/captions, got {n}, {regions}, {img_dim}, "
+            f"{captions_per_image}"
+        )
     if not 1 <= min_words <= max_words:
         raise VseInputError(f"need 1 <= min_words <= max_words, got {min_words}, {max_words}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    feats = np.lib.format.open_memmap(out / "train_ims.npy", mode="w+", dtype=np.float16, shape=(n, regions, img_dim))
+    feats = np.lib.format.open_memmap(
+        out / "train_ims.npy", mode="w+", dtype=np.float16, shape=(n, regions, img_dim)
+    )
     per = max(1, chunk_bytes // (regions * img_dim * 4))
     for a in range(0, n, per):
         b = min(n, a + per)
@@ -81,11 +94,22 @@ def write_coco_like(out_dir: str | Path, n: int, regions: int = 36, img_dim: int
     return out
 
 
-def build_data(data_dir: str | Path, recipe: str | Recipe = "vse_infty", batch: int = 128, device: str = "cpu",
-               overrides: Sequence[str] = (), text=None, captions_per_image: int = 5) -> TrainData:  # fmt: skip
+def build_data(
+    data_dir: str | Path,
+    recipe: str | Recipe = "vse_infty",
+    batch: int = 128,
+    device: str = "cpu",
+    overrides: Sequence[str] = (),
+    text=None,
+    captions_per_image: int = 5,
+) -> TrainData:
     """The training data path of `recipe` over `data_dir`'s train split, built as the trainer builds it
     (`text`: the run's text processor; default a vocabulary of the split's captions)."""
-    r = recipe if isinstance(recipe, Recipe) else load_recipe(recipe, [*DEFAULT_SETS, f"train.batch_size={batch}", *overrides])
+    r = (
+        recipe
+        if isinstance(recipe, Recipe)
+        else load_recipe(recipe, [*DEFAULT_SETS, f"train.batch_size={batch}", *overrides])
+    )
     split = load_precomp_split(data_dir, r.data.train_split, captions_per_image)
     if text is None:
         text = Vocabulary.build(split.captions, r.model.text.vocab_min_count, r.model.text.tokenizer)
@@ -130,8 +154,9 @@ def bare_gather_source(data_dir: str | Path, device: torch.device) -> torch.Tens
     return t if device.type == "cpu" else t.to(device)
 
 
-def time_bare_gather(features: torch.Tensor, batch: int, n: int, generator: torch.Generator,
-                     index_select: bool = False) -> float:  # fmt: skip
+def time_bare_gather(
+    features: torch.Tensor, batch: int, n: int, generator: torch.Generator, index_select: bool = False
+) -> float:
     """Seconds for `n` bare gathers `features[idx].float()` of `batch` random images (`index_select`: the same
     rows by `index_select` from the [N x R, D] view)."""
     dev = features.device
@@ -153,15 +178,28 @@ def time_bare_gather(features: torch.Tensor, batch: int, n: int, generator: torc
     return time.perf_counter() - t0
 
 
-def bench_data(n: int = 20_000, regions: int = 36, img_dim: int = 2048, batch: int = 128, device: str = "cpu",
-               steps: int = 20, warmup: int = 3, rounds: int = 5, recipe: str = "vse_infty",
-               overrides: Sequence[str] = (), paths: Sequence[str] = ("auto",), data_dir: str | Path | None = None,
-               seed: int = 0) -> dict:  # fmt: skip
+def bench_data(
+    n: int = 20_000,
+    regions: int = 36,
+    img_dim: int = 2048,
+    batch: int = 128,
+    device: str = "cpu",
+    steps: int = 20,
+    warmup: int = 3,
+    rounds: int = 5,
+    recipe: str = "vse_infty",
+    overrides: Sequence[str] = (),
+    paths: Sequence[str] = ("auto",),
+    data_dir: str | Path | None = None,
+    seed: int = 0,
+) -> dict:
     """samples/s of the training data path(s) and of the bare gather, timed alternately in `rounds` rounds of
     `steps` batches each (after `warmup` untimed ones); `paths` are values of train.data_on_device, each a row.
     The first row's figures are the result's top-level `samples_per_s` / `bare_gather_samples_per_s` / `ratio`."""
     if steps < 1 or warmup < 0 or rounds < 1 or batch < 2:
-        raise VseInputError(f"need steps >= 1, warmup >= 0, rounds >= 1, batch >= 2; got {steps}, {warmup}, {rounds}, {batch}")
+        raise VseInputError(
+            f"need steps >= 1, warmup >= 0, rounds >= 1, batch >= 2; got {steps}, {warmup}, {rounds}, {batch}"
+        )
     dev = torch.device(device)
     tmp = None
     try:
@@ -195,17 +233,39 @@ def bench_data(n: int = 20_000, regions: int = 36, img_dim: int = 2048, batch: i
         rows = []
         for p, data, _, setup in built:
             rate = samples / spent[p]
-            rows.append({"setting": str(p).lower(), "path": data.path, "reason": data.reason, "samples_per_s": rate,
-                         "bare_gather_samples_per_s": bare_rate, "ratio": rate / bare_rate,
-                         "bare_index_select_samples_per_s": sel_rate, "ratio_index_select": rate / sel_rate,
-                         "setup_s": setup})  # fmt: skip
+            rows.append(
+                {
+                    "setting": str(p).lower(),
+                    "path": data.path,
+                    "reason": data.reason,
+                    "samples_per_s": rate,
+                    "bare_gather_samples_per_s": bare_rate,
+                    "ratio": rate / bare_rate,
+                    "bare_index_select_samples_per_s": sel_rate,
+                    "ratio_index_select": rate / sel_rate,
+                    "setup_s": setup,
+                }
+            )
         first = rows[0]
-        return {"samples_per_s": first["samples_per_s"], "bare_gather_samples_per_s": bare_rate, "ratio": first["ratio"],
-                "bare_index_select_samples_per_s": sel_rate, "ratio_index_select": first["ratio_index_select"],
-                "rows": rows, "n": int(features.shape[0]), "regions": int(features.shape[1]),
-                "img_dim": int(features.shape[2]), "batch": batch, "device": str(dev), "steps": steps,
-                "rounds": rounds, "warmup": warmup, "recipe": recipe, "write_s": write_s,
-                "threads": torch.get_num_threads()}  # fmt: skip
+        return {
+            "samples_per_s": first["samples_per_s"],
+            "bare_gather_samples_per_s": bare_rate,
+            "ratio": first["ratio"],
+            "bare_index_select_samples_per_s": sel_rate,
+            "ratio_index_select": first["ratio_index_select"],
+            "rows": rows,
+            "n": int(features.shape[0]),
+            "regions": int(features.shape[1]),
+            "img_dim": int(features.shape[2]),
+            "batch": batch,
+            "device": str(dev),
+            "steps": steps,
+            "rounds": rounds,
+            "warmup": warmup,
+            "recipe": recipe,
+            "write_s": write_s,
+            "threads": torch.get_num_threads(),
+        }
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -54,8 +54,9 @@ def planted_eccv_sims(gt: EccvGroundTruth, seed: int = 0) -> np.ndarray:
     return sims
 
 
-def _full_sort_lists(scores: np.ndarray, query_fold: np.ndarray, fold_size: int, item_ids: np.ndarray, k: int,
-                     block: int) -> list[list[int]]:  # fmt: skip
+def _full_sort_lists(
+    scores: np.ndarray, query_fold: np.ndarray, fold_size: int, item_ids: np.ndarray, k: int, block: int
+) -> list[list[int]]:
     """A stable argsort of each whole row, as item ids, cut after max(k, the query's 10th same-fold item)."""
     lists: list[list[int]] = []
     for r0 in range(0, len(scores), block):
@@ -70,16 +71,30 @@ def reference_scores(sims: np.ndarray, gt: EccvGroundTruth) -> dict[str, float]:
     """The plain construction: every query's scores sorted in full, then the package's metric code."""
     img_fold = np.arange(N_IMAGES) // (N_IMAGES // N_FOLDS)
     cap_fold = np.arange(N_CAPTIONS) // (N_CAPTIONS // N_FOLDS)
-    i2t = dict(zip(gt.image_ids.tolist(),
-                   _full_sort_lists(sims, img_fold, N_CAPTIONS // N_FOLDS, gt.caption_ids, gt.k_i2t, 250)))  # fmt: skip
-    t2i = dict(zip(gt.caption_ids.tolist(),
-                   _full_sort_lists(np.ascontiguousarray(sims.T), cap_fold, N_IMAGES // N_FOLDS, gt.image_ids,
-                                    gt.k_t2i, 1250)))  # fmt: skip
+    i2t = dict(
+        zip(
+            gt.image_ids.tolist(),
+            _full_sort_lists(sims, img_fold, N_CAPTIONS // N_FOLDS, gt.caption_ids, gt.k_i2t, 250),
+        )
+    )
+    t2i = dict(
+        zip(
+            gt.caption_ids.tolist(),
+            _full_sort_lists(
+                np.ascontiguousarray(sims.T), cap_fold, N_IMAGES // N_FOLDS, gt.image_ids, gt.k_t2i, 1250
+            ),
+        )
+    )
     return package_scores(gt.metrics, i2t, t2i)
 
 
-def bench_eccv(repeats: int = 3, reference: bool = True, seed: int = 0, sims_path: str | None = None,
-               tmp_dir: str | None = None) -> dict:  # fmt: skip
+def bench_eccv(
+    repeats: int = 3,
+    reference: bool = True,
+    seed: int = 0,
+    sims_path: str | None = None,
+    tmp_dir: str | None = None,
+) -> dict:
     """Seconds for what `vse eval-sims S.npy --eccv` adds (median of `repeats`, memory-mapped load included),
     split into the retrieved lists and the package's metric code (in memory), and for the full-sort
     reference (once); `max_abs_diff`: the largest key difference between the two (0.0: the same numbers).
@@ -108,12 +123,23 @@ def bench_eccv(repeats: int = 3, reference: bool = True, seed: int = 0, sims_pat
     t2 = time.perf_counter()
     del i2t, t2i
     row = {
-        "images": N_IMAGES, "captions": N_CAPTIONS, "captions_per_image": CAPTIONS_PER_IMAGE, "repeats": repeats,
-        "k_i2t": gt.k_i2t, "k_t2i": gt.k_t2i, "matrix": Path(sims_path).name if sims_path else "planted",
-        "eccv_s": statistics.median(times), "eccv_min_s": min(times), "lists_s": t1 - t0, "package_s": t2 - t1,
-        "reference_s": float("nan"), "speedup": float("nan"), "max_abs_diff": float("nan"),
-        "eccv_i2t_map_at_r": metrics["eccv_i2t_map_at_r"], "coco_5k_i2t_r1": metrics["coco_5k_i2t_r1"],
-    }  # fmt: skip
+        "images": N_IMAGES,
+        "captions": N_CAPTIONS,
+        "captions_per_image": CAPTIONS_PER_IMAGE,
+        "repeats": repeats,
+        "k_i2t": gt.k_i2t,
+        "k_t2i": gt.k_t2i,
+        "matrix": Path(sims_path).name if sims_path else "planted",
+        "eccv_s": statistics.median(times),
+        "eccv_min_s": min(times),
+        "lists_s": t1 - t0,
+        "package_s": t2 - t1,
+        "reference_s": float("nan"),
+        "speedup": float("nan"),
+        "max_abs_diff": float("nan"),
+        "eccv_i2t_map_at_r": metrics["eccv_i2t_map_at_r"],
+        "coco_5k_i2t_r1": metrics["coco_5k_i2t_r1"],
+    }
     if reference:
         t0 = time.perf_counter()
         ref = reference_scores(sims, gt)

@@ -52,7 +52,9 @@ def reference_loop_metrics(sims: np.ndarray, captions_per_image: int = 5) -> dic
     return out
 
 
-def planted_sims(n_images: int, captions_per_image: int = 5, signal: float = 3.0, seed: int = 0) -> np.ndarray:
+def planted_sims(
+    n_images: int, captions_per_image: int = 5, signal: float = 3.0, seed: int = 0
+) -> np.ndarray:
     """float32 N x kN standard-normal scores, `signal` added where caption c belongs to image c // k."""
     rng = np.random.default_rng(seed)
     sims = rng.standard_normal((n_images, n_images * captions_per_image), dtype=np.float32)
@@ -61,8 +63,15 @@ def planted_sims(n_images: int, captions_per_image: int = 5, signal: float = 3.0
     return sims
 
 
-def bench_eval(n_images: int = 5000, captions_per_image: int = 5, repeats: int = 3, reference: bool = True,
-               signal: float = 3.0, seed: int = 0, tmp_dir: str | None = None) -> dict:  # fmt: skip
+def bench_eval(
+    n_images: int = 5000,
+    captions_per_image: int = 5,
+    repeats: int = 3,
+    reference: bool = True,
+    signal: float = 3.0,
+    seed: int = 0,
+    tmp_dir: str | None = None,
+) -> dict:
     """Seconds for `vse eval-sims` on an N x kN .npy (median of `repeats`, file load included) and for the
     reference loop (once); `max_abs_diff` is the largest metric difference between the two."""
     from vsekit.data.sims import load_sims
@@ -84,10 +93,17 @@ def bench_eval(n_images: int = 5000, captions_per_image: int = 5, repeats: int =
     evaluate_sims(sims, cap2img_for_k(*sims.shape, captions_per_image))
     in_memory = time.perf_counter() - t0
     row = {
-        "images": n_images, "captions": n_images * captions_per_image, "repeats": repeats,
-        "eval_sims_s": statistics.median(times), "eval_sims_min_s": min(times), "in_memory_s": in_memory,
-        "rsum": metrics["rsum"], "reference_s": float("nan"), "speedup": float("nan"), "max_abs_diff": float("nan"),
-    }  # fmt: skip
+        "images": n_images,
+        "captions": n_images * captions_per_image,
+        "repeats": repeats,
+        "eval_sims_s": statistics.median(times),
+        "eval_sims_min_s": min(times),
+        "in_memory_s": in_memory,
+        "rsum": metrics["rsum"],
+        "reference_s": float("nan"),
+        "speedup": float("nan"),
+        "max_abs_diff": float("nan"),
+    }
     if reference:
         t0 = time.perf_counter()
         ref = reference_loop_metrics(sims, captions_per_image)
@@ -130,13 +146,21 @@ def _run_process(cmd: list[str]) -> str:
 
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise SetupError(f"{cmd[2] if cmd[1] == '-m' else 'the minimal script'} exited with {proc.returncode}: "
-                         f"{proc.stderr.strip()[-1000:]}")  # fmt: skip
+        raise SetupError(
+            f"{cmd[2] if cmd[1] == '-m' else 'the minimal script'} exited with {proc.returncode}: "
+            f"{proc.stderr.strip()[-1000:]}"
+        )
     return proc.stdout
 
 
-def bench_eval_sims_process(n_images: int = 5000, captions_per_image: int = 5, repeats: int = 3,
-                            signal: float = 3.0, seed: int = 0, tmp_dir: str | None = None) -> dict:  # fmt: skip
+def bench_eval_sims_process(
+    n_images: int = 5000,
+    captions_per_image: int = 5,
+    repeats: int = 3,
+    signal: float = 3.0,
+    seed: int = 0,
+    tmp_dir: str | None = None,
+) -> dict:
     """Wall seconds of `vse eval-sims FILE --json` and of `MINIMAL_EVAL_SIMS` on the same N x kN .npy, each
     a whole process (interpreter start, imports, load, metrics), alternated `repeats` times after one untimed
     run of each (the file is then in the page cache for both); medians, their ratio, and the largest
@@ -150,7 +174,16 @@ def bench_eval_sims_process(n_images: int = 5000, captions_per_image: int = 5, r
         path = Path(tmp) / "sims.npy"
         np.save(path, planted_sims(n_images, captions_per_image, signal, seed))
         k = str(captions_per_image)
-        vse = [sys.executable, "-m", "vsekit.cli", "eval-sims", str(path), "--captions-per-image", k, "--json"]
+        vse = [
+            sys.executable,
+            "-m",
+            "vsekit.cli",
+            "eval-sims",
+            str(path),
+            "--captions-per-image",
+            k,
+            "--json",
+        ]
         minimal = [sys.executable, "-c", MINIMAL_EVAL_SIMS, str(path), k]
         ours, theirs = json.loads(_run_process(vse)), json.loads(_run_process(minimal))  # untimed warm-up
         t_vse, t_min = [], []
@@ -161,8 +194,14 @@ def bench_eval_sims_process(n_images: int = 5000, captions_per_image: int = 5, r
                 times.append(time.perf_counter() - t0)
     vse_s, min_s = statistics.median(t_vse), statistics.median(t_min)
     return {
-        "images": n_images, "captions": n_images * captions_per_image, "repeats": repeats,
-        "eval_sims_s": vse_s, "minimal_s": min_s, "ratio": vse_s / min_s,
-        "eval_sims_min_s": min(t_vse), "minimal_min_s": min(t_min),
-        "max_abs_diff": max(abs(ours[key] - theirs[key]) for key in theirs), "rsum": ours["rsum"],
-    }  # fmt: skip
+        "images": n_images,
+        "captions": n_images * captions_per_image,
+        "repeats": repeats,
+        "eval_sims_s": vse_s,
+        "minimal_s": min_s,
+        "ratio": vse_s / min_s,
+        "eval_sims_min_s": min(t_vse),
+        "minimal_min_s": min(t_min),
+        "max_abs_diff": max(abs(ours[key] - theirs[key]) for key in theirs),
+        "rsum": ours["rsum"],
+    }

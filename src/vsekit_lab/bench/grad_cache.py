@@ -54,8 +54,19 @@ def _rss_peak() -> int:
     return rss * (1 if sys.platform == "darwin" else 1024)
 
 
-def measure_one_step(recipe: str, batch: int, chunk: int, device: str, overrides: list[str], regions: int,
-                     img_dim: int, embed_dim: int, vocab: int, threads: int, seed: int) -> dict:  # fmt: skip
+def measure_one_step(
+    recipe: str,
+    batch: int,
+    chunk: int,
+    device: str,
+    overrides: list[str],
+    regions: int,
+    img_dim: int,
+    embed_dim: int,
+    vocab: int,
+    threads: int,
+    seed: int,
+) -> dict:
     """One training step in *this* process (call it in a fresh one): its peak memory and wall time."""
     from vsekit_lab.bench.train_step import build_train_step
 
@@ -63,8 +74,17 @@ def measure_one_step(recipe: str, batch: int, chunk: int, device: str, overrides
         torch.set_num_threads(threads)
     dev = torch.device(device)
     sets = [*overrides, f"train.grad_cache_chunk={chunk}"]
-    step_fn, data, epoch = build_train_step(recipe, batch=batch, device=device, overrides=sets, regions=regions,
-                                            img_dim=img_dim, embed_dim=embed_dim, vocab=vocab, seed=seed)  # fmt: skip
+    step_fn, data, epoch = build_train_step(
+        recipe,
+        batch=batch,
+        device=device,
+        overrides=sets,
+        regions=regions,
+        img_dim=img_dim,
+        embed_dim=embed_dim,
+        vocab=vocab,
+        seed=seed,
+    )
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
@@ -81,17 +101,34 @@ def measure_one_step(recipe: str, batch: int, chunk: int, device: str, overrides
     else:
         peak, kind = _rss_peak(), "peak RSS (ru_maxrss)"
         observed = peak > setup_peak
-    return {"chunk": chunk, "loss": loss, "seconds": seconds, "before_bytes": before, "peak_bytes": peak,
-            "step_bytes": peak - before, "step_peak_observed": observed, "measure": kind,
-            "params": sum(p.numel() for p in step_fn.model.parameters()),
-            # encoder calls of the step (image + caption side per pass): 2 for the whole batch at once
-            "encoder_calls": step_fn.grad_cache.passes if step_fn.grad_cache is not None else 2}  # fmt: skip
+    return {
+        "chunk": chunk,
+        "loss": loss,
+        "seconds": seconds,
+        "before_bytes": before,
+        "peak_bytes": peak,
+        "step_bytes": peak - before,
+        "step_peak_observed": observed,
+        "measure": kind,
+        "params": sum(p.numel() for p in step_fn.model.parameters()),
+        # encoder calls of the step (image + caption side per pass): 2 for the whole batch at once
+        "encoder_calls": step_fn.grad_cache.passes if step_fn.grad_cache is not None else 2,
+    }
 
 
-def bench_grad_cache(recipe: str = "vse_infty", batch: int = 1024, chunks: list[int] | tuple[int, ...] = (128,),
-                     device: str = "cpu", overrides: list[str] | tuple[str, ...] = (), regions: int = 36,
-                     img_dim: int = 2048, embed_dim: int = 1024, vocab: int = 10_000, threads: int = 0,
-                     seed: int = 0) -> list[dict]:  # fmt: skip
+def bench_grad_cache(
+    recipe: str = "vse_infty",
+    batch: int = 1024,
+    chunks: list[int] | tuple[int, ...] = (128,),
+    device: str = "cpu",
+    overrides: list[str] | tuple[str, ...] = (),
+    regions: int = 36,
+    img_dim: int = 2048,
+    embed_dim: int = 1024,
+    vocab: int = 10_000,
+    threads: int = 0,
+    seed: int = 0,
+) -> list[dict]:
     """One row per setting: the whole batch at once (chunk 0), then each chunk size, each in a fresh process."""
     if batch < 2:
         raise VseInputError(f"a training step needs at least 2 samples (negatives), got batch={batch}")
@@ -104,16 +141,33 @@ def bench_grad_cache(recipe: str = "vse_infty", batch: int = 1024, chunks: list[
     ctx = multiprocessing.get_context("spawn")
     for chunk in (0, *chunks):
         with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:  # a fresh process per setting
-            row = pool.submit(measure_one_step, recipe, batch, chunk, device, list(overrides), regions, img_dim,
-                              embed_dim, vocab, threads, seed).result()  # fmt: skip
+            row = pool.submit(
+                measure_one_step,
+                recipe,
+                batch,
+                chunk,
+                device,
+                list(overrides),
+                regions,
+                img_dim,
+                embed_dim,
+                vocab,
+                threads,
+                seed,
+            ).result()
         rows.append(row)
     full = rows[0]
     for row in rows:
-        row.update(recipe=recipe, batch=batch, device=device,
-                   shapes=f"{regions}x{img_dim} regions, embed {embed_dim}, vocab {vocab}",
-                   setting="whole batch" if row["chunk"] == 0 else f"chunks of {row['chunk']}",
-                   step_gib=row["step_bytes"] / 2**30, peak_gib=row["peak_bytes"] / 2**30,
-                   before_gib=row["before_bytes"] / 2**30,
-                   step_ratio=row["step_bytes"] / full["step_bytes"] if full["step_bytes"] > 0 else float("nan"),
-                   loss_diff=abs(row["loss"] - full["loss"]))  # fmt: skip
+        row.update(
+            recipe=recipe,
+            batch=batch,
+            device=device,
+            shapes=f"{regions}x{img_dim} regions, embed {embed_dim}, vocab {vocab}",
+            setting="whole batch" if row["chunk"] == 0 else f"chunks of {row['chunk']}",
+            step_gib=row["step_bytes"] / 2**30,
+            peak_gib=row["peak_bytes"] / 2**30,
+            before_gib=row["before_bytes"] / 2**30,
+            step_ratio=row["step_bytes"] / full["step_bytes"] if full["step_bytes"] > 0 else float("nan"),
+            loss_diff=abs(row["loss"] - full["loss"]),
+        )
     return rows

@@ -32,9 +32,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_ladder_step(batch: int = 128, device: str = "cpu", repeats: int = 10, warmup: int = 2,
-                      regions: int = 36, img_dim: int = 2048, embed_dim: int = 1024, seq_len: int = 12,
-                      vocab: int = 10000, seed: int = 0) -> dict:  # fmt: skip
+def bench_ladder_step(
+    batch: int = 128,
+    device: str = "cpu",
+    repeats: int = 10,
+    warmup: int = 2,
+    regions: int = 36,
+    img_dim: int = 2048,
+    embed_dim: int = 1024,
+    seq_len: int = 12,
+    vocab: int = 10000,
+    seed: int = 0,
+) -> dict:
     """Median ms of a full training step with the VSE++, ladder and adaptive-ladder losses, the same for
     the loss alone (forward + backward on a fixed similarity matrix), and the ratios to VSE++."""
     if batch < 2 or repeats < 1 or warmup < 0:
@@ -107,10 +116,18 @@ def bench_ladder_step(batch: int = 128, device: str = "cpu", repeats: int = 10, 
     med = {n: statistics.median(v) for n, v in steps.items()}
     med_loss = {n: statistics.median(v) for n, v in losses.items()}
     return {
-        "batch": batch, "device": str(dev), "threads": torch.get_num_threads(), "repeats": repeats,
+        "batch": batch,
+        "device": str(dev),
+        "threads": torch.get_num_threads(),
+        "repeats": repeats,
         "model": f"vsepp recipe, {regions}x{img_dim} precomp regions, BiGRU, embed {embed_dim}",
         **{f"{n}_step_ms": med[n] for n in losses_run},
         **{f"{n}_loss_ms": med_loss[n] for n in losses_run},
-        "ratio_fixed": med["ladder"] / med["vsepp"], "ratio_auto": med["ladder_auto"] / med["vsepp"],
-        **({"ratio_auto_eager": med["ladder_auto_eager"] / med["vsepp"]} if "ladder_auto_eager" in med else {}),
-    }  # fmt: skip
+        "ratio_fixed": med["ladder"] / med["vsepp"],
+        "ratio_auto": med["ladder_auto"] / med["vsepp"],
+        **(
+            {"ratio_auto_eager": med["ladder_auto_eager"] / med["vsepp"]}
+            if "ladder_auto_eager" in med
+            else {}
+        ),
+    }

@@ -30,9 +30,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_pool(batch: int = 128, n: int = 36, dim: int = 1024, device: str = "cpu", repeats: int = 20,
-               warmup: int = 3, poolings: tuple[str, ...] = POOLINGS, variable_lengths: bool = False,
-               seed: int = 0, kmax_k: int = 5) -> list[dict]:  # fmt: skip
+def bench_pool(
+    batch: int = 128,
+    n: int = 36,
+    dim: int = 1024,
+    device: str = "cpu",
+    repeats: int = 20,
+    warmup: int = 3,
+    poolings: tuple[str, ...] = POOLINGS,
+    variable_lengths: bool = False,
+    seed: int = 0,
+    kmax_k: int = 5,
+) -> list[dict]:
     """Time forward+backward of each pooling on `[batch, n, dim]` features; one dict per pooling.
 
     `variable_lengths` draws set sizes in [1, n] (text-like) instead of all sets full (region-like).
@@ -57,7 +66,11 @@ def bench_pool(batch: int = 128, n: int = 36, dim: int = 1024, device: str = "cp
     for name in poolings:
         torch.manual_seed(seed)  # module init draws from the default generator
         # "adpool" = the paper's scorer (one weight per rank), "adpool-ref" = the released D x D one (the recipe default)
-        cfg = PoolingConfig(name="adpool", adpool_variant="reference") if name == "adpool-ref" else PoolingConfig(name=name, k=kmax_k, adpool_variant="paper")
+        cfg = (
+            PoolingConfig(name="adpool", adpool_variant="reference")
+            if name == "adpool-ref"
+            else PoolingConfig(name=name, k=kmax_k, adpool_variant="paper")
+        )
         pool = create_pooling(cfg, dim).to(dev)
         x = feats.clone().requires_grad_(True)
         times = []
@@ -70,13 +83,23 @@ def bench_pool(batch: int = 128, n: int = 36, dim: int = 1024, device: str = "cp
             _sync(dev)
             if i >= warmup:
                 times.append((time.perf_counter() - t0) * 1e3)
-        rows.append({
-            "pooling": name, "batch": batch, "n": n, "dim": dim, "device": str(dev),
-            "threads": torch.get_num_threads(), "variable_lengths": variable_lengths, "repeats": repeats,
-            "params": sum(p.numel() for p in pool.parameters()),
-            "ms_median": statistics.median(times), "ms_mean": statistics.fmean(times),
-            "ms_std": statistics.stdev(times) if len(times) > 1 else 0.0, "ms_min": min(times),
-        })  # fmt: skip
+        rows.append(
+            {
+                "pooling": name,
+                "batch": batch,
+                "n": n,
+                "dim": dim,
+                "device": str(dev),
+                "threads": torch.get_num_threads(),
+                "variable_lengths": variable_lengths,
+                "repeats": repeats,
+                "params": sum(p.numel() for p in pool.parameters()),
+                "ms_median": statistics.median(times),
+                "ms_mean": statistics.fmean(times),
+                "ms_std": statistics.stdev(times) if len(times) > 1 else 0.0,
+                "ms_min": min(times),
+            }
+        )
     base = next((r["ms_median"] for r in rows if r["pooling"] == "avg"), None)
     for r in rows:
         r["vs_avg"] = r["ms_median"] / base if base else float("nan")
@@ -88,7 +111,9 @@ def format_rows(rows: list[dict]) -> str:
     head = "| pooling | params | device | threads | lengths | ms median | ms min | ± std | × avg |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        lines.append(f"| {r['pooling']} | {r['params']} | {r['device']} | {r['threads']} | "
-                     f"{'variable' if r['variable_lengths'] else 'full'} | {r['ms_median']:.3f} | {r['ms_min']:.3f} | "
-                     f"{r['ms_std']:.3f} | {r['vs_avg']:.2f} |")  # fmt: skip
+        lines.append(
+            f"| {r['pooling']} | {r['params']} | {r['device']} | {r['threads']} | "
+            f"{'variable' if r['variable_lengths'] else 'full'} | {r['ms_median']:.3f} | {r['ms_min']:.3f} | "
+            f"{r['ms_std']:.3f} | {r['vs_avg']:.2f} |"
+        )
     return "\n".join(lines)

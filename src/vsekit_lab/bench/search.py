@@ -41,8 +41,12 @@ def _faiss():
 
 def _percentiles(ms: list[float]) -> dict:
     a = np.asarray(ms)
-    return {"p50_ms": round(float(np.percentile(a, 50)), 3), "p99_ms": round(float(np.percentile(a, 99)), 3),
-            "mean_ms": round(float(a.mean()), 3), "n": len(ms)}  # fmt: skip
+    return {
+        "p50_ms": round(float(np.percentile(a, 50)), 3),
+        "p99_ms": round(float(np.percentile(a, 99)), 3),
+        "mean_ms": round(float(a.mean()), 3),
+        "n": len(ms),
+    }
 
 
 class ClusteredVectors:
@@ -58,7 +62,9 @@ class ClusteredVectors:
         rng = np.random.default_rng([self.seed, 1, stream])
         noise = rng.standard_normal((n, self.dim), dtype=np.float32)
         if self.clusters > 0:
-            noise *= self.spread / np.sqrt(self.dim)  # noise norm ~ spread; same-cluster cosine ~ 1/(1+spread^2)
+            noise *= self.spread / np.sqrt(
+                self.dim
+            )  # noise norm ~ spread; same-cluster cosine ~ 1/(1+spread^2)
             noise += self.centers[rng.integers(0, self.clusters, n)]
         noise /= np.linalg.norm(noise, axis=1, keepdims=True)
         return noise
@@ -85,12 +91,16 @@ class NpyVectors:
         if query_path is not None:
             q = self._open(Path(query_path))
             if q.shape[1] != self.dim:
-                raise VseInputError(f"{query_path}: queries are {q.shape[1]}-d but {self.path} holds {self.dim}-d vectors")
+                raise VseInputError(
+                    f"{query_path}: queries are {q.shape[1]}-d but {self.path} holds {self.dim}-d vectors"
+                )
             self._queries, self.size = q, len(self.base)
         else:
             if len(self.base) <= holdout:
-                raise VseInputError(f"{self.path}: {len(self.base)} rows leave nothing after holding out {holdout} queries")
-            self._queries, self.size = self.base[len(self.base) - holdout:], len(self.base) - holdout
+                raise VseInputError(
+                    f"{self.path}: {len(self.base)} rows leave nothing after holding out {holdout} queries"
+                )
+            self._queries, self.size = self.base[len(self.base) - holdout :], len(self.base) - holdout
 
     @staticmethod
     def _open(path: Path) -> np.ndarray:
@@ -118,7 +128,9 @@ class NpyVectors:
     def chunks(self, n: int, chunk: int):
         n = min(n, self.size)
         for start in range(0, n, chunk):
-            yield self._normalise(self.base[start:min(n, start + chunk)], f"rows {start}..{min(n, start + chunk) - 1}")
+            yield self._normalise(
+                self.base[start : min(n, start + chunk)], f"rows {start}..{min(n, start + chunk) - 1}"
+            )
 
 
 class EmbeddingFolderVectors(NpyVectors):
@@ -136,16 +148,22 @@ class EmbeddingFolderVectors(NpyVectors):
         if texts:
             q = open_npy(texts[0])
             if q.shape[1] != self.dim:
-                raise VseInputError(f"{texts[0]}: {q.shape[1]}-d captions but {self.folder.img[0]} holds {self.dim}-d vectors")
+                raise VseInputError(
+                    f"{texts[0]}: {q.shape[1]}-d captions but {self.folder.img[0]} holds {self.dim}-d vectors"
+                )
             self._queries, self.size = q[:holdout], self.folder.n
         else:
             if self.folder.n <= holdout:
-                raise VseInputError(f"{self.path}: {self.folder.n} rows leave nothing after holding out {holdout} queries")
+                raise VseInputError(
+                    f"{self.path}: {self.folder.n} rows leave nothing after holding out {holdout} queries"
+                )
             last = self.folder.img[-1]
             tail = open_npy(last)
             if len(tail) < holdout:
-                raise VseInputError(f"{last}: fewer than {holdout} rows to hold out as queries; give fewer --queries")
-            self._queries, self.size = tail[len(tail) - holdout:], self.folder.n - holdout
+                raise VseInputError(
+                    f"{last}: fewer than {holdout} rows to hold out as queries; give fewer --queries"
+                )
+            self._queries, self.size = tail[len(tail) - holdout :], self.folder.n - holdout
 
     def chunks(self, n: int, chunk: int):
         n = min(n, self.size)
@@ -169,7 +187,9 @@ def write_embedding_folder(data, n: int, out: str | Path, chunk: int = 100_000) 
     start = 0
     for c, x in enumerate(data.chunks(n, chunk)):
         cols = {"image_path": [f"synthetic:{start + i}" for i in range(len(x))], "caption": [None] * len(x)}
-        write_chunk(out, chunk_name(c, n_chunks), x, None, cols, {"chunk": c, "first_row": start, "rows": len(x)})
+        write_chunk(
+            out, chunk_name(c, n_chunks), x, None, cols, {"chunk": c, "first_row": start, "rows": len(x)}
+        )
         start += len(x)
     return out
 
@@ -208,14 +228,34 @@ def _recall(ids: np.ndarray, truth: np.ndarray) -> float:
     return float(np.mean([len(set(a[:k]) & set(b)) / k for a, b in zip(ids, truth)]))
 
 
-def bench_search(n: int = 1_000_000, dim: int = 1024, k: int = 10, queries: int = 200, exact_queries: int = 30,
-                 clusters: int = 10_000, spread: float = 1.0, nlist: int = 0, nprobes: tuple[int, ...] = (4, 8, 16, 32),
-                 sq8: bool = True, hnsw_m: int = 0, ef_searches: tuple[int, ...] = (32, 64, 128),
-                 train_size: int = 0, kmeans_iters: int = 10, threads: int = 1, chunk: int = 50_000,
-                 seed: int = 0, vectors: str | Path | None = None, query_vectors: str | Path | None = None,
-                 ivfpq: bool = False, pq_ms: tuple[int, ...] = (), rerank: int = 0, ivf_flat: bool = True,
-                 embeddings: str | Path | None = None,
-                 save_embeddings: str | Path | None = None, log=print) -> dict:  # fmt: skip
+def bench_search(
+    n: int = 1_000_000,
+    dim: int = 1024,
+    k: int = 10,
+    queries: int = 200,
+    exact_queries: int = 30,
+    clusters: int = 10_000,
+    spread: float = 1.0,
+    nlist: int = 0,
+    nprobes: tuple[int, ...] = (4, 8, 16, 32),
+    sq8: bool = True,
+    hnsw_m: int = 0,
+    ef_searches: tuple[int, ...] = (32, 64, 128),
+    train_size: int = 0,
+    kmeans_iters: int = 10,
+    threads: int = 1,
+    chunk: int = 50_000,
+    seed: int = 0,
+    vectors: str | Path | None = None,
+    query_vectors: str | Path | None = None,
+    ivfpq: bool = False,
+    pq_ms: tuple[int, ...] = (),
+    rerank: int = 0,
+    ivf_flat: bool = True,
+    embeddings: str | Path | None = None,
+    save_embeddings: str | Path | None = None,
+    log=print,
+) -> dict:
     """Exact (flat) vs IVF (and optionally IVF-SQ8 / HNSW) on `n` synthetic `dim`-d unit vectors.
 
     With `vectors` (a (N, D) .npy of your own embeddings) the database is that file's first min(n, N) rows
@@ -239,11 +279,17 @@ def bench_search(n: int = 1_000_000, dim: int = 1024, k: int = 10, queries: int 
     faiss.omp_set_num_threads(threads)
     if save_embeddings is not None:
         if vectors is not None or embeddings is not None:
-            raise VseInputError("--save-embeddings writes the synthetic set; it does not go with --vectors / --from-embeddings")
+            raise VseInputError(
+                "--save-embeddings writes the synthetic set; it does not go with --vectors / --from-embeddings"
+            )
         t0 = time.perf_counter()
         synthetic = ClusteredVectors(dim, clusters, spread, seed)
         embeddings = write_embedding_folder(synthetic, n + queries, save_embeddings, chunk)
-        log(json.dumps({"wrote": str(embeddings), "rows": n + queries, "s": round(time.perf_counter() - t0, 1)}))
+        log(
+            json.dumps(
+                {"wrote": str(embeddings), "rows": n + queries, "s": round(time.perf_counter() - t0, 1)}
+            )
+        )
     if embeddings is not None:
         data = EmbeddingFolderVectors(embeddings, holdout=queries)
         n, dim = min(n, data.size), data.dim
@@ -263,9 +309,21 @@ def bench_search(n: int = 1_000_000, dim: int = 1024, k: int = 10, queries: int 
     q = data.queries(queries)
     queries = len(q)
     rows = []
-    setup = {"n": n, "dim": dim, "k": k, "queries": queries, "clusters": clusters, "spread": spread,
-             "threads": threads, "seed": seed, "faiss": faiss.__version__, "nlist": nlist, "train_size": train_size,
-             "kmeans_iters": kmeans_iters, "vectors": str(vectors) if vectors is not None else None}  # fmt: skip
+    setup = {
+        "n": n,
+        "dim": dim,
+        "k": k,
+        "queries": queries,
+        "clusters": clusters,
+        "spread": spread,
+        "threads": threads,
+        "seed": seed,
+        "faiss": faiss.__version__,
+        "nlist": nlist,
+        "train_size": train_size,
+        "kmeans_iters": kmeans_iters,
+        "vectors": str(vectors) if vectors is not None else None,
+    }
 
     t0 = time.perf_counter()
     flat = faiss.IndexFlatIP(dim)
@@ -274,15 +332,25 @@ def bench_search(n: int = 1_000_000, dim: int = 1024, k: int = 10, queries: int 
     build = time.perf_counter() - t0
     _, truth = flat.search(q, k)  # batched: ground truth for every approximate index
     ms, ids = _time_single(flat, q[:exact_queries], k)
-    rows.append({"index": "flat (exact)", "params": "", "build_s": round(build, 1), "bytes_per_vector": 4 * dim,
-                 **_percentiles(ms), "recall_at_k": round(_recall(ids, truth[:exact_queries]), 4)})  # fmt: skip
+    rows.append(
+        {
+            "index": "flat (exact)",
+            "params": "",
+            "build_s": round(build, 1),
+            "bytes_per_vector": 4 * dim,
+            **_percentiles(ms),
+            "recall_at_k": round(_recall(ids, truth[:exact_queries]), 4),
+        }
+    )
     log(json.dumps(rows[-1]))
     del flat
 
     def ivf_rows(label: str, make) -> None:
         t0 = time.perf_counter()
         index = make()
-        train = np.concatenate([x for _, x in zip(range(-(-train_size // chunk)), data.chunks(n, chunk))])[:train_size]
+        train = np.concatenate([x for _, x in zip(range(-(-train_size // chunk)), data.chunks(n, chunk))])[
+            :train_size
+        ]
         index.cp.niter = kmeans_iters
         index.cp.seed = seed
         index.train(train)
@@ -294,23 +362,40 @@ def bench_search(n: int = 1_000_000, dim: int = 1024, k: int = 10, queries: int 
             index.nprobe = nprobe
             ms, ids = _time_single(index, q, k)
             code = index.code_size if hasattr(index, "code_size") else 4 * dim
-            rows.append({"index": label, "params": f"nlist={nlist} nprobe={nprobe}", "build_s": round(build, 1),
-                         "bytes_per_vector": code + 8, **_percentiles(ms),
-                         "recall_at_k": round(_recall(ids, truth), 4)})  # fmt: skip
+            rows.append(
+                {
+                    "index": label,
+                    "params": f"nlist={nlist} nprobe={nprobe}",
+                    "build_s": round(build, 1),
+                    "bytes_per_vector": code + 8,
+                    **_percentiles(ms),
+                    "recall_at_k": round(_recall(ids, truth), 4),
+                }
+            )
             log(json.dumps(rows[-1]))
         if rerank and "PQ" in label:
             exact = np.concatenate(list(data.chunks(n, chunk)))
             for nprobe in nprobes:
                 index.nprobe = nprobe
                 ms, ids = _time_single(_Reranked(index, exact, rerank), q, k)
-                rows.append({"index": f"{label} + exact re-rank", "params": f"nlist={nlist} nprobe={nprobe} "
-                             f"shortlist={rerank}k", "build_s": round(build, 1), "bytes_per_vector": code + 8,
-                             **_percentiles(ms), "recall_at_k": round(_recall(ids, truth), 4)})  # fmt: skip
+                rows.append(
+                    {
+                        "index": f"{label} + exact re-rank",
+                        "params": f"nlist={nlist} nprobe={nprobe} shortlist={rerank}k",
+                        "build_s": round(build, 1),
+                        "bytes_per_vector": code + 8,
+                        **_percentiles(ms),
+                        "recall_at_k": round(_recall(ids, truth), 4),
+                    }
+                )
                 log(json.dumps(rows[-1]))
             del exact
 
     if ivf_flat:
-        ivf_rows("IVF-Flat", lambda: faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT))
+        ivf_rows(
+            "IVF-Flat",
+            lambda: faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT),
+        )
     if ivfpq:
         from vsekit.search.index import auto_pq
 
@@ -319,11 +404,19 @@ def bench_search(n: int = 1_000_000, dim: int = 1024, k: int = 10, queries: int 
         for m in pq_ms or (auto_m,):
             if dim % m:
                 raise VseInputError(f"--pq-m {m} must divide the vector dimension {dim}")
-            ivf_rows(f"IVF-PQ{m}", lambda m=m: faiss.IndexIVFPQ(faiss.IndexFlatIP(dim), dim, nlist, m, nbits,
-                                                                faiss.METRIC_INNER_PRODUCT))  # fmt: skip
+            ivf_rows(
+                f"IVF-PQ{m}",
+                lambda m=m: faiss.IndexIVFPQ(
+                    faiss.IndexFlatIP(dim), dim, nlist, m, nbits, faiss.METRIC_INNER_PRODUCT
+                ),
+            )
     if sq8:
-        ivf_rows("IVF-SQ8", lambda: faiss.IndexIVFScalarQuantizer(faiss.IndexFlatIP(dim), dim, nlist,
-                                                                  faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT))
+        ivf_rows(
+            "IVF-SQ8",
+            lambda: faiss.IndexIVFScalarQuantizer(
+                faiss.IndexFlatIP(dim), dim, nlist, faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT
+            ),
+        )
     if hnsw_m:
         t0 = time.perf_counter()
         index = faiss.IndexHNSWFlat(dim, hnsw_m, faiss.METRIC_INNER_PRODUCT)
@@ -333,9 +426,16 @@ def bench_search(n: int = 1_000_000, dim: int = 1024, k: int = 10, queries: int 
         for ef in ef_searches:
             index.hnsw.efSearch = ef
             ms, ids = _time_single(index, q, k)
-            rows.append({"index": "HNSW-Flat", "params": f"M={hnsw_m} efSearch={ef}", "build_s": round(build, 1),
-                         "bytes_per_vector": 4 * dim + 8 * hnsw_m, **_percentiles(ms),
-                         "recall_at_k": round(_recall(ids, truth), 4)})  # fmt: skip
+            rows.append(
+                {
+                    "index": "HNSW-Flat",
+                    "params": f"M={hnsw_m} efSearch={ef}",
+                    "build_s": round(build, 1),
+                    "bytes_per_vector": 4 * dim + 8 * hnsw_m,
+                    **_percentiles(ms),
+                    "recall_at_k": round(_recall(ids, truth), 4),
+                }
+            )
             log(json.dumps(rows[-1]))
     return {"setup": setup, "rows": rows}
 
@@ -345,14 +445,22 @@ SEARCH_DEFAULTS = {k: p.default for k, p in inspect.signature(bench_search).para
 
 def format_search_table(result: dict) -> str:
     s = result["setup"]
-    source = f"from {s['vectors']}" if s.get("vectors") else f"({s['clusters']:,} clusters, spread {s['spread']})"
-    head = (f"{s['n']:,} x {s['dim']}-d unit vectors {source}, "
-            f"{s['queries']} single queries, k={s['k']}, {s['threads']} FAISS thread(s), faiss {s['faiss']}\n\n")  # fmt: skip
-    lines = ["| index | params | build (s) | bytes/vector | p50 (ms) | p99 (ms) | recall@k vs exact |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    source = (
+        f"from {s['vectors']}" if s.get("vectors") else f"({s['clusters']:,} clusters, spread {s['spread']})"
+    )
+    head = (
+        f"{s['n']:,} x {s['dim']}-d unit vectors {source}, "
+        f"{s['queries']} single queries, k={s['k']}, {s['threads']} FAISS thread(s), faiss {s['faiss']}\n\n"
+    )
+    lines = [
+        "| index | params | build (s) | bytes/vector | p50 (ms) | p99 (ms) | recall@k vs exact |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['index']} | {r['params']} | {r['build_s']} | {r['bytes_per_vector']} | {r['p50_ms']} | "
-                     f"{r['p99_ms']} | {r['recall_at_k']} |")  # fmt: skip
+        lines.append(
+            f"| {r['index']} | {r['params']} | {r['build_s']} | {r['bytes_per_vector']} | {r['p50_ms']} | "
+            f"{r['p99_ms']} | {r['recall_at_k']} |"
+        )
     return head + "\n".join(lines)
 
 
@@ -365,9 +473,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def bench_serve(index_dir: str | Path, requests: int = 2000, concurrency: int = 4, max_seconds: float = 60.0,
-                k: int = 10, queries: list[str] | None = None, device: str = "cpu",
-                startup_timeout: float = 120.0) -> dict:  # fmt: skip
+def bench_serve(
+    index_dir: str | Path,
+    requests: int = 2000,
+    concurrency: int = 4,
+    max_seconds: float = 60.0,
+    k: int = 10,
+    queries: list[str] | None = None,
+    device: str = "cpu",
+    startup_timeout: float = 120.0,
+) -> dict:
     """Bounded loopback load test: starts `vse serve` on 127.0.0.1 in a child process, sends at most
     `requests` GET /search calls from `concurrency` client threads for at most `max_seconds`, stops it.
 
@@ -378,19 +493,47 @@ def bench_serve(index_dir: str | Path, requests: int = 2000, concurrency: int = 
 
     if requests < 1 or concurrency < 1 or max_seconds <= 0:
         raise VseInputError("requests, concurrency and max_seconds must be positive")
-    queries = queries or ["a red apple", "a cat", "a house with a tree", "a blue car", "a flower", "a man",
-                          "a green triangle", "a musical note", "a map of the world", "a smiling sun"]  # fmt: skip
+    queries = queries or [
+        "a red apple",
+        "a cat",
+        "a house with a tree",
+        "a blue car",
+        "a flower",
+        "a man",
+        "a green triangle",
+        "a musical note",
+        "a map of the world",
+        "a smiling sun",
+    ]
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "vsekit.cli", "serve", str(index_dir), "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning", "--device", device, "--max-connections", str(max(64, 4 * concurrency)),
-           "--rate-limit", "0"]  # measures capacity: one loopback client would otherwise hit the rate limit  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "vsekit.cli",
+        "serve",
+        str(index_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--device",
+        device,
+        "--max-connections",
+        str(max(64, 4 * concurrency)),
+        "--rate-limit",
+        "0",
+    ]  # measures capacity: one loopback client would otherwise hit the rate limit
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + startup_timeout
         while True:
             if proc.poll() is not None:
-                raise SetupError(f"`vse serve` exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
+                raise SetupError(
+                    f"`vse serve` exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}"
+                )
             try:
                 if httpx.get(base + "/healthz", timeout=2).status_code == 200:
                     break
@@ -440,6 +583,12 @@ def bench_serve(index_dir: str | Path, requests: int = 2000, concurrency: int = 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    return {"requests": len(lat), "concurrency": concurrency, "seconds": round(wall, 2),
-            "requests_per_s": round(len(lat) / wall, 1), **_percentiles(lat), "errors": len(errors),
-            "first_errors": errors[:5]}  # fmt: skip
+    return {
+        "requests": len(lat),
+        "concurrency": concurrency,
+        "seconds": round(wall, 2),
+        "requests_per_s": round(len(lat) / wall, 1),
+        **_percentiles(lat),
+        "errors": len(errors),
+        "first_errors": errors[:5],
+    }

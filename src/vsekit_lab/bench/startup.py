@@ -57,6 +57,14 @@ def bench_startup(repeats: int = 5) -> list[dict]:
             _run(_argv(verb))
             times[name].append(time.perf_counter() - t0)
     base = statistics.median(times[COMMANDS[0][0]])
-    return [{"verb": name, "median_s": statistics.median(times[name]), "min_s": min(times[name]),
-             "over_python_s": statistics.median(times[name]) - base, "imports_torch": imports_torch(verb),
-             "repeats": repeats} for name, verb in COMMANDS]  # fmt: skip
+    return [
+        {
+            "verb": name,
+            "median_s": statistics.median(times[name]),
+            "min_s": min(times[name]),
+            "over_python_s": statistics.median(times[name]) - base,
+            "imports_torch": imports_torch(verb),
+            "repeats": repeats,
+        }
+        for name, verb in COMMANDS
+    ]

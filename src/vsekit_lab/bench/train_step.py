@@ -54,13 +54,26 @@ from vsekit_lab.bench.data_path import (
 CAPTIONS_PER_IMAGE = 5
 
 BERT_SHAPES = {
-    "bert-base": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072},
+    "bert-base": {
+        "hidden_size": 768,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "intermediate_size": 3072,
+    },
     "tiny": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64},
 }
 
 
-def synthetic_batch(batch: int, regions: int, img_dim: int, vocab: int, min_tokens: int, max_tokens: int,
-                    seed: int = 0, first_token: int = 1) -> Batch:  # fmt: skip
+def synthetic_batch(
+    batch: int,
+    regions: int,
+    img_dim: int,
+    vocab: int,
+    min_tokens: int,
+    max_tokens: int,
+    seed: int = 0,
+    first_token: int = 1,
+) -> Batch:
     """A collated training batch of random features and captions (full region sets, 8-25 token captions)."""
     if batch < 2:
         raise VseInputError(f"a training step needs at least 2 samples (negatives), got batch={batch}")
@@ -71,9 +84,14 @@ def synthetic_batch(batch: int, regions: int, img_dim: int, vocab: int, min_toke
     tok_len[0] = max_tokens  # the collate function pads to the longest caption
     tokens = torch.randint(first_token, vocab, (batch, max_tokens), generator=g)
     tokens[torch.arange(max_tokens)[None, :] >= tok_len[:, None]] = 0
-    return Batch(images=torch.randn(batch, regions, img_dim, generator=g),
-                 image_lengths=torch.full((batch,), regions, dtype=torch.long), tokens=tokens, token_lengths=tok_len,
-                 image_index=torch.arange(batch), caption_index=torch.arange(batch))
+    return Batch(
+        images=torch.randn(batch, regions, img_dim, generator=g),
+        image_lengths=torch.full((batch,), regions, dtype=torch.long),
+        tokens=tokens,
+        token_lengths=tok_len,
+        image_index=torch.arange(batch),
+        caption_index=torch.arange(batch),
+    )
 
 
 def random_bert_dir(shape: str, vocab: int = 30522) -> str:
@@ -82,7 +100,9 @@ def random_bert_dir(shape: str, vocab: int = 30522) -> str:
     from transformers import BertConfig, BertModel, BertTokenizer
 
     if shape not in BERT_SHAPES:
-        raise VseInputError(f"unknown BERT shape {shape!r}; choose from {', '.join(BERT_SHAPES)} or give a directory")
+        raise VseInputError(
+            f"unknown BERT shape {shape!r}; choose from {', '.join(BERT_SHAPES)} or give a directory"
+        )
     out = Path(tempfile.mkdtemp(prefix=f"vsekit-bench-{shape}-"))
     torch.manual_seed(0)
     BertModel(BertConfig(vocab_size=vocab, **BERT_SHAPES[shape])).save_pretrained(out)
@@ -103,10 +123,21 @@ def _peak_bytes(device: torch.device) -> tuple[int, str]:
         return 0, "unavailable"
 
 
-def build_train_step(recipe: str = "vse_infty", batch: int = 128, device: str = "cpu",
-                     overrides: list[str] | tuple[str, ...] = (), text: str = "bigru", text_model: str = "bert-base",
-                     regions: int = 36, img_dim: int = 2048, embed_dim: int = 1024, vocab: int = 10_000,
-                     min_tokens: int = 8, max_tokens: int = 25, seed: int = 0) -> tuple[TrainStep, Batch, int]:  # fmt: skip
+def build_train_step(
+    recipe: str = "vse_infty",
+    batch: int = 128,
+    device: str = "cpu",
+    overrides: list[str] | tuple[str, ...] = (),
+    text: str = "bigru",
+    text_model: str = "bert-base",
+    regions: int = 36,
+    img_dim: int = 2048,
+    embed_dim: int = 1024,
+    vocab: int = 10_000,
+    min_tokens: int = 8,
+    max_tokens: int = 25,
+    seed: int = 0,
+) -> tuple[TrainStep, Batch, int]:
     """The trainer's `TrainStep` for `recipe` on a model of the given shapes, a synthetic batch (pinned on
     CUDA) and the epoch to call it with (past the loss warm-up: hardest negatives). For profiling."""
     if text not in ("bigru", "transformer"):
@@ -131,7 +162,9 @@ def build_train_step(recipe: str = "vse_infty", batch: int = 128, device: str = 
     if loss_fn.needs_caption_embeddings:  # ladder losses look relevance up by caption id
         g = torch.Generator().manual_seed(seed)
         loss_fn.set_caption_embeddings(torch.randn(batch, 384, generator=g))
-    opt = torch.optim.AdamW(model.parameter_groups(r.optim.lr), lr=r.optim.lr, weight_decay=r.optim.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameter_groups(r.optim.lr), lr=r.optim.lr, weight_decay=r.optim.weight_decay
+    )
     step_fn = TrainStep(r, model, loss_fn, opt, dev)
     data = synthetic_batch(batch, regions, img_dim, vocab, min_tokens, max_tokens, seed, first_token)
     if dev.type == "cuda":
@@ -139,11 +172,24 @@ def build_train_step(recipe: str = "vse_infty", batch: int = 128, device: str = 
     return step_fn, data, r.loss.warmup_epochs
 
 
-def bench_train_step(recipe: str = "vse_infty", batch: int = 128, device: str = "cpu", steps: int = 10,
-                     warmup: int = 3, overrides: list[str] | tuple[str, ...] = (), text: str = "bigru",
-                     text_model: str = "bert-base", regions: int = 36, img_dim: int = 2048, embed_dim: int = 1024,
-                     vocab: int = 10_000, min_tokens: int = 8, max_tokens: int = 25, seed: int = 0,
-                     n_images: int | None = None) -> dict:  # fmt: skip
+def bench_train_step(
+    recipe: str = "vse_infty",
+    batch: int = 128,
+    device: str = "cpu",
+    steps: int = 10,
+    warmup: int = 3,
+    overrides: list[str] | tuple[str, ...] = (),
+    text: str = "bigru",
+    text_model: str = "bert-base",
+    regions: int = 36,
+    img_dim: int = 2048,
+    embed_dim: int = 1024,
+    vocab: int = 10_000,
+    min_tokens: int = 8,
+    max_tokens: int = 25,
+    seed: int = 0,
+    n_images: int | None = None,
+) -> dict:
     """ms per training step (median), samples/s, the data path's share and peak memory for `recipe`.
 
     The batches come from a synthetic precomp split of `n_images` images (default: enough for every step's
@@ -151,17 +197,46 @@ def bench_train_step(recipe: str = "vse_infty", batch: int = 128, device: str = 
     epochs. `overrides` are recipe `--set` strings (e.g. `train.amp=bf16`, `train.tf32=true`,
     `train.compile=true`, `train.data_on_device=false`, `train.caption_buckets=1`, `train.cuda_graph=true`).
     """
-    return bench_train_step_variants(recipe, batch, device, steps, warmup, overrides, text=text, text_model=text_model,
-                                     regions=regions, img_dim=img_dim, embed_dim=embed_dim, vocab=vocab,
-                                     min_tokens=min_tokens, max_tokens=max_tokens, seed=seed, n_images=n_images)[0]  # fmt: skip
+    return bench_train_step_variants(
+        recipe,
+        batch,
+        device,
+        steps,
+        warmup,
+        overrides,
+        text=text,
+        text_model=text_model,
+        regions=regions,
+        img_dim=img_dim,
+        embed_dim=embed_dim,
+        vocab=vocab,
+        min_tokens=min_tokens,
+        max_tokens=max_tokens,
+        seed=seed,
+        n_images=n_images,
+    )[0]
 
 
-def bench_train_step_variants(recipe: str = "vse_infty", batch: int = 128, device: str = "cpu", steps: int = 10,
-                              warmup: int = 3, overrides: list[str] | tuple[str, ...] = (),
-                              variants: Sequence[Sequence[str]] = ((),), rounds: int = 1, text: str = "bigru",
-                              text_model: str = "bert-base", regions: int = 36, img_dim: int = 2048,
-                              embed_dim: int = 1024, vocab: int = 10_000, min_tokens: int = 8, max_tokens: int = 25,
-                              seed: int = 0, n_images: int | None = None) -> list[dict]:  # fmt: skip
+def bench_train_step_variants(
+    recipe: str = "vse_infty",
+    batch: int = 128,
+    device: str = "cpu",
+    steps: int = 10,
+    warmup: int = 3,
+    overrides: list[str] | tuple[str, ...] = (),
+    variants: Sequence[Sequence[str]] = ((),),
+    rounds: int = 1,
+    text: str = "bigru",
+    text_model: str = "bert-base",
+    regions: int = 36,
+    img_dim: int = 2048,
+    embed_dim: int = 1024,
+    vocab: int = 10_000,
+    min_tokens: int = 8,
+    max_tokens: int = 25,
+    seed: int = 0,
+    n_images: int | None = None,
+) -> list[dict]:
     """`bench_train_step` for several variants of the recipe in one run (e.g. `[["train.caption_buckets=1"],
     ["train.caption_buckets=4"]]`: before / after), one row each. The synthetic set is written once; every
     variant gets the same initial weights and draws the same batches (each its own data path); after their
@@ -176,13 +251,20 @@ def bench_train_step_variants(recipe: str = "vse_infty", batch: int = 128, devic
     if batch < 2:
         raise VseInputError(f"a training step needs at least 2 samples (negatives), got batch={batch}")
     if not 3 <= min_tokens <= max_tokens:
-        raise VseInputError(f"need 3 <= min_tokens <= max_tokens (a word between the two ends), got {min_tokens}, {max_tokens}")
+        raise VseInputError(
+            f"need 3 <= min_tokens <= max_tokens (a word between the two ends), got {min_tokens}, {max_tokens}"
+        )
     dev = torch.device(device)
     n_img = n_images or max(2, math.ceil(batch * (warmup + (rounds + 1) * steps) / CAPTIONS_PER_IMAGE) + 1)
     tmp = Path(tempfile.mkdtemp(prefix="vsekit-bench-step-"))
     try:
-        base = [*DEFAULT_SETS, f"model.embed_dim={embed_dim}", f"model.text.kind={text}", f"train.batch_size={batch}",
-                *overrides]  # fmt: skip
+        base = [
+            *DEFAULT_SETS,
+            f"model.embed_dim={embed_dim}",
+            f"model.text.kind={text}",
+            f"train.batch_size={batch}",
+            *overrides,
+        ]
         spec = DataSpec(img_dim=img_dim)
         r0 = load_recipe(recipe, base)
         if text == "transformer":
@@ -194,8 +276,13 @@ def bench_train_step_variants(recipe: str = "vse_infty", batch: int = 128, devic
         else:
             processor = Vocabulary(list(SPECIALS) + synthetic_words(vocab), "regex")
             spec.vocab_words = processor.idx2word
-        write_coco_like(tmp, n_img, regions, img_dim, CAPTIONS_PER_IMAGE, min_tokens - 2, max_tokens - 2, vocab, seed)
-        runs = [_Variant(list(v), recipe, base, spec, processor, tmp, batch, device, n_img, seed) for v in variants]
+        write_coco_like(
+            tmp, n_img, regions, img_dim, CAPTIONS_PER_IMAGE, min_tokens - 2, max_tokens - 2, vocab, seed
+        )
+        runs = [
+            _Variant(list(v), recipe, base, spec, processor, tmp, batch, device, n_img, seed)
+            for v in variants
+        ]
 
         def sync() -> None:
             if dev.type == "cuda":
@@ -233,34 +320,63 @@ def bench_train_step_variants(recipe: str = "vse_infty", batch: int = 128, devic
     for v in runs:
         r, times = v.recipe, v.times
         ms = statistics.median(times)
-        rows.append({
-            "recipe": recipe, "text": text if text == "bigru" else f"transformer ({Path(text_model).name})",
-            "variant": ", ".join(v.sets) or "as the recipe is",
-            "batch": batch, "device": str(dev),
-            "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-            "threads": torch.get_num_threads(), "amp": r.train.amp, "tf32": r.train.tf32, "compile": r.train.compile,
-            "cuda_graph": r.train.cuda_graph, "caption_buckets": r.train.caption_buckets,
-            "length_bucketing": r.train.length_bucketing, "caption_widths": list(v.data.caption_widths),
-            "mean_caption_width": statistics.mean(v.widths),
-            "shapes": f"{regions}x{img_dim} {r.model.image.feature_type}, embed {embed_dim}, "
-                      f"vocab {len(v.model.spec.vocab_words) if v.model.spec.vocab_words else 'of the transformer'}, "
-                      f"{min_tokens}-{max_tokens} tokens",
-            "steps": steps, "rounds": rounds, "warmup": warmup, "ms_median": ms, "ms_min": min(times),
-            "ms_std": statistics.stdev(times) if len(times) > 1 else 0.0,
-            "samples_per_s": batch / (ms / 1e3), "peak_gib": v.peak / 2**30, "peak_kind": peak_kind,
-            "params": sum(p.numel() for p in v.model.parameters()),
-            "data_path": v.data.path, "data_reason": v.data.reason, "data_ms": v.data_ms, "data_share": v.data_ms / ms,
-            "n_images": n_img,
-            "speedup": statistics.median(runs[0].times) / ms,
-        })  # fmt: skip
+        rows.append(
+            {
+                "recipe": recipe,
+                "text": text if text == "bigru" else f"transformer ({Path(text_model).name})",
+                "variant": ", ".join(v.sets) or "as the recipe is",
+                "batch": batch,
+                "device": str(dev),
+                "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                "threads": torch.get_num_threads(),
+                "amp": r.train.amp,
+                "tf32": r.train.tf32,
+                "compile": r.train.compile,
+                "cuda_graph": r.train.cuda_graph,
+                "caption_buckets": r.train.caption_buckets,
+                "length_bucketing": r.train.length_bucketing,
+                "caption_widths": list(v.data.caption_widths),
+                "mean_caption_width": statistics.mean(v.widths),
+                "shapes": f"{regions}x{img_dim} {r.model.image.feature_type}, embed {embed_dim}, "
+                f"vocab {len(v.model.spec.vocab_words) if v.model.spec.vocab_words else 'of the transformer'}, "
+                f"{min_tokens}-{max_tokens} tokens",
+                "steps": steps,
+                "rounds": rounds,
+                "warmup": warmup,
+                "ms_median": ms,
+                "ms_min": min(times),
+                "ms_std": statistics.stdev(times) if len(times) > 1 else 0.0,
+                "samples_per_s": batch / (ms / 1e3),
+                "peak_gib": v.peak / 2**30,
+                "peak_kind": peak_kind,
+                "params": sum(p.numel() for p in v.model.parameters()),
+                "data_path": v.data.path,
+                "data_reason": v.data.reason,
+                "data_ms": v.data_ms,
+                "data_share": v.data_ms / ms,
+                "n_images": n_img,
+                "speedup": statistics.median(runs[0].times) / ms,
+            }
+        )
     return rows
 
 
 class _Variant:
     """One variant's model, step and data path over the shared synthetic set, and its timings."""
 
-    def __init__(self, sets: list[str], recipe: str, base: list[str], spec: DataSpec, processor, data_dir: Path,
-                 batch: int, device: str, n_img: int, seed: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        sets: list[str],
+        recipe: str,
+        base: list[str],
+        spec: DataSpec,
+        processor,
+        data_dir: Path,
+        batch: int,
+        device: str,
+        n_img: int,
+        seed: int,
+    ) -> None:
         dev = torch.device(device)
         self.sets = sets
         self.recipe = r = load_recipe(recipe, [*base, *sets])
@@ -270,9 +386,13 @@ class _Variant:
         if loss_fn.needs_caption_embeddings:  # ladder losses look relevance up by caption id
             g = torch.Generator().manual_seed(seed)
             loss_fn.set_caption_embeddings(torch.randn(n_img * CAPTIONS_PER_IMAGE, 384, generator=g))
-        opt = torch.optim.AdamW(self.model.parameter_groups(r.optim.lr), lr=r.optim.lr, weight_decay=r.optim.weight_decay)
+        opt = torch.optim.AdamW(
+            self.model.parameter_groups(r.optim.lr), lr=r.optim.lr, weight_decay=r.optim.weight_decay
+        )
         self.step_fn = TrainStep(r, self.model, loss_fn, opt, dev)
-        self.data = build_data(data_dir, r, batch, device, text=processor, captions_per_image=CAPTIONS_PER_IMAGE)
+        self.data = build_data(
+            data_dir, r, batch, device, text=processor, captions_per_image=CAPTIONS_PER_IMAGE
+        )
         self.batches = endless_batches(self.data)
         self.epoch = r.loss.warmup_epochs  # past the loss warm-up: hardest negatives
         self.steps = 0

@@ -52,14 +52,26 @@ def view_reg_grad_ratio(
     img = img.float().detach().requires_grad_(True)
     txt = txt.float().detach().requires_grad_(True)
     base = create_loss(dataclasses.replace(cfg, view_reg_weight=0.0)).to(dev)
-    rank, _ = base(model.similarity(img, txt), image_ids=batch.image_index.to(dev), warmup=warmup,
-                   image_emb=img, text_emb=txt)  # fmt: skip
+    rank, _ = base(
+        model.similarity(img, txt),
+        image_ids=batch.image_index.to(dev),
+        warmup=warmup,
+        image_emb=img,
+        text_emb=txt,
+    )
     reg = view_regulariser(img.reshape(img.shape[0], views, -1), cfg.view_reg_offdiag, cfg.view_reg_variant)
     return grad_norm_ratio(rank, cfg.view_reg_weight * reg, img)
 
 
-def random_grad_ratios(dim: int = 1024, batch: int = 128, views: int = 2, block_dim: int = 512,
-                       readout: str = "log_plan", weight: float = 1.0, seed: int = 0) -> list[dict]:  # fmt: skip
+def random_grad_ratios(
+    dim: int = 1024,
+    batch: int = 128,
+    views: int = 2,
+    block_dim: int = 512,
+    readout: str = "log_plan",
+    weight: float = 1.0,
+    seed: int = 0,
+) -> list[dict]:
     """The ratio on random unit view/caption embeddings under AEOM, for both normalisations and both hinge
     forms (hardest negative; sum over negatives = the warm-up epoch)."""
     from vsekit.config import SimilarityConfig
@@ -77,8 +89,14 @@ def random_grad_ratios(dim: int = 1024, batch: int = 128, views: int = 2, block_
                 sim(img, txt), warmup=not hardest
             )
             reg = view_regulariser(img.reshape(batch, views, dim), variant=variant)
-            rows.append({"variant": variant, "hinge": "hardest" if hardest else "sum", "readout": readout,
-                         **grad_norm_ratio(rank, weight * reg, img)})  # fmt: skip
+            rows.append(
+                {
+                    "variant": variant,
+                    "hinge": "hardest" if hardest else "sum",
+                    "readout": readout,
+                    **grad_norm_ratio(rank, weight * reg, img),
+                }
+            )
     return rows
 
 
@@ -89,8 +107,13 @@ def _num_views(model: nn.Module | None) -> int:
 
 def format_table(rows: list[dict]) -> str:
     """Markdown table of `random_grad_ratios` rows."""
-    lines = ["| L_reg form | hinge | AEOM readout | ‖∇ L_rank‖ | ‖∇ w·L_reg‖ | ratio |", "|---|---|---|---:|---:|---:|"]
+    lines = [
+        "| L_reg form | hinge | AEOM readout | ‖∇ L_rank‖ | ‖∇ w·L_reg‖ | ratio |",
+        "|---|---|---|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['variant']} | {r['hinge']} | {r['readout']} | {r['rank_grad_norm']:.3g} | "
-                     f"{r['reg_grad_norm']:.3g} | {r['ratio']:.3g} |")  # fmt: skip
+        lines.append(
+            f"| {r['variant']} | {r['hinge']} | {r['readout']} | {r['rank_grad_norm']:.3g} | "
+            f"{r['reg_grad_norm']:.3g} | {r['ratio']:.3g} |"
+        )
     return "\n".join(lines)

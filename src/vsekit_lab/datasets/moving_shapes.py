@@ -49,12 +49,20 @@ RANDOM_PROJECTION_SEED = 20240531  # fixed: every build's random-projection feat
 _SPLIT_CODE = {"train": 1, "dev": 2, "test": 3}
 
 COLORS = {
-    "red": (215, 35, 35), "green": (35, 155, 50), "blue": (35, 70, 215),
-    "yellow": (230, 195, 20), "purple": (140, 50, 170), "orange": (240, 125, 20),
-}  # fmt: skip
+    "red": (215, 35, 35),
+    "green": (35, 155, 50),
+    "blue": (35, 70, 215),
+    "yellow": (230, 195, 20),
+    "purple": (140, 50, 170),
+    "orange": (240, 125, 20),
+}
 SHAPES = ("circle", "square", "triangle", "diamond")
-SHAPE_WORDS = {"circle": ("circle", "disc", "round shape"), "square": ("square", "box", "square shape"),
-               "triangle": ("triangle", "triangle", "triangular shape"), "diamond": ("diamond", "rhombus", "diamond shape")}  # fmt: skip
+SHAPE_WORDS = {
+    "circle": ("circle", "disc", "round shape"),
+    "square": ("square", "box", "square shape"),
+    "triangle": ("triangle", "triangle", "triangular shape"),
+    "diamond": ("diamond", "rhombus", "diamond shape"),
+}
 ACTIONS = ("left", "right", "up", "down", "grow", "shrink", "appear", "disappear")
 VERBS = {
     "left": ("moves left", "slides to the left", "goes left", "travels leftward", "moves to the left"),
@@ -65,7 +73,7 @@ VERBS = {
     "shrink": ("shrinks", "gets smaller", "contracts", "becomes smaller", "decreases in size"),
     "appear": ("appears", "fades in", "shows up", "comes into view", "materialises"),
     "disappear": ("disappears", "fades out", "vanishes", "goes out of view", "fades away"),
-}  # fmt: skip
+}
 THEN = ("then", "and then", "after that", "next", "afterwards")
 MOVES = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 MOVE_DIST = 0.4  # of the frame width
@@ -157,7 +165,9 @@ def _polygon(shape: str, x: float, y: float, r: float) -> list[tuple[float, floa
     return None
 
 
-def _draw(d: ImageDraw.ImageDraw, shape: str, x: float, y: float, r: float, fill=None, outline=None, width=1) -> None:
+def _draw(
+    d: ImageDraw.ImageDraw, shape: str, x: float, y: float, r: float, fill=None, outline=None, width=1
+) -> None:
     poly = _polygon(shape, x, y, r)
     if poly is None:
         d.ellipse([x - r, y - r, x + r, y + r], fill=fill, outline=outline, width=width)
@@ -248,14 +258,25 @@ class RandomProjectionFeatures:
         self.b = rng.normal(scale=0.5, size=dim).astype(np.float32)
 
     def __call__(self, frames: list[Image.Image]) -> np.ndarray:
-        x = np.stack([np.asarray(f.resize((self.side, self.side), Image.Resampling.BILINEAR), dtype=np.float32)
-                      for f in frames]) / 255.0  # fmt: skip
+        x = (
+            np.stack(
+                [
+                    np.asarray(f.resize((self.side, self.side), Image.Resampling.BILINEAR), dtype=np.float32)
+                    for f in frames
+                ]
+            )
+            / 255.0
+        )
         x = (x - 0.5).reshape(len(frames), -1)
         return np.maximum(x @ self.w + self.b, 0.0)
 
     def describe(self) -> dict:
-        return {"name": self.name, "dim": self.dim, "seed": RANDOM_PROJECTION_SEED,
-                "layer": f"relu(W x + b), x = {self.side}x{self.side} RGB in [-0.5, 0.5]"}  # fmt: skip
+        return {
+            "name": self.name,
+            "dim": self.dim,
+            "seed": RANDOM_PROJECTION_SEED,
+            "layer": f"relu(W x + b), x = {self.side}x{self.side} RGB in [-0.5, 0.5]",
+        }
 
 
 class EfficientNetFrameFeatures:
@@ -360,21 +381,34 @@ def build_moving_shapes(
             cap2img += [i] * len(clip_caps)
             ids.append(f"{split}{i:05d}")
             n_frames_all.append(n_frames)
-            scripts.append({"id": ids[-1], "frames": n_frames, "background": list(script.background),
-                            "events": [asdict(e) for e in script.events]})  # fmt: skip
+            scripts.append(
+                {
+                    "id": ids[-1],
+                    "frames": n_frames,
+                    "background": list(script.background),
+                    "events": [asdict(e) for e in script.events],
+                }
+            )
             bar.update(1)
         write_frames(out, split, feats, dtype=np.float16)
         atomic_write_text(out / f"{split}_caps.txt", "".join(c + "\n" for c in caps))
         atomic_write_text(out / f"{split}_cap2img.txt", "".join(f"{c}\n" for c in cap2img))
         atomic_write_text(out / f"{split}_ids.txt", "".join(f"{s}\n" for s in ids))
-        atomic_write_text(out / f"{split}_clips.jsonl", "".join(json.dumps(s, sort_keys=True) + "\n" for s in scripts))
+        atomic_write_text(
+            out / f"{split}_clips.jsonl", "".join(json.dumps(s, sort_keys=True) + "\n" for s in scripts)
+        )
         stats[split] = {"clips": len(ids), "captions": len(caps), "frames": int(sum(n_frames_all))}
         log.info("%s: %d clips, %d captions, %d frames", split, len(ids), len(caps), sum(n_frames_all))
     bar.close()
     manifest = {
-        "format": FORMAT, "seed": seed, "splits": stats, "frames_per_clip": list(frames),
-        "captions_per_clip": list(captions), "frame_size": IMAGE_SIZE, "features": features,
+        "format": FORMAT,
+        "seed": seed,
+        "splits": stats,
+        "frames_per_clip": list(frames),
+        "captions_per_clip": list(captions),
+        "frame_size": IMAGE_SIZE,
+        "features": features,
         "extractor": extract.describe(),  # type: ignore[attr-defined]
-    }  # fmt: skip
+    }
     atomic_write_json(out / "manifest.json", manifest)
     return manifest

@@ -71,11 +71,14 @@ def make_shapes_dataset(out_dir: str | Path, seed: int = 0, progress: bool = Fal
                     ids.append(name)
                     captions += [f"a {color} {shape}", f"{color} {shape} on a white background"]
                     cap2img += [img, img]
-        feats = extractor.extract_paths([out / p for p in paths], batch_size=8, progress=progress,
-                                        open_picture=open_image)  # fmt: skip
+        feats = extractor.extract_paths(
+            [out / p for p in paths], batch_size=8, progress=progress, open_picture=open_image
+        )
         write_precomp_split(out, split, feats, captions, np.asarray(cap2img), ids, image_paths=paths)
         counts[split] = {"images": len(paths), "captions": len(captions)}
-    atomic_write_json(out / "manifest.json", {"format": FORMAT, "splits": counts, "extractor": extractor.describe()})
+    atomic_write_json(
+        out / "manifest.json", {"format": FORMAT, "splits": counts, "extractor": extractor.describe()}
+    )
     return out
 
 

@@ -15,23 +15,72 @@ from vsekit.data.precomp import write_precomp_split
 from vsekit.errors import VseInputError
 
 ATTRIBUTES = [
-    "red", "blue", "green", "yellow", "black", "white", "small", "large", "old", "new",
-    "dog", "cat", "horse", "bird", "car", "boat", "tree", "house", "man", "woman",
-    "beach", "street", "field", "kitchen", "snow", "river", "table", "ball", "bike", "train",
-]  # fmt: skip
+    "red",
+    "blue",
+    "green",
+    "yellow",
+    "black",
+    "white",
+    "small",
+    "large",
+    "old",
+    "new",
+    "dog",
+    "cat",
+    "horse",
+    "bird",
+    "car",
+    "boat",
+    "tree",
+    "house",
+    "man",
+    "woman",
+    "beach",
+    "street",
+    "field",
+    "kitchen",
+    "snow",
+    "river",
+    "table",
+    "ball",
+    "bike",
+    "train",
+]
 FILLERS = ["a", "the", "with", "on", "near", "and", "in", "of"]
 SPLITS = ("train", "dev", "test")
-SPLIT_FILES = ("_ims.npy", "_caps.txt", "_cap2img.txt", "_ids.txt", "_images.txt")  # per split, in the precomp layout
+SPLIT_FILES = (
+    "_ims.npy",
+    "_caps.txt",
+    "_cap2img.txt",
+    "_ids.txt",
+    "_images.txt",
+)  # per split, in the precomp layout
 
 
-def make_synthetic_precomp(out_dir: str | Path, n_train: int = 400, n_dev: int = 100, n_test: int = 100,
-                           regions: int = 12, dim: int = 64, captions_per_image: int = 5, seed: int = 0,
-                           attrs_per_image: int = 3, noise: float = 0.5, variable_captions: bool = False,
-                           ids_per_caption: bool = False) -> Path:  # fmt: skip
+def make_synthetic_precomp(
+    out_dir: str | Path,
+    n_train: int = 400,
+    n_dev: int = 100,
+    n_test: int = 100,
+    regions: int = 12,
+    dim: int = 64,
+    captions_per_image: int = 5,
+    seed: int = 0,
+    attrs_per_image: int = 3,
+    noise: float = 0.5,
+    variable_captions: bool = False,
+    ids_per_caption: bool = False,
+) -> Path:
     """Write train/dev/test splits; with `variable_captions` each image gets 1..captions_per_image captions
     and a `{split}_cap2img.txt` file."""
-    for name, value in (("n_train", n_train), ("n_dev", n_dev), ("n_test", n_test), ("regions", regions), ("dim", dim),
-                        ("captions_per_image", captions_per_image)):  # fmt: skip
+    for name, value in (
+        ("n_train", n_train),
+        ("n_dev", n_dev),
+        ("n_test", n_test),
+        ("regions", regions),
+        ("dim", dim),
+        ("captions_per_image", captions_per_image),
+    ):
         if value < 1:
             raise VseInputError(f"{name} must be at least 1, got {value}")
     if not 1 <= attrs_per_image <= len(ATTRIBUTES):
@@ -54,6 +103,13 @@ def make_synthetic_precomp(out_dir: str | Path, n_train: int = 400, n_dev: int =
                 captions.append(" ".join(rng.permutation(words)))
                 cap2img.append(i)
         ids = [f"{split}{i:05d}" for i in range(n)]
-        write_precomp_split(out, split, feats, captions, np.asarray(cap2img) if variable_captions else None,
-                            ids, ids_per_caption=ids_per_caption)  # fmt: skip
+        write_precomp_split(
+            out,
+            split,
+            feats,
+            captions,
+            np.asarray(cap2img) if variable_captions else None,
+            ids,
+            ids_per_caption=ids_per_caption,
+        )
     return out

@@ -168,11 +168,15 @@ class LmdbSource(FrameSource):
             except ValueError as e:
                 raise VideoConvertError(f"{self.where(vid)}: not a plain numeric .npy value ({e})") from e
         if not self.dim:
-            raise VideoConvertError(f"{self.where(vid)}: raw bytes (no .npy header) need the feature size to be "
-                                    "cut into frames: pass --lmdb-dim D")  # fmt: skip
+            raise VideoConvertError(
+                f"{self.where(vid)}: raw bytes (no .npy header) need the feature size to be "
+                "cut into frames: pass --lmdb-dim D"
+            )
         if len(raw) % (4 * self.dim):
-            raise VideoConvertError(f"{self.where(vid)}: {len(raw)} bytes are not whole float32 frames of "
-                                    f"--lmdb-dim {self.dim} ({4 * self.dim} bytes each)")  # fmt: skip
+            raise VideoConvertError(
+                f"{self.where(vid)}: {len(raw)} bytes are not whole float32 frames of "
+                f"--lmdb-dim {self.dim} ({4 * self.dim} bytes each)"
+            )
         return np.frombuffer(raw, dtype="<f4").reshape(-1, self.dim)
 
     def meta(self, vid: str) -> tuple[tuple[int, ...], np.dtype] | None:
@@ -198,7 +202,9 @@ def detect_format(path: Path) -> str:
     if path.is_dir():
         return "lmdb" if (path / "data.mdb").is_file() else "npy-dir"
     if not path.is_file():
-        raise VideoConvertError(f"{path}: features not found (a folder of <video_id>.npy, an HDF5 file or an LMDB)")
+        raise VideoConvertError(
+            f"{path}: features not found (a folder of <video_id>.npy, an HDF5 file or an LMDB)"
+        )
     if path.suffix.lower() in HDF5_SUFFIXES:
         return "hdf5"
     with open(path, "rb") as f:
@@ -206,7 +212,9 @@ def detect_format(path: Path) -> str:
             return "hdf5"
     if path.suffix.lower() == ".mdb":
         return "lmdb"
-    raise VideoConvertError(f"{path}: cannot tell the feature format; pass --format ({', '.join(FORMATS[1:])})")
+    raise VideoConvertError(
+        f"{path}: cannot tell the feature format; pass --format ({', '.join(FORMATS[1:])})"
+    )
 
 
 def open_source(path: str | Path, fmt: str = "auto", lmdb_dim: int | None = None) -> FrameSource:
@@ -250,12 +258,12 @@ def _msrvtt_json(data: dict, path: Path) -> tuple[list[tuple[str, object]], dict
     pairs = []
     for i, s in enumerate(data["sentences"]):
         if not isinstance(s, dict) or "video_id" not in s or "caption" not in s:
-            raise VideoConvertError(f"{path}: sentences[{i}] needs \"video_id\" and \"caption\", got {s!r:.80}")
+            raise VideoConvertError(f'{path}: sentences[{i}] needs "video_id" and "caption", got {s!r:.80}')
         pairs.append((str(s["video_id"]), s["caption"]))
     splits: dict[str, list[str]] = {}
     for i, v in enumerate(data.get("videos", [])):
         if not isinstance(v, dict) or "video_id" not in v:
-            raise VideoConvertError(f"{path}: videos[{i}] needs \"video_id\", got {v!r:.80}")
+            raise VideoConvertError(f'{path}: videos[{i}] needs "video_id", got {v!r:.80}')
         if "split" in v:
             name = SPLIT_ALIASES.get(str(v["split"]), str(v["split"]))
             splits.setdefault(name, []).append(str(v["video_id"]))
@@ -274,14 +282,18 @@ def _json_pairs(path: Path) -> tuple[list[tuple[str, object]], dict[str, list[st
         for v in data:
             caps = v.get("enCap")
             if not isinstance(caps, list):
-                raise VideoConvertError(f"{path}: video {v['videoID']!r} has no \"enCap\" list of English captions")
+                raise VideoConvertError(
+                    f'{path}: video {v["videoID"]!r} has no "enCap" list of English captions'
+                )
             pairs += [(str(v["videoID"]), c) for c in caps]
         return pairs, {}
     if isinstance(data, dict) and all(isinstance(c, list) for c in data.values()):  # HGR ref_captions.json
         return [(str(vid), c) for vid, caps in data.items() for c in caps], {}
-    raise VideoConvertError(f"{path}: not a captions JSON vsekit knows: expected MSR-VTT's {{\"sentences\": "
-                            "[{\"video_id\", \"caption\"}]}, HGR's {video_id: [captions]} or VATEX's "
-                            "[{\"videoID\", \"enCap\"}]")  # fmt: skip
+    raise VideoConvertError(
+        f'{path}: not a captions JSON vsekit knows: expected MSR-VTT\'s {{"sentences": '
+        '[{"video_id", "caption"}]}, HGR\'s {video_id: [captions]} or VATEX\'s '
+        '[{"videoID", "enCap"}]'
+    )
 
 
 def _tsv_pairs(path: Path) -> list[tuple[str, object]]:
@@ -324,8 +336,10 @@ def parse_split_file(spec: str) -> tuple[str, Path]:
     """`NAME:FILE` -> (NAME, FILE); NAME becomes the file prefix, so only [A-Za-z0-9_.-] is allowed."""
     name, sep, file = spec.partition(":")
     if not sep or not file or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
-        raise VideoConvertError(f"--split-file {spec!r}: expected NAME:FILE, e.g. train:train_list.txt "
-                                "(NAME of letters, digits, _ . -)")  # fmt: skip
+        raise VideoConvertError(
+            f"--split-file {spec!r}: expected NAME:FILE, e.g. train:train_list.txt "
+            "(NAME of letters, digits, _ . -)"
+        )
     return name, Path(file)
 
 
@@ -336,7 +350,9 @@ def read_split_ids(path: Path) -> list[str]:
     if path.suffix.lower() == ".npy":
         arr = open_npy(path, VideoConvertError)
         if arr.ndim != 1 or arr.dtype.kind not in "US":
-            raise VideoConvertError(f"{path}: expected a 1-D array of video ids (strings), got {arr.dtype} {arr.shape}")
+            raise VideoConvertError(
+                f"{path}: expected a 1-D array of video ids (strings), got {arr.dtype} {arr.shape}"
+            )
         ids = [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in arr.tolist()]
     elif path.suffix.lower() == ".json":
         try:
@@ -372,14 +388,20 @@ def plan_splits(ann: Annotations, split_files: list[str] | None, only: list[str]
             plans.append(SplitPlan(name, read_split_ids(path), str(path)))
     else:
         files = sorted({str(p) for p in ann.caption_file.values()})
-        plans = [SplitPlan(n, ids, f"the \"split\" field of {', '.join(files)}") for n, ids in ann.splits.items()]
+        plans = [
+            SplitPlan(n, ids, f'the "split" field of {", ".join(files)}') for n, ids in ann.splits.items()
+        ]
     if not plans:
-        raise VideoConvertError("no split membership: the captions file has no \"split\" field; pass "
-                                "--split-file NAME:FILE (one video id per line) for each split")  # fmt: skip
+        raise VideoConvertError(
+            'no split membership: the captions file has no "split" field; pass '
+            "--split-file NAME:FILE (one video id per line) for each split"
+        )
     if only:
         missing = sorted(set(only) - {p.name for p in plans})
         if missing:
-            raise VideoConvertError(f"--splits {missing[0]!r}: no such split (have {', '.join(p.name for p in plans)})")
+            raise VideoConvertError(
+                f"--splits {missing[0]!r}: no such split (have {', '.join(p.name for p in plans)})"
+            )
         plans = [p for p in plans if p.name in only]
     names = [p.name for p in plans]
     if len(set(names)) != len(names):
@@ -394,15 +416,23 @@ def _check_membership(plans: list[SplitPlan], ann: Annotations) -> None:
         for vid in plan.ids:
             if vid in owner:
                 other = owner[vid]
-                where = "twice in split" if other is plan else f"in split {other.name!r} ({other.source}) and in split"
+                where = (
+                    "twice in split"
+                    if other is plan
+                    else f"in split {other.name!r} ({other.source}) and in split"
+                )
                 raise VideoConvertError(f"{plan.source}: video {vid!r} is {where} {plan.name!r}")
             owner[vid] = plan
             if vid not in ann.captions:
-                raise VideoConvertError(f"{plan.source}: video {vid!r} (split {plan.name!r}) has no captions in "
-                                        f"{', '.join(sorted({str(p) for p in ann.caption_file.values()}))}")  # fmt: skip
+                raise VideoConvertError(
+                    f"{plan.source}: video {vid!r} (split {plan.name!r}) has no captions in "
+                    f"{', '.join(sorted({str(p) for p in ann.caption_file.values()}))}"
+                )
     unused = len(set(ann.captions) - set(owner))
     if unused:
-        logger.info("%d captioned video(s) are in none of the splits %s; left out", unused, [p.name for p in plans])
+        logger.info(
+            "%d captioned video(s) are in none of the splits %s; left out", unused, [p.name for p in plans]
+        )
 
 
 # ------------------------------------------------------------------------------------------- conversion
@@ -415,8 +445,10 @@ def _check_out(out: Path, names: list[str], overwrite: bool) -> list[Path]:
     existing = [out / f"{n}{s}" for n in names for s in OUTPUT_SUFFIXES + CONFLICT_SUFFIXES]
     existing = [p for p in existing if p.exists()]
     if existing and not overwrite:
-        raise VideoConvertError(f"{existing[0]}: exists ({len(existing)} file(s) of splits {', '.join(names)} in "
-                                f"{out}); nothing was written: choose another --out or pass --overwrite")  # fmt: skip
+        raise VideoConvertError(
+            f"{existing[0]}: exists ({len(existing)} file(s) of splits {', '.join(names)} in "
+            f"{out}); nothing was written: choose another --out or pass --overwrite"
+        )
     return [p for p in existing if p.name.endswith(CONFLICT_SUFFIXES)]
 
 
@@ -428,13 +460,18 @@ def _frame_counts(source: FrameSource, plans: list[SplitPlan]) -> tuple[dict[str
         for i, vid in enumerate(plan.ids):
             meta = source.meta(vid)
             if meta is None:
-                raise VideoConvertError(f"{source.path}: no features for video {vid!r} (split {plan.name!r}, "
-                                        f"from {plan.source})")  # fmt: skip
+                raise VideoConvertError(
+                    f"{source.path}: no features for video {vid!r} (split {plan.name!r}, from {plan.source})"
+                )
             shape, dtype = meta
             shape = shape[1:] if len(shape) == 3 and shape[0] == 1 else shape  # one batch of one video
             where = source.where(vid)
             if len(shape) != 2:
-                hint = " (one vector per video: mean-pooled? this layout needs frame-level features)" if len(shape) == 1 else ""
+                hint = (
+                    " (one vector per video: mean-pooled? this layout needs frame-level features)"
+                    if len(shape) == 1
+                    else ""
+                )
                 raise VideoConvertError(f"{where}: expected (frames, dim) features, got shape {shape}{hint}")
             if np.dtype(dtype).kind not in "fiu":
                 raise VideoConvertError(f"{where}: features must be numbers, got dtype {dtype}")
@@ -444,8 +481,10 @@ def _frame_counts(source: FrameSource, plans: list[SplitPlan]) -> tuple[dict[str
             if dim is None:
                 dim, first = int(shape[1]), where
             elif shape[1] != dim:
-                raise VideoConvertError(f"{where}: frames are {shape[1]} wide but {first} has {dim}; "
-                                        "every video needs the same feature size")  # fmt: skip
+                raise VideoConvertError(
+                    f"{where}: frames are {shape[1]} wide but {first} has {dim}; "
+                    "every video needs the same feature size"
+                )
             lengths[i] = shape[0]
         counts[plan.name] = lengths
     return counts, int(dim)
@@ -456,7 +495,9 @@ def _write_text(path: Path, lines: list[str]) -> None:
         f.writelines(f"{s}\n" for s in lines)
 
 
-def _copy_frames(source: FrameSource, plan: SplitPlan, lengths: np.ndarray, tmp: Path, dtype: np.dtype, bar) -> None:
+def _copy_frames(
+    source: FrameSource, plan: SplitPlan, lengths: np.ndarray, tmp: Path, dtype: np.dtype, bar
+) -> None:
     """Fill `tmp` (a new `(F, D)` .npy) clip by clip, refusing NaN/inf (also from a float16 overflow)."""
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     out = None
@@ -464,25 +505,45 @@ def _copy_frames(source: FrameSource, plan: SplitPlan, lengths: np.ndarray, tmp:
         clip = source.read(vid)
         clip = clip[0] if clip.ndim == 3 and clip.shape[0] == 1 else clip
         if clip.shape[0] != lengths[i]:
-            raise VideoConvertError(f"{source.where(vid)}: {clip.shape[0]} frames read but its header said {lengths[i]}")
+            raise VideoConvertError(
+                f"{source.where(vid)}: {clip.shape[0]} frames read but its header said {lengths[i]}"
+            )
         if out is None:
-            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(int(offsets[-1]), clip.shape[1]))
+            out = np.lib.format.open_memmap(
+                tmp, mode="w+", dtype=dtype, shape=(int(offsets[-1]), clip.shape[1])
+            )
         with np.errstate(over="ignore"):  # an overflow to inf is reported below, with the video and frame
             block = clip.astype(dtype, copy=False)
         bad = ~np.isfinite(block).all(axis=1)
         if bad.any():
             t = int(np.argmax(bad))
-            why = "is too large for float16 (use --dtype float32)" if np.isfinite(clip[t]).all() else "has NaN or inf features"
-            raise VideoConvertError(f"{source.where(vid)}: video {vid!r} frame {t} {why} ({int(bad.sum())} bad frame(s))")
+            why = (
+                "is too large for float16 (use --dtype float32)"
+                if np.isfinite(clip[t]).all()
+                else "has NaN or inf features"
+            )
+            raise VideoConvertError(
+                f"{source.where(vid)}: video {vid!r} frame {t} {why} ({int(bad.sum())} bad frame(s))"
+            )
         out[offsets[i] : offsets[i + 1]] = block
         bar.update(1)
     out.flush()
     del out
 
 
-def convert_video(features: str | Path, captions: list[str | Path], out: str | Path, *, fmt: str = "auto",
-                  split_files: list[str] | None = None, splits: list[str] | None = None, dtype: str = "float32",
-                  lmdb_dim: int | None = None, overwrite: bool = False, progress: bool = True) -> dict[str, dict]:  # fmt: skip
+def convert_video(
+    features: str | Path,
+    captions: list[str | Path],
+    out: str | Path,
+    *,
+    fmt: str = "auto",
+    split_files: list[str] | None = None,
+    splits: list[str] | None = None,
+    dtype: str = "float32",
+    lmdb_dim: int | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, dict]:
     """Write `{split}_frames.npy`, `_frame_offsets.npy`, `_caps.txt`, `_cap2img.txt`, `_ids.txt` for each split.
 
     Returns per split: clips, captions, frames, dim and the min/median/max frames per clip.
@@ -513,12 +574,21 @@ def convert_video(features: str | Path, captions: list[str | Path], out: str | P
     return summary
 
 
-def _write_splits(source: FrameSource, plans: list[SplitPlan], ann: Annotations, counts: dict[str, np.ndarray],
-                  out: Path, dtype: np.dtype, progress: bool) -> dict[str, dict]:  # fmt: skip
+def _write_splits(
+    source: FrameSource,
+    plans: list[SplitPlan],
+    ann: Annotations,
+    counts: dict[str, np.ndarray],
+    out: Path,
+    dtype: np.dtype,
+    progress: bool,
+) -> dict[str, dict]:
     """Every file of every split into temp files; all are renamed into place only when all are written."""
     summary: dict[str, dict] = {}
     out.mkdir(parents=True, exist_ok=True)
-    bar = progress_bar(total=sum(len(p.ids) for p in plans), desc="convert-video", unit="clip", enabled=progress)
+    bar = progress_bar(
+        total=sum(len(p.ids) for p in plans), desc="convert-video", unit="clip", enabled=progress
+    )
     with ExitStack() as stack:
         stack.callback(bar.close)
         for plan in plans:
@@ -531,6 +601,10 @@ def _write_splits(source: FrameSource, plans: list[SplitPlan], ann: Annotations,
             _write_text(staged["_caps.txt"], [c for _, c in caps])
             _write_text(staged["_cap2img.txt"], [str(row) for row, _ in caps])
             _write_text(staged["_ids.txt"], plan.ids)
-            summary[plan.name] = {"clips": len(plan.ids), "captions": len(caps), "frames": int(lengths.sum()),
-                                  "frames_per_clip": (int(lengths.min()), float(np.median(lengths)), int(lengths.max()))}  # fmt: skip
+            summary[plan.name] = {
+                "clips": len(plan.ids),
+                "captions": len(caps),
+                "frames": int(lengths.sum()),
+                "frames_per_clip": (int(lengths.min()), float(np.median(lengths)), int(lengths.max())),
+            }
     return summary

@@ -40,15 +40,35 @@ MAX_SIZE = GROUPS["larger"][1]
 
 # Table 11 of the VSE∞ supplement: design -> pattern -> (seen, unseen smaller, unseen larger)
 PAPER = {
-    "Index+Interp.": {"A": (0, 0, 0), "M-1": (0.065, 0.017, 0.070), "M-10": (0.030, 0.141, 0.014),
-                      "T-50%": (0.011, 0.039, 0.005), "L": (0.004, 0.016, 0.002)},
-    "Cos/Sin+MLP": {"A": (0.012, 0.054, 0.006), "M-1": (0.003, 0.003, 0.003), "M-10": (0.047, 0.093, 0.030),
-                    "T-50%": (0.032, 0.096, 0.026), "L": (0.022, 0.065, 0.028)},
-    "Index+BiGRU": {"A": (0.002, 0.006, 0.003), "M-1": (0.002, 0.004, 0.001), "M-10": (0.026, 0.052, 0.018),
-                    "T-50%": (0.011, 0.049, 0.007), "L": (0.008, 0.015, 0.005)},
-    "Cos/Sin+BiGRU": {"A": (0, 0.002, 0), "M-1": (0.005, 0.010, 0.004), "M-10": (0.010, 0.031, 0.007),
-                      "T-50%": (0.006, 0.046, 0.004), "L": (0, 0.005, 0.001)},
-}  # fmt: skip
+    "Index+Interp.": {
+        "A": (0, 0, 0),
+        "M-1": (0.065, 0.017, 0.070),
+        "M-10": (0.030, 0.141, 0.014),
+        "T-50%": (0.011, 0.039, 0.005),
+        "L": (0.004, 0.016, 0.002),
+    },
+    "Cos/Sin+MLP": {
+        "A": (0.012, 0.054, 0.006),
+        "M-1": (0.003, 0.003, 0.003),
+        "M-10": (0.047, 0.093, 0.030),
+        "T-50%": (0.032, 0.096, 0.026),
+        "L": (0.022, 0.065, 0.028),
+    },
+    "Index+BiGRU": {
+        "A": (0.002, 0.006, 0.003),
+        "M-1": (0.002, 0.004, 0.001),
+        "M-10": (0.026, 0.052, 0.018),
+        "T-50%": (0.011, 0.049, 0.007),
+        "L": (0.008, 0.015, 0.005),
+    },
+    "Cos/Sin+BiGRU": {
+        "A": (0, 0.002, 0),
+        "M-1": (0.005, 0.010, 0.004),
+        "M-10": (0.010, 0.031, 0.007),
+        "T-50%": (0.006, 0.046, 0.004),
+        "L": (0, 0.005, 0.001),
+    },
+}
 
 
 def true_weights(pattern: str, n: int) -> torch.Tensor:
@@ -96,8 +116,13 @@ class MLPGenerator(nn.Module):
 
     def __init__(self, d_pe: int = 32, d_hidden: int = 32, temperature: float = 0.1) -> None:
         super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(d_pe, d_hidden), nn.ReLU(), nn.Linear(d_hidden, d_hidden), nn.ReLU(),
-                                 nn.Linear(d_hidden, 1))  # fmt: skip
+        self.mlp = nn.Sequential(
+            nn.Linear(d_pe, d_hidden),
+            nn.ReLU(),
+            nn.Linear(d_hidden, d_hidden),
+            nn.ReLU(),
+            nn.Linear(d_hidden, 1),
+        )
         self.d_pe, self.temperature = d_pe, temperature
 
     def forward(self, sizes: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -111,7 +136,9 @@ class IndexGRUGenerator(nn.Module):
     Indices beyond the largest training size keep their random initial embedding, as in the paper's design.
     """
 
-    def __init__(self, max_len: int = MAX_SIZE, d_pe: int = 32, d_hidden: int = 32, temperature: float = 0.1) -> None:
+    def __init__(
+        self, max_len: int = MAX_SIZE, d_pe: int = 32, d_hidden: int = 32, temperature: float = 0.1
+    ) -> None:
         super().__init__()
         self.index = nn.Embedding(max_len, d_pe)
         self.gru = nn.GRU(d_pe, d_hidden, num_layers=1, batch_first=True, bidirectional=True)
@@ -154,9 +181,17 @@ def make_generator(design: str) -> nn.Module:
     raise VseInputError(f"unknown design {design!r}; choose from {', '.join(DESIGNS)}")
 
 
-def train_generator(design: str, pattern: str, steps: int = 300, sets_per_size: int = 1, dim: int = 16,
-                    lr: float = 3e-3, seed: int = 0, device: str | torch.device = "cpu",
-                    sizes: tuple[int, int] = TRAIN_SIZES) -> nn.Module:  # fmt: skip
+def train_generator(
+    design: str,
+    pattern: str,
+    steps: int = 300,
+    sets_per_size: int = 1,
+    dim: int = 16,
+    lr: float = 3e-3,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    sizes: tuple[int, int] = TRAIN_SIZES,
+) -> nn.Module:
     """Fit a generator to (set, pooled output) pairs of one pattern.
 
     Each step draws `sets_per_size` fresh random sets of every training size (`sizes`, inclusive; the paper's
@@ -175,7 +210,9 @@ def train_generator(design: str, pattern: str, steps: int = 300, sets_per_size: 
     unique = torch.arange(lo, hi + 1)
     sizes_t = unique.repeat(sets_per_size)
     max_len = hi
-    theta_true = torch.stack([nn.functional.pad(true_weights(pattern, int(n)), (0, max_len - int(n))) for n in sizes_t])
+    theta_true = torch.stack(
+        [nn.functional.pad(true_weights(pattern, int(n)), (0, max_len - int(n))) for n in sizes_t]
+    )
     theta_true = theta_true.to(dev)
     for step in range(steps):
         if step == int(0.7 * steps):
@@ -201,7 +238,9 @@ def coefficient_rmse(gen: nn.Module, pattern: str) -> dict[str, float]:
     for name, (lo, hi) in GROUPS.items():
         sizes = torch.arange(lo, hi + 1)
         theta = gen(sizes, hi).float().cpu()
-        mse = [float(((theta[i, :n] - true_weights(pattern, int(n))) ** 2).mean()) for i, n in enumerate(sizes)]
+        mse = [
+            float(((theta[i, :n] - true_weights(pattern, int(n))) ** 2).mean()) for i, n in enumerate(sizes)
+        ]
         out[name] = math.sqrt(sum(mse) / len(mse))
     return out
 
@@ -211,20 +250,34 @@ def _one_run(args: tuple) -> dict[str, float]:
     design, pattern, steps, sets_per_size, dim, lr, seed, device, threads = args
     if threads:
         torch.set_num_threads(threads)
-    return coefficient_rmse(train_generator(design, pattern, steps, sets_per_size, dim, lr, seed, device), pattern)
+    return coefficient_rmse(
+        train_generator(design, pattern, steps, sets_per_size, dim, lr, seed, device), pattern
+    )
 
 
-def run_gpo_synthetic(designs: tuple[str, ...] = DESIGNS, patterns: tuple[str, ...] = PATTERNS, steps: int = 300,
-                      sets_per_size: int = 1, dim: int = 16, lr: float = 3e-3, seeds: tuple[int, ...] = (0,),
-                      device: str = "cpu", jobs: int = 1,
-                      log: Callable[[str], None] | None = None) -> dict:  # fmt: skip
+def run_gpo_synthetic(
+    designs: tuple[str, ...] = DESIGNS,
+    patterns: tuple[str, ...] = PATTERNS,
+    steps: int = 300,
+    sets_per_size: int = 1,
+    dim: int = 16,
+    lr: float = 3e-3,
+    seeds: tuple[int, ...] = (0,),
+    device: str = "cpu",
+    jobs: int = 1,
+    log: Callable[[str], None] | None = None,
+) -> dict:
     """Train every (design, pattern) pair for each seed; RMSE per group, mean over seeds.
 
     `jobs > 1` runs the independent trainings in that many worker processes (one torch thread each); every run
     is seeded on its own, so the numbers do not depend on `jobs`.
     """
-    tasks = [(d, p, steps, sets_per_size, dim, lr, s, device, 1 if jobs > 1 else 0)
-             for d in designs for p in patterns for s in seeds]  # fmt: skip
+    tasks = [
+        (d, p, steps, sets_per_size, dim, lr, s, device, 1 if jobs > 1 else 0)
+        for d in designs
+        for p in patterns
+        for s in seeds
+    ]
     t_start = time.perf_counter()
     if jobs > 1:
         import multiprocessing
@@ -238,8 +291,10 @@ def run_gpo_synthetic(designs: tuple[str, ...] = DESIGNS, patterns: tuple[str, .
             outs.append(_one_run(task))
             if log:
                 r = outs[-1]
-                log(f"{task[0]:14s} {task[1]:6s} seed {task[6]}: seen {r['seen']:.4f} smaller {r['smaller']:.4f} "
-                    f"larger {r['larger']:.4f}  ({time.perf_counter() - t_start:.0f}s)")  # fmt: skip
+                log(
+                    f"{task[0]:14s} {task[1]:6s} seed {task[6]}: seen {r['seen']:.4f} smaller {r['smaller']:.4f} "
+                    f"larger {r['larger']:.4f}  ({time.perf_counter() - t_start:.0f}s)"
+                )
     by_key = dict(zip([(t[0], t[1], t[6]) for t in tasks], outs))
     results: dict[str, dict[str, dict[str, float]]] = {}
     for d in designs:
@@ -247,9 +302,18 @@ def run_gpo_synthetic(designs: tuple[str, ...] = DESIGNS, patterns: tuple[str, .
         for p in patterns:
             runs = [by_key[(d, p, s)] for s in seeds]
             results[d][p] = {k: sum(r[k] for r in runs) / len(runs) for k in GROUPS}
-    return {"results": results, "settings": {"steps": steps, "sets_per_size": sets_per_size, "dim": dim, "lr": lr,
-                                             "seeds": list(seeds), "device": str(device),
-                                             "seconds": round(time.perf_counter() - t_start, 1)}}  # fmt: skip
+    return {
+        "results": results,
+        "settings": {
+            "steps": steps,
+            "sets_per_size": sets_per_size,
+            "dim": dim,
+            "lr": lr,
+            "seeds": list(seeds),
+            "device": str(device),
+            "seconds": round(time.perf_counter() - t_start, 1),
+        },
+    }
 
 
 def _f(x: float) -> str:
@@ -268,8 +332,10 @@ def format_table(result: dict, paper: bool = True) -> str:
         lines.append(f"| {design} | vsekit | " + " | ".join(ours) + " |")
         if paper and design in PAPER:
             ref = [_f(PAPER[design][p][0]) if p in PAPER[design] else "–" for p in patterns]
-            ref += [f"{_f(PAPER[design][p][1])}/{_f(PAPER[design][p][2])}" if p in PAPER[design] else "–"
-                    for p in patterns]  # fmt: skip
+            ref += [
+                f"{_f(PAPER[design][p][1])}/{_f(PAPER[design][p][2])}" if p in PAPER[design] else "–"
+                for p in patterns
+            ]
             lines.append(f"| {design} | paper | " + " | ".join(ref) + " |")
     return "\n".join(lines)
 
@@ -282,8 +348,11 @@ def ranking_summary(result: dict) -> dict:
     kmax = [p for p in next(iter(res.values())) if p.startswith("M-")]
     out = {"mean_rmse": mean, "overall": overall, "best_overall": min(overall, key=overall.get)}
     if kmax and "Index+Interp." in res:
-        km = {d: sum(res[d][p]["seen"] + res[d][p]["smaller"] + res[d][p]["larger"] for p in kmax) / (3 * len(kmax))
-              for d in res}  # fmt: skip
+        km = {
+            d: sum(res[d][p]["seen"] + res[d][p]["smaller"] + res[d][p]["larger"] for p in kmax)
+            / (3 * len(kmax))
+            for d in res
+        }
         out["kmax_rmse"] = km
         out["interp_worst_on_kmax"] = max(km, key=km.get) == "Index+Interp."
     out["smaller_harder_than_larger"] = {d: m["smaller"] > m["larger"] for d, m in mean.items()}

@@ -35,7 +35,26 @@ from vsekit_lab.datasets.openclipart.metadata import SvgMetadataError, parse_all
 from vsekit_lab.datasets.openclipart.render import RENDER_SIZE, RENDER_VERSION, crop_square, render_svg
 from vsekit_lab.datasets.openclipart.source import DEFAULT_SVG_ROOT, ensure_svg_root, find_svgs
 
-__all__ = ["build_openclipart", "parse_svg_metadata", "parse_all", "merge_duplicates", "assign_labels",
-           "make_captions", "stem_label", "render_svg", "crop_square", "assign_splits", "split_sizes",
-           "ensure_svg_root", "find_svgs", "CAPTION_RULES", "Drawing", "SvgMetadataError", "DEFAULT_SVG_ROOT", "FORMAT", "RENDER_SIZE",
-           "RENDER_VERSION", "SPLITS"]  # fmt: skip
+__all__ = [
+    "build_openclipart",
+    "parse_svg_metadata",
+    "parse_all",
+    "merge_duplicates",
+    "assign_labels",
+    "make_captions",
+    "stem_label",
+    "render_svg",
+    "crop_square",
+    "assign_splits",
+    "split_sizes",
+    "ensure_svg_root",
+    "find_svgs",
+    "CAPTION_RULES",
+    "Drawing",
+    "SvgMetadataError",
+    "DEFAULT_SVG_ROOT",
+    "FORMAT",
+    "RENDER_SIZE",
+    "RENDER_VERSION",
+    "SPLITS",
+]

@@ -49,13 +49,23 @@ def assign_splits(ids: list[str], seed: int, n_test: int, n_dev: int) -> dict[st
     t, d = split_sizes(len(ids), n_test, n_dev)
     perm = np.random.default_rng(seed).permutation(len(ids))
     test, dev, train = perm[:t], perm[t : t + d], perm[t + d :]
-    return {"train": sorted(ids[i] for i in train), "dev": sorted(ids[i] for i in dev),
-            "test": sorted(ids[i] for i in test)}  # fmt: skip
+    return {
+        "train": sorted(ids[i] for i in train),
+        "dev": sorted(ids[i] for i in dev),
+        "test": sorted(ids[i] for i in test),
+    }
 
 
-def build_openclipart(out_dir: str | Path, svg_root: str | Path = DEFAULT_SVG_ROOT, seed: int = 0,
-                      limit: int | None = None, workers: int = 2, n_test: int = 500, n_dev: int = 300,
-                      progress: bool = True) -> dict:  # fmt: skip
+def build_openclipart(
+    out_dir: str | Path,
+    svg_root: str | Path = DEFAULT_SVG_ROOT,
+    seed: int = 0,
+    limit: int | None = None,
+    workers: int = 2,
+    n_test: int = 500,
+    n_dev: int = 300,
+    progress: bool = True,
+) -> dict:
     """Build (or finish, or refresh) the openclipart retrieval set in `out_dir`; returns the manifest.
 
     `limit` keeps a seeded random subset of that many labelled drawings (after parsing and filtering the
@@ -149,9 +159,20 @@ def build_openclipart(out_dir: str | Path, svg_root: str | Path = DEFAULT_SVG_RO
                     raise RuntimeError(f"bad caption for {ident}: {c!r}")
                 caps.append(c)
                 cap2img.append(row)
-            metas.append({"id": d.id, "label": d.label, "label_source": d.label_source, "title": d.title,
-                          "description": d.description, "keywords": d.keywords, "creator": d.creator,
-                          "categories": d.categories, "files": d.files, "captions": d.captions})  # fmt: skip
+            metas.append(
+                {
+                    "id": d.id,
+                    "label": d.label,
+                    "label_source": d.label_source,
+                    "title": d.title,
+                    "description": d.description,
+                    "keywords": d.keywords,
+                    "creator": d.creator,
+                    "categories": d.categories,
+                    "files": d.files,
+                    "captions": d.captions,
+                }
+            )
         if ids:
             write_features(out / f"{split}_ims.npy", ids, where)
         else:  # an empty split (tiny `limit` builds) still gets well-formed files
@@ -164,8 +185,11 @@ def build_openclipart(out_dir: str | Path, svg_root: str | Path = DEFAULT_SVG_RO
             out / f"{split}_meta.jsonl", "".join(json.dumps(m, ensure_ascii=False) + "\n" for m in metas)
         )
         per_image = Counter(len(by_id[i].captions) for i in ids)
-        split_info[split] = {"images": len(ids), "captions": len(caps),
-                             "captions_per_image": {str(k): per_image[k] for k in sorted(per_image)}}  # fmt: skip
+        split_info[split] = {
+            "images": len(ids),
+            "captions": len(caps),
+            "captions_per_image": {str(k): per_image[k] for k in sorted(per_image)},
+        }
     for split in SPLITS:
         for suffix in ("ims.npy", "caps.txt", "cap2img.txt", "ids.txt", "images.txt", "meta.jsonl"):
             name = f"{split}_{suffix}"
@@ -199,7 +223,7 @@ def build_openclipart(out_dir: str | Path, svg_root: str | Path = DEFAULT_SVG_RO
             "crop_margin": MARGIN,
             "max_words": MAX_WORDS,
             "max_share": MAX_SHARE,
-        },  # fmt: skip
+        },
         "counts": {
             "svg_files": len(rel_paths),
             "symlinks_skipped": links,
@@ -238,7 +262,7 @@ def build_openclipart(out_dir: str | Path, svg_root: str | Path = DEFAULT_SVG_RO
             "png_rendered": len(jobs),
             "features_reused": feat_stats["reused"],
             "features_computed": feat_stats["computed"],
-        },  # fmt: skip
+        },
         "timings_s": {k: round(v, 2) for k, v in timings.items()},
     }
     atomic_write_json(out / "manifest.json", manifest, ensure_ascii=False)

@@ -152,8 +152,19 @@ def merge_duplicates(parsed: dict[str, dict]) -> tuple[list[Drawing], int]:
         creator = next((m["creator"] for m in metas if m["creator"]), "")
         keywords = _clean_keywords((k for m in metas for k in m["keywords"]), creator)
         licence = next((m.get("license", "") for m in metas if m.get("license")), "")
-        drawings.append(Drawing(id=md5[:ID_LEN], md5=md5, files=files, titles=titles, creator=creator,
-                                license=licence, title=title, description=description, keywords=keywords))  # fmt: skip
+        drawings.append(
+            Drawing(
+                id=md5[:ID_LEN],
+                md5=md5,
+                files=files,
+                titles=titles,
+                creator=creator,
+                license=licence,
+                title=title,
+                description=description,
+                keywords=keywords,
+            )
+        )
     if len({d.id for d in drawings}) != len(drawings):
         raise RuntimeError("md5 prefix collision in drawing ids; increase ID_LEN")
     return sorted(drawings, key=lambda d: d.id), len(parsed) - len(drawings)

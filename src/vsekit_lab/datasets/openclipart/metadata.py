@@ -72,8 +72,14 @@ def parse_svg_metadata(raw: bytes) -> dict:
         if lic is not None:
             licence = lic.get(RDF_RESOURCE, "") or _text(lic)
             break
-    return {"md5": md5, "title": title, "description": description, "keywords": keywords,
-            "creator": creator, "license": licence}  # fmt: skip
+    return {
+        "md5": md5,
+        "title": title,
+        "description": description,
+        "keywords": keywords,
+        "creator": creator,
+        "license": licence,
+    }
 
 
 def parse_all(root: Path, rel_paths: list[str], cache_file: Path, progress: bool = True) -> tuple[dict, dict]:

@@ -65,8 +65,9 @@ def render_svg(path: str, size: int = RENDER_SIZE, timeout: int = RENDER_TIMEOUT
     exe = shutil.which("rsvg-convert")
     if exe:
         try:
-            r = subprocess.run([exe, "-a", "-w", str(size), "-h", str(size), path], capture_output=True,
-                               timeout=timeout)  # fmt: skip
+            r = subprocess.run(
+                [exe, "-a", "-w", str(size), "-h", str(size), path], capture_output=True, timeout=timeout
+            )
             if r.returncode == 0 and r.stdout:
                 img = Image.open(io.BytesIO(r.stdout))
                 img.load()
@@ -124,8 +125,9 @@ def _render_job(job: tuple[str, str, str]) -> tuple[str, str, str]:
     return ident, "ok", ""
 
 
-def render_all(jobs: list[tuple[str, str, str]], workers: int, progress: bool,
-               on_result: Callable[[str, str, str], None]) -> None:  # fmt: skip
+def render_all(
+    jobs: list[tuple[str, str, str]], workers: int, progress: bool, on_result: Callable[[str, str, str], None]
+) -> None:
     """Render in `workers` processes (spawned: safe when torch threads exist in the parent)."""
     if not jobs:
         return

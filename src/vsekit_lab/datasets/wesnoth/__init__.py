@@ -30,6 +30,20 @@ from vsekit_lab.datasets.wesnoth.source import locate_source
 from vsekit_lab.datasets.wesnoth.units import parse_units
 from vsekit_lab.datasets.wesnoth.wml import collect_macros, expand, expand_image_value, parse_wml
 
-__all__ = ["build_wesnoth", "parse_units", "make_clips", "assign_splits", "drop_repeated_captions", "families",
-           "action_caption", "expand_image_value", "expand", "collect_macros", "parse_wml", "locate_source", "render_frame",
-           "EfficientNetFrameMean", "CAPTION_RULES"]  # fmt: skip
+__all__ = [
+    "build_wesnoth",
+    "parse_units",
+    "make_clips",
+    "assign_splits",
+    "drop_repeated_captions",
+    "families",
+    "action_caption",
+    "expand_image_value",
+    "expand",
+    "collect_macros",
+    "parse_wml",
+    "locate_source",
+    "render_frame",
+    "EfficientNetFrameMean",
+    "CAPTION_RULES",
+]

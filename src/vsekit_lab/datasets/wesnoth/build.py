@@ -58,11 +58,16 @@ def _stats(clips: list[Clip]) -> dict:
     caps = [cap for c in clips for cap in c.captions]
     words = Counter(w for cap in caps for w in re.findall(r"[a-z']+", cap.lower()))
     return {
-        "clips": len(clips), "units": len({c.unit for c in clips}), "families": len({c.family for c in clips}),
-        "frames": sum(lengths), "frames_per_clip": [min(lengths), statistics.median(lengths), max(lengths)],
-        "captions": len(caps), "distinct_captions": len(set(caps)), "ambiguous_captions": _ambiguous(caps),
+        "clips": len(clips),
+        "units": len({c.unit for c in clips}),
+        "families": len({c.family for c in clips}),
+        "frames": sum(lengths),
+        "frames_per_clip": [min(lengths), statistics.median(lengths), max(lengths)],
+        "captions": len(caps),
+        "distinct_captions": len(set(caps)),
+        "ambiguous_captions": _ambiguous(caps),
         "vocabulary": len(words),
-    }  # fmt: skip
+    }
 
 
 def _readme(manifest: dict) -> str:
@@ -123,15 +128,19 @@ def build_wesnoth(
     for split in SPLITS:
         members = splits[split]
         if not members:
-            raise VseInputError(f"{split}: no clips (only {len(clips)} clips in {len({c.family for c in clips})} "
-                                "families); the split needs more unit families")  # fmt: skip
+            raise VseInputError(
+                f"{split}: no clips (only {len(clips)} clips in {len({c.family for c in clips})} "
+                "families); the split needs more unit families"
+            )
         write_frames(out, split, [feats[[row[f] for f in c.frames]] for c in members], dtype=np.float16)
         caps = [(cap, i) for i, c in enumerate(members) for cap in c.captions]
         atomic_write_text(out / f"{split}_caps.txt", "".join(cap + "\n" for cap, _ in caps))
         atomic_write_text(out / f"{split}_cap2img.txt", "".join(f"{i}\n" for _, i in caps))
         atomic_write_text(out / f"{split}_ids.txt", "".join(c.id + "\n" for c in members))
-        atomic_write_text(out / f"{split}_clips.jsonl",
-                          "".join(json.dumps(asdict(c), ensure_ascii=False) + "\n" for c in members))  # fmt: skip
+        atomic_write_text(
+            out / f"{split}_clips.jsonl",
+            "".join(json.dumps(asdict(c), ensure_ascii=False) + "\n" for c in members),
+        )
         split_stats[split] = _stats(members)
         log.info("%s: %s", split, split_stats[split])
     manifest = {
@@ -144,7 +153,7 @@ def build_wesnoth(
             "deb": src.deb,
             "deb_sha256": src.deb_sha256,
             "data_dir": str(src.data_dir),
-        },  # fmt: skip
+        },
         "license": LICENSE,
         "attribution": "Battle for Wesnoth, copyright the Battle for Wesnoth project and contributors, "
         "https://www.wesnoth.org",
@@ -156,7 +165,7 @@ def build_wesnoth(
             "dev_fraction": DEV_FRACTION,
             "split_rule": "advancement families (advances_to) in md5(family) "
             "order: test until 10% of the clips, dev until 20%, train the rest",
-        },  # fmt: skip
+        },
         "counts": {
             "unit_types": len(units),
             "animation_branches": len(anims),
@@ -164,7 +173,7 @@ def build_wesnoth(
             "dropped_repeated_caption": repeated,
             "distinct_sprites": len(distinct),
             **_stats(clips),
-        },  # fmt: skip
+        },
         "splits": split_stats,
         "caption_rules": CAPTION_RULES,
         "features": extract.describe(),

@@ -9,15 +9,28 @@ from vsekit_lab.datasets.wesnoth.units import RawAnim, Unit, display_name
 
 MAX_DESCRIPTION_WORDS = 60
 ACTION_PHRASE = {  # WML animation kind -> verb phrase (the only hand-written words of a caption)
-    "attack_anim": "attacking", "defend": "defending", "death": "dying", "idle_anim": "idling",
-    "standing_anim": "standing", "movement_anim": "moving", "healing_anim": "healing a neighbour",
-    "leading_anim": "leading troops", "recruit_anim": "being recruited", "recruiting_anim": "recruiting",
-    "victory_anim": "celebrating victory", "draw_weapon_anim": "drawing its weapon",
-    "sheath_weapon_anim": "sheathing its weapon", "pre_movement_anim": "starting to move",
-    "post_movement_anim": "stopping", "teleport_anim": "teleporting", "healed_anim": "being healed",
-    "poisoned_anim": "suffering from poison", "animation": "performing an action",
-    "levelin_anim": "levelling up", "levelout_anim": "levelling up",
-}  # fmt: skip
+    "attack_anim": "attacking",
+    "defend": "defending",
+    "death": "dying",
+    "idle_anim": "idling",
+    "standing_anim": "standing",
+    "movement_anim": "moving",
+    "healing_anim": "healing a neighbour",
+    "leading_anim": "leading troops",
+    "recruit_anim": "being recruited",
+    "recruiting_anim": "recruiting",
+    "victory_anim": "celebrating victory",
+    "draw_weapon_anim": "drawing its weapon",
+    "sheath_weapon_anim": "sheathing its weapon",
+    "pre_movement_anim": "starting to move",
+    "post_movement_anim": "stopping",
+    "teleport_anim": "teleporting",
+    "healed_anim": "being healed",
+    "poisoned_anim": "suffering from poison",
+    "animation": "performing an action",
+    "levelin_anim": "levelling up",
+    "levelout_anim": "levelling up",
+}
 RACE_WORD = {"bats": "bat"}  # race ids that are plural; every other race id is used as it is
 
 CAPTION_RULES = [
@@ -104,7 +117,11 @@ def action_caption(unit: Unit, anim: RawAnim) -> str:
             outcome = {"hit": "being hit", "miss": "being missed"}.get(outcome, "")
         else:
             outcome = {"hit": "hitting", "miss": "missing", "kill": "killing"}[outcome]
-    tail = [x for x in (outcome, f"facing {facing_word(anim.direction)}" if facing_word(anim.direction) else "") if x]
+    tail = [
+        x
+        for x in (outcome, f"facing {facing_word(anim.direction)}" if facing_word(anim.direction) else "")
+        if x
+    ]
     return ", ".join([f"{who} {phrase}", *tail])
 
 

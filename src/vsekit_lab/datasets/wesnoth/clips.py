@@ -40,8 +40,9 @@ def _clip_id(unit: str, anim: RawAnim) -> str:
     return "/".join([who, kind, what.replace("/", "_"), facing, outcome_word(anim.hits) or "-"])
 
 
-def make_clips(data_dir: Path, units: dict[str, Unit], anims: list[RawAnim],
-               descriptions: bool = False) -> tuple[list[Clip], dict[str, int]]:  # fmt: skip
+def make_clips(
+    data_dir: Path, units: dict[str, Unit], anims: list[RawAnim], descriptions: bool = False
+) -> tuple[list[Clip], dict[str, int]]:
     """Resolve frames, drop static/missing ones and duplicate sequences, caption; ids are unique."""
     stats: Counter[str] = Counter()
     seen: set[tuple] = set()
@@ -67,11 +68,23 @@ def make_clips(data_dir: Path, units: dict[str, Unit], anims: list[RawAnim],
         base = _clip_id(anim.unit, anim)
         ids[base] += 1
         clip_id = base if ids[base] == 1 else f"{base}#{ids[base]}"
-        clips.append(Clip(id=clip_id, unit=anim.unit, variant=anim.variant_id, kind=anim.kind,
-                          weapon=anim.weapon or anim.defend_vs, direction=anim.direction, hits=anim.hits,
-                          name=anim.variant_name, race=unit.race, family="", source=unit.source,
-                          frames=[p.relative_to(data_dir).as_posix() for p in found],
-                          captions=captions))  # fmt: skip
+        clips.append(
+            Clip(
+                id=clip_id,
+                unit=anim.unit,
+                variant=anim.variant_id,
+                kind=anim.kind,
+                weapon=anim.weapon or anim.defend_vs,
+                direction=anim.direction,
+                hits=anim.hits,
+                name=anim.variant_name,
+                race=unit.race,
+                family="",
+                source=unit.source,
+                frames=[p.relative_to(data_dir).as_posix() for p in found],
+                captions=captions,
+            )
+        )
     return clips, dict(stats)
 
 
@@ -94,8 +107,12 @@ def families(units: dict[str, Unit]) -> dict[str, str]:
     return {u: find(u) for u in units}
 
 
-def assign_splits(clips: list[Clip], units: dict[str, Unit],
-                  test_fraction: float = TEST_FRACTION, dev_fraction: float = DEV_FRACTION) -> dict[str, list[Clip]]:  # fmt: skip
+def assign_splits(
+    clips: list[Clip],
+    units: dict[str, Unit],
+    test_fraction: float = TEST_FRACTION,
+    dev_fraction: float = DEV_FRACTION,
+) -> dict[str, list[Clip]]:
     """Whole families in md5(family name) order: test until `test_fraction` of the clips, then dev, then train."""
     family = families(units)
     by_family: dict[str, list[Clip]] = defaultdict(list)

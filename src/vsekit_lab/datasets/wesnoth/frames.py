@@ -16,8 +16,9 @@ CANVAS = 112  # native sprite pixels around the hex centre: a 72 px unit keeps i
 IMAGE_SIZE = 224  # the canvas upscaled x2 (nearest: pixel art stays sharp) for the CNN
 
 
-def render_frame(path: Path, background: tuple[int, int, int] = BACKGROUND, canvas: int = CANVAS,
-                 size: int = IMAGE_SIZE) -> Image.Image:  # fmt: skip
+def render_frame(
+    path: Path, background: tuple[int, int, int] = BACKGROUND, canvas: int = CANVAS, size: int = IMAGE_SIZE
+) -> Image.Image:
     """The sprite centred on a `canvas`-pixel grey square (shrunk only if larger), then upscaled to `size`.
     A sprite of a game's data folder is input from elsewhere: read and decoded by the one bounded reader
     (`vsekit.data.pictures.open_image`: a regular file, bytes and pixels capped; a refusal names the file)."""
@@ -25,8 +26,10 @@ def render_frame(path: Path, background: tuple[int, int, int] = BACKGROUND, canv
         sprite = im.convert("RGBA")
     if max(sprite.size) > canvas:
         scale = canvas / max(sprite.size)
-        sprite = sprite.resize((max(1, round(sprite.width * scale)), max(1, round(sprite.height * scale))),
-                               Image.Resampling.LANCZOS)  # fmt: skip
+        sprite = sprite.resize(
+            (max(1, round(sprite.width * scale)), max(1, round(sprite.height * scale))),
+            Image.Resampling.LANCZOS,
+        )
     bg = Image.new("RGBA", (canvas, canvas), (*background, 255))
     bg.alpha_composite(sprite, ((canvas - sprite.width) // 2, (canvas - sprite.height) // 2))
     return bg.convert("RGB").resize((size, size), Image.Resampling.NEAREST)
@@ -54,15 +57,19 @@ class EfficientNetFrameMean:
 
     def describe(self) -> dict:
         spec = self.extractor.describe()
-        spec.update(grid_pooling="mean over the 7x7 grid cells",
-                    preprocess="the rendered 224 px RGB frame (frame_render), ImageNet mean/std",
-                    dtype="float16", frame_render=f"RGBA sprite centred on a {CANVAS} px RGB{BACKGROUND} square "
-                    f"(shrunk to fit if larger), nearest-neighbour upscaled to {IMAGE_SIZE} px")  # fmt: skip
+        spec.update(
+            grid_pooling="mean over the 7x7 grid cells",
+            preprocess="the rendered 224 px RGB frame (frame_render), ImageNet mean/std",
+            dtype="float16",
+            frame_render=f"RGBA sprite centred on a {CANVAS} px RGB{BACKGROUND} square "
+            f"(shrunk to fit if larger), nearest-neighbour upscaled to {IMAGE_SIZE} px",
+        )
         return spec
 
 
-def extract_frames(paths: list[Path], extract: FrameExtractor, batch_size: int = 16,
-                   progress: bool = True) -> np.ndarray:  # fmt: skip
+def extract_frames(
+    paths: list[Path], extract: FrameExtractor, batch_size: int = 16, progress: bool = True
+) -> np.ndarray:
     """One feature row per sprite path, in order (rendered and extracted in batches)."""
     from vsekit.utils.progress import progress_bar
 

@@ -139,8 +139,13 @@ def locate_source(source: str | Path | None = None, cache_dir: str | Path | None
                 f"{src}: no Wesnoth data here (neither core/units nor usr/share/games/wesnoth/*/data)"
             )
         ver = _version_dir(data_dir)
-        return Source(data_dir, "folder", f"wesnoth-{ver}-data" if ver else None, ver,
-                      package_root=_package_root(data_dir))  # fmt: skip
+        return Source(
+            data_dir,
+            "folder",
+            f"wesnoth-{ver}-data" if ver else None,
+            ver,
+            package_root=_package_root(data_dir),
+        )
     installed = sorted(p for p in glob.glob(INSTALLED_GLOB) if (Path(p) / "core" / "units").is_dir())
     if installed:
         data_dir = Path(installed[-1])

@@ -23,12 +23,34 @@ from vsekit_lab.datasets.wesnoth.wml import (
 
 log = logging.getLogger(__name__)
 
-ANIM_TAGS = frozenset({
-    "attack_anim", "defend", "death", "idle_anim", "standing_anim", "movement_anim", "healing_anim",
-    "leading_anim", "recruit_anim", "recruiting_anim", "victory_anim", "levelin_anim", "levelout_anim",
-    "draw_weapon_anim", "sheath_weapon_anim", "pre_movement_anim", "post_movement_anim", "healed_anim",
-    "poisoned_anim", "teleport_anim", "animation", "resistance_anim", "selected_anim", "extra_anim",
-})  # fmt: skip
+ANIM_TAGS = frozenset(
+    {
+        "attack_anim",
+        "defend",
+        "death",
+        "idle_anim",
+        "standing_anim",
+        "movement_anim",
+        "healing_anim",
+        "leading_anim",
+        "recruit_anim",
+        "recruiting_anim",
+        "victory_anim",
+        "levelin_anim",
+        "levelout_anim",
+        "draw_weapon_anim",
+        "sheath_weapon_anim",
+        "pre_movement_anim",
+        "post_movement_anim",
+        "healed_anim",
+        "poisoned_anim",
+        "teleport_anim",
+        "animation",
+        "resistance_anim",
+        "selected_anim",
+        "extra_anim",
+    }
+)
 
 
 @dataclass
@@ -98,9 +120,16 @@ def _unit_from(ut: Node, rel: str, source: str) -> Unit:
     for attack in ut.kids("attack"):
         weapons[attack.attrs.get("name", "")].append(attack.attrs)
     advances = [x.strip() for x in a.get("advances_to", "").split(",") if x.strip() and x.strip() != "null"]
-    return Unit(id=a["id"], name=display_name(a.get("name", a["id"])), race=a.get("race", ""),
-                description=" ".join(a.get("description", "").split()), advances_to=advances,
-                weapons=dict(weapons), file=rel, source=source)  # fmt: skip
+    return Unit(
+        id=a["id"],
+        name=display_name(a.get("name", a["id"])),
+        race=a.get("race", ""),
+        description=" ".join(a.get("description", "").split()),
+        advances_to=advances,
+        weapons=dict(weapons),
+        file=rel,
+        source=source,
+    )
 
 
 def frames_of(node: Node) -> list[str]:
@@ -120,8 +149,13 @@ def anim_branches(anim: Node) -> list[tuple[str, str, list[str]]]:
             continue
         own = frames_of(branch)
         if own:
-            out.append((branch.attrs.get("direction", anim.attrs.get("direction", "")),
-                        branch.attrs.get("hits", anim.attrs.get("hits", "")), base + own))  # fmt: skip
+            out.append(
+                (
+                    branch.attrs.get("direction", anim.attrs.get("direction", "")),
+                    branch.attrs.get("hits", anim.attrs.get("hits", "")),
+                    base + own,
+                )
+            )
     if out:
         return out
     return [(anim.attrs.get("direction", ""), anim.attrs.get("hits", ""), base)] if base else []
@@ -156,8 +190,22 @@ def unit_anims(ut: Node, unit: Unit, image_roots: list[Path]) -> list[RawAnim]:
         for f in node.kids("filter_second_attack"):
             defend_vs = f.attrs.get("range", "")
         for direction, hits, frames in anim_branches(node):
-            anims.append(RawAnim(unit.id, variant_id, variant_name, node.tag, weapon, weapon_range, weapon_type,
-                                 defend_vs, direction, hits, frames, image_roots))  # fmt: skip
+            anims.append(
+                RawAnim(
+                    unit.id,
+                    variant_id,
+                    variant_name,
+                    node.tag,
+                    weapon,
+                    weapon_range,
+                    weapon_type,
+                    defend_vs,
+                    direction,
+                    hits,
+                    frames,
+                    image_roots,
+                )
+            )
     return anims
 
 

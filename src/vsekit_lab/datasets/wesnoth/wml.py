@@ -10,8 +10,22 @@ from dataclasses import dataclass, field
 
 MAX_MACRO_DEPTH = 25
 
-DIRECTIVES = ("#define", "#enddef", "#arg", "#endarg", "#ifdef", "#ifndef", "#else", "#endif", "#textdomain",
-              "#undef", "#ifver", "#ifhave", "#ifnhave", "#ifnver")  # fmt: skip
+DIRECTIVES = (
+    "#define",
+    "#enddef",
+    "#arg",
+    "#endarg",
+    "#ifdef",
+    "#ifndef",
+    "#else",
+    "#endif",
+    "#textdomain",
+    "#undef",
+    "#ifver",
+    "#ifhave",
+    "#ifnhave",
+    "#ifnver",
+)
 DEFINE_RE = re.compile(r"^\s*#define\s+(\S+)(.*)$")
 ARG_RE = re.compile(r"^\s*#arg\s+(\S+)")
 NAMED_ARG_RE = re.compile(r"^([A-Z_][A-Z0-9_]*)=(.*)$", re.S)
@@ -239,8 +253,6 @@ def parse_wml(text: str) -> Node:
                 i += 1
             stack[-1].attrs[key.strip()] = clean_value(value)
     return root
-
-
 
 
 IMAGE_ENTRY_RE = re.compile(r"^(.*?\.(?:png|jpg|webp|PNG))(~[^:]*)?(?::.*)?$")
