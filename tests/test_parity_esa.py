@@ -250,6 +250,9 @@ def test_recipe_lists_esa_and_refuses_what_it_cannot_train():
         load_recipe("esa", ["train.grad_cache_chunk=4"])
     with pytest.raises(ConfigError, match="needs encoders that make them"):
         load_recipe("vse_infty", ["loss.name=sel"])
+    # grid features give one image view while the BiGRU side gives two: refused at load, not at the first step
+    with pytest.raises(ConfigError, match="model.image.pooling makes one"):
+        load_recipe("esa", ["model.image.feature_type=grid"])
 
 
 def test_import_refuses_other_checkpoints(fx, tmp_path, capsys):

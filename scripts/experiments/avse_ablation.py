@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-from vsekit_lab.bench.view_reg import view_reg_grad_ratio
 from vsekit.config import load_recipe, to_dict
 from vsekit.evaluation import evaluate_model
 from vsekit.runs import load_weights
 from vsekit.training.trainer import Trainer
+from vsekit_lab.bench.view_reg import view_reg_grad_ratio
 
 REPO = Path(__file__).resolve().parents[2]
 

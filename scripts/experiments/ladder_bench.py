@@ -13,8 +13,8 @@ import sys
 
 import torch
 
-from vsekit_lab.bench.ladder import bench_ladder_step
 from vsekit.losses.ladder import LadderLoss
+from vsekit_lab.bench.ladder import bench_ladder_step
 
 
 def device_matches_cpu(device: str, batch: int = 128, seed: int = 0) -> dict:

@@ -48,6 +48,16 @@ class ESAPoolSettings(Settings):
                 f"{where}.name=esa makes two views of each item in training, which only loss.name=sel scores "
                 "(recipe esa)"
             )
+        if makes_views(where, recipe) and recipe.loss.name == "sel":
+            image_side = where.startswith("model.image")
+            other = "model.text.pooling" if image_side else "model.image.pooling"
+            other_pool = recipe.model.text.pooling if image_side else recipe.model.image.pooling
+            if other_pool.name != "esa" or not makes_views(other, recipe):
+                raise ConfigError(
+                    f"{where}.name=esa makes two views of each item in training but {other} makes one: the SEL "
+                    "loss needs two on both sides (esa pooling on region features, model.image.kind=precomp "
+                    "with model.image.feature_type=region, and on a BiGRU caption encoder)"
+                )
         if makes_views(where, recipe) and recipe.train.grad_cache_chunk > 0:
             raise ConfigError(
                 f"{where}.name=esa trains on two views per item; gradient caching (train.grad_cache_chunk) "
