@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from vsekit.config import load_recipe
+from vsekit.data.text import SPECIALS
 from vsekit.distributed import (
     DistContext,
     GlobalBatchNorm1d,
@@ -51,6 +52,17 @@ VARIANTS = {
     "adopt": ("vse_2ad", []),
     "ladder": ("cvsepp", []),
     "ladder_auto": ("cvsepp_auto", []),
+    # ESA: two rows per sample on each side (its views); with the view draws turned off the two views are
+    # equal, so the shards' draws cannot differ from the single process's and only the gather is tested
+    "sel_two_views": (
+        "esa",
+        [
+            "model.image.pooling.esa_region_drop=0",
+            "model.text.pooling.esa_word_dropout=0",
+            "model.text.pooling.esa_caption_augment=0",
+            "loss.warmup_epochs=0",
+        ],
+    ),
 }
 if importlib.util.find_spec("vsekit.similarity.aeom") is not None:
     VARIANTS["aeom"] = ("vse_infty", ["model.similarity.name=aeom", "model.similarity.block_dim=16"])
@@ -67,7 +79,9 @@ def _build(variant: str, ctx: DistContext) -> TrainStep:
     # no gradient clipping here: it would hide a gradient that is off by a constant factor
     recipe = load_recipe(recipe_name, SMALL + extra + ["optim.grad_clip=0"])
     torch.manual_seed(0)
-    model = VSEModel(recipe, DataSpec(img_dim=16, vocab_words=[f"w{i}" for i in range(50)]))
+    # the special words first (ESA's caption copies look them up), 50 words in all as the tokens need
+    words = list(SPECIALS) + [f"w{i}" for i in range(50 - len(SPECIALS))]
+    model = VSEModel(recipe, DataSpec(img_dim=16, vocab_words=words))
     convert_batchnorm(model, ctx)
     loss_fn = create_loss(recipe.loss, image_views=recipe.model.image.views)
     if hasattr(loss_fn, "set_caption_embeddings"):

@@ -175,6 +175,18 @@ def all_reduce_sum_with_grad(x: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     return _AllReduceSum.apply(x) if ctx.enabled else x
 
 
+def row_sizes(sizes: list[int], rows: torch.Tensor, samples: int) -> list[int]:
+    """Every rank's row count of `rows` from its sample counts `sizes`: encoders that give each sample g
+    consecutive rows (ESA's two views) gather g x the samples, in the same rank order, so the global matrix
+    keeps each sample's views together."""
+    if samples < 1 or rows.shape[0] % samples:
+        raise ValueError(
+            f"{rows.shape[0]} embedding rows are not a whole number of views of {samples} samples"
+        )
+    per_sample = rows.shape[0] // samples
+    return [s * per_sample for s in sizes]
+
+
 def local_shard_sizes(n_local: int, ctx: DistContext, device: torch.device) -> list[int]:
     """Every rank's shard size by asking them (one tiny collective); the trainer knows them without it."""
     if not ctx.enabled:

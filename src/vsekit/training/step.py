@@ -25,7 +25,13 @@ import torch
 
 from vsekit.config import ConfigError, Recipe
 from vsekit.data.batch import Batch
-from vsekit.distributed import DistContext, all_gather_rows, all_gather_with_grad, local_shard_sizes
+from vsekit.distributed import (
+    DistContext,
+    all_gather_rows,
+    all_gather_with_grad,
+    local_shard_sizes,
+    row_sizes,
+)
 from vsekit.losses.base import InBatchLoss
 from vsekit.models.vse import VSEModel
 from vsekit.training.cuda_graph import CudaCapture, EagerCapture, StepGraphs, make_capturable
@@ -138,8 +144,9 @@ class TrainStep:
             img, txt = parts.encode(batch, self.generator, graph)
             image_ids, caption_ids = batch.image_index, batch.caption_index
             if ctx.enabled:  # every rank scores the global batch: its negatives are everyone's
-                sizes = shard_sizes or local_shard_sizes(img.shape[0], ctx, self.device)
-                img, txt = all_gather_with_grad(img, sizes, ctx), all_gather_with_grad(txt, sizes, ctx)
+                sizes = shard_sizes or local_shard_sizes(image_ids.shape[0], ctx, self.device)
+                img = all_gather_with_grad(img, row_sizes(sizes, img, image_ids.shape[0]), ctx)
+                txt = all_gather_with_grad(txt, row_sizes(sizes, txt, image_ids.shape[0]), ctx)
                 image_ids, caption_ids = (
                     all_gather_rows(image_ids, sizes, ctx),
                     all_gather_rows(caption_ids, sizes, ctx),
