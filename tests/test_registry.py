@@ -280,3 +280,54 @@ def test_the_committed_recipe_keys_doc_is_current():
     assert DOC.read_text(encoding="utf-8") == recipe_keys_markdown(), (
         "regenerate: vse recipes --keys > docs/recipe_keys.md"
     )
+
+
+class _CountingWords(nn.Module):
+    """A caption encoder a test pooling brings: the sum of its words' one-hot counts (known by hand)."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab = vocab
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        valid = torch.arange(tokens.shape[1])[None, :] < lengths[:, None]
+        return torch.nn.functional.one_hot(tokens * valid, self.vocab).float().mul(valid[..., None]).sum(1)
+
+
+def test_a_pooling_can_bring_its_own_encoder_and_only_a_pooling():
+    """A pooling registered with `encoders` replaces the caption encoder of the kind it names (as ESA's does),
+    and only there: the image side, and the same pooling on another text encoder, stay the built-in ones."""
+    from vsekit.models.text import BagOfWordsTextEncoder, BiGRUTextEncoder
+    from vsekit.models.vse import DataSpec, VSEModel
+
+    words = [f"w{i}" for i in range(6)]
+    registry.register(
+        "pooling",
+        "counting",
+        build=lambda cfg, dim: nn.Identity(),
+        help="test",
+        encoders={"text:bigru": lambda recipe, spec: _CountingWords(len(spec.vocab_words))},
+    )
+    try:
+        recipe = load_recipe("vsepp", ["model.text.pooling.name=counting", "model.embed_dim=6"])
+        model = VSEModel(recipe, DataSpec(img_dim=4, vocab_words=words))
+        assert isinstance(model.text_encoder, _CountingWords)
+        out = model.text_encoder(torch.tensor([[1, 2, 2, 5]]), torch.tensor([3]))
+        assert out.tolist() == [[0.0, 1.0, 2.0, 0.0, 0.0, 0.0]]  # word 5 is past the length
+        bow = load_recipe("bow", ["model.text.pooling.name=counting", "model.embed_dim=6"])
+        assert isinstance(
+            VSEModel(bow, DataSpec(img_dim=4, vocab_words=words)).text_encoder, BagOfWordsTextEncoder
+        )
+        plain = VSEModel(load_recipe("vsepp", ["model.embed_dim=6"]), DataSpec(img_dim=4, vocab_words=words))
+        assert isinstance(plain.text_encoder, BiGRUTextEncoder)
+    finally:
+        registry.unregister("pooling", "counting")
+    with pytest.raises(RegistryError, match="only a pooling brings its own encoders"):
+        registry.register(
+            "loss", "x", build=lambda cfg: nn.Identity(), help="x", encoders={"text:bigru": print}
+        )
+    with pytest.raises(RegistryError, match="must read 'image:KIND' or 'text:KIND'"):
+        registry.register(
+            "pooling", "y", build=lambda cfg, dim: nn.Identity(), help="y", encoders={"bigru": print}
+        )
+    assert "y" not in registry.names("pooling")

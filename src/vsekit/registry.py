@@ -31,7 +31,7 @@ import copy
 import dataclasses
 import math
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,6 +115,9 @@ class Part:
     help: str
     module: str  # where it was registered (for the duplicate message)
     shared: bool = False
+    # a pooling that brings its own encoder for an encoder kind: {"image:precomp": build, "text:bigru": build},
+    # each `build(recipe, spec)` -> the encoder, or None where the pooling's own encoder does not apply
+    encoders: Mapping[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
 
     def fields(self) -> dict[str, tuple[dataclasses.Field, Any]]:
         hints = typing.get_type_hints(self.settings)
@@ -187,10 +190,17 @@ def _add(part: Part) -> Part:
 
 
 def register(
-    kind: str, name: str, settings: type[Settings] = Settings, *, build: Callable[..., Any], help: str
+    kind: str,
+    name: str,
+    settings: type[Settings] = Settings,
+    *,
+    build: Callable[..., Any],
+    help: str,
+    encoders: Mapping[str, Callable[..., Any]] | None = None,
 ) -> Part:
     """Register the part a recipe names `name` in a section of `kind`, with its settings and builder; a name
-    already registered for that kind is an error (unregister it first)."""
+    already registered for that kind is an error (unregister it first). `encoders` (poolings only): the
+    encoders the pooling brings, by "side:encoder kind" (`pooling_encoder`)."""
     _check_kind(kind)
     _ensure_loaded()  # the built-in parts first, so a clash with one of them is found here
     if not name or not name.replace("_", "").replace("-", "").isalnum():
@@ -198,7 +208,16 @@ def register(
     for p in _ENTRIES[kind]:
         if not p.shared and p.name == name:
             raise RegistryError(f"{kind} {name!r} is already registered (by {p.module}); unregister it first")
-    return _add(Part(kind, name, settings, build, help, getattr(build, "__module__", "?") or "?"))
+    if encoders and kind != "pooling":
+        raise RegistryError(f"{kind} {name!r}: only a pooling brings its own encoders")
+    for key in encoders or {}:
+        side, _, encoder_kind = key.partition(":")
+        if side not in ("image", "text") or not encoder_kind:
+            raise RegistryError(
+                f"pooling {name!r}: encoder key {key!r} must read 'image:KIND' or 'text:KIND'"
+            )
+    module = getattr(build, "__module__", "?") or "?"
+    return _add(Part(kind, name, settings, build, help, module, encoders=dict(encoders or {})))
 
 
 def register_shared(kind: str, settings: type[Settings], *, help: str) -> Part:
@@ -245,6 +264,14 @@ def get(kind: str, name: str) -> Part:
         if p.name == name:
             return p
     raise ValueError(f"unknown {kind.replace('_', ' ')} {name!r}; choose one of {', '.join(names(kind))}")
+
+
+def pooling_encoder(side: str, encoder_kind: str, recipe: Any, spec: Any) -> Any:
+    """The encoder that the pooling of `side` ("image" or "text") brings for `encoder_kind`, built for
+    `recipe`, or None when it brings none (the encoder kind's own builder then builds it)."""
+    pooling = recipe.model.image.pooling if side == "image" else recipe.model.text.pooling
+    build = get("pooling", pooling.name).encoders.get(f"{side}:{encoder_kind}")
+    return build(recipe, spec) if build is not None else None
 
 
 def keys(kind: str) -> dict[str, Key]:

@@ -1,6 +1,6 @@
 """ESA's aggregator as a pooling a recipe names (`model.image.pooling.name: esa`, `model.text.pooling.name: esa`),
 with its settings; on precomputed region features and on BiGRU captions it brings ESA's own encoders, which make
-two views of each item in training (`vsekit.models.esa`; the precomp and bigru builders pick them). Torch-free."""
+two views of each item in training (`vsekit.models.esa`), registered as the pooling's `encoders`. Torch-free."""
 
 from __future__ import annotations
 
@@ -85,11 +85,30 @@ def _esa_pool(cfg: Any, dim: int) -> Any:
     return ESAPool(dim, cfg.esa_mask_padding)
 
 
+def _esa_image_encoder(recipe: Any, spec: Any) -> Any:
+    """ESA's region encoder (two views in training) where it applies, else None (the plain precomp one)."""
+    if not makes_views("model.image", recipe):
+        return None
+    from vsekit.models.esa import ESAImageEncoder
+
+    m = recipe.model
+    return ESAImageEncoder(spec.img_dim, m.embed_dim, m.image, m.normalize, m.l2_form)
+
+
+def _esa_text_encoder(recipe: Any, spec: Any) -> Any:
+    """ESA's BiGRU caption encoder (two augmented copies of each caption in training)."""
+    from vsekit.models.esa import ESATextEncoder
+
+    m = recipe.model
+    return ESATextEncoder(spec.vocab_words, m.embed_dim, m.text, m.normalize, m.l2_form)
+
+
 register(
     "pooling",
     "esa",
     ESAPoolSettings,
     build=_esa_pool,
+    encoders={"image:precomp": _esa_image_encoder, "text:bigru": _esa_text_encoder},
     help="ESA's aggregator: a per-channel softmax of linear scores over the set (two views in training "
     "on region features and BiGRU captions: loss sel)",
 )

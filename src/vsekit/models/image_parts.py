@@ -8,8 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vsekit.models.esa_parts import makes_views
-from vsekit.registry import Settings, register, setting
+from vsekit.registry import Settings, pooling_encoder, register, setting
 
 
 @dataclass
@@ -117,10 +116,9 @@ def _precomp(recipe: Any, spec: Any) -> Any:
         from vsekit.models.multiview import MultiViewImageEncoder
 
         return MultiViewImageEncoder(spec.img_dim, m.embed_dim, m.image, m.normalize, m.l2_form)
-    if makes_views("model.image", recipe) and m.image.pooling.name == "esa":  # ESA: two views in training
-        from vsekit.models.esa import ESAImageEncoder
-
-        return ESAImageEncoder(spec.img_dim, m.embed_dim, m.image, m.normalize, m.l2_form)
+    own = pooling_encoder("image", "precomp", recipe, spec)
+    if own is not None:
+        return own
     from vsekit.models.image import PrecompImageEncoder
 
     return PrecompImageEncoder(spec.img_dim, m.embed_dim, m.image, m.normalize, m.l2_form)

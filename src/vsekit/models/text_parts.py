@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vsekit.registry import Settings, register, setting
+from vsekit.registry import Settings, pooling_encoder, register, setting
 
 
 @dataclass
@@ -87,11 +87,10 @@ def _bigru(recipe: Any, spec: Any) -> Any:
     from vsekit.models.text import BiGRUTextEncoder
 
     m = recipe.model
-    if m.text.pooling.name == "esa":  # ESA: two augmented copies of each caption in training
-        from vsekit.models.esa import ESATextEncoder
-
-        _vocabulary_size("bigru", spec)
-        return ESATextEncoder(spec.vocab_words, m.embed_dim, m.text, m.normalize, m.l2_form)
+    _vocabulary_size("bigru", spec)
+    own = pooling_encoder("text", "bigru", recipe, spec)
+    if own is not None:
+        return own
     return BiGRUTextEncoder(_vocabulary_size("bigru", spec), m.embed_dim, m.text, m.normalize, m.l2_form)
 
 
