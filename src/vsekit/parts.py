@@ -16,11 +16,13 @@ import typing
 from typing import Any
 
 import vsekit.losses.esa_parts  # noqa: F401  (registers on import)
+import vsekit.losses.hrem_parts  # noqa: F401
 import vsekit.losses.parts  # noqa: F401  (registers on import)
 import vsekit.models.chan_parts  # noqa: F401
 import vsekit.models.esa_parts  # noqa: F401
 import vsekit.models.image_parts  # noqa: F401
 import vsekit.models.text_parts  # noqa: F401
+import vsekit.pooling.hrem_parts  # noqa: F401
 import vsekit.pooling.parts  # noqa: F401
 import vsekit.similarity.parts  # noqa: F401
 from vsekit import registry

@@ -59,21 +59,6 @@ class ADPoolSettings(Settings):
             raise ConfigError(f"{where}: adpool needs token_level or embedding_level (both are false)")
 
 
-@dataclass
-class HREMPoolSettings(KMaxSettings):
-    hrem_heads: int = setting(16, "hrem: attention heads of the aggregating transformer layer", rule=">= 1")
-    hrem_residual_weight: float = setting(
-        0.8, "hrem: weight of the k-max pooling; the transformer layer's mean gets the rest", rule="in [0, 1]"
-    )
-    hrem_dropout: float = setting(0.1, "hrem: dropout of the transformer layer in training", rule="in [0, 1]")
-
-
-def _hrem(cfg: Any, dim: int) -> Any:
-    from vsekit.pooling.hrem import HREMPool
-
-    return HREMPool(dim, cfg.hrem_heads, cfg.hrem_residual_weight, cfg.k, cfg.hrem_dropout)
-
-
 def _avg(cfg: Any, dim: int) -> Any:
     from vsekit.pooling.basic import AvgPool
 
@@ -134,12 +119,5 @@ register(
     ADPoolSettings,
     build=_adpool,
     help="VSE+2AD's ADPOOL: a learned mix of a rank-weighted sum and a per-dimension softmax pooling",
-)
-register(
-    "pooling",
-    "hrem",
-    HREMPoolSettings,
-    build=_hrem,
-    help="HREM's blend: k-max pooling (k) and the mean of one transformer layer over the set",
 )
 register("pooling", "cls", build=_cls, help="the first vector of the set (a transformer's [CLS] state)")
