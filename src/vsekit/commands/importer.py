@@ -1,28 +1,29 @@
-"""`vse import KIND CHECKPOINT --out RUN`: a released VSE∞ / VSE+2AD / AVSE checkpoint as a vsekit run."""
+"""`vse import KIND CHECKPOINT --out RUN`: a released checkpoint (VSE∞, VSE+2AD, AVSE, HREM, ESA, CHAN) as a
+vsekit run."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 
 from vsekit.commands.argtypes import POSITIVE
+
+# the releases whose importer is a module of its own: kind -> (module, function, the options it takes)
+OWN_IMPORTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "chan": ("vsekit.interop.chan", "import_chan", ("vocab",)),
+    "esa": ("vsekit.interop.esa", "import_esa", ("vocab",)),
+    "hrem": ("vsekit.interop.hrem", "import_hrem", ("text_config",)),
+}
 
 
 def run_import(args: argparse.Namespace) -> int:
     from vsekit.interop.released import check_out_dir, import_checkpoint, write_imported_run
 
     check_out_dir(args.out)  # a bad --out is reported before the checkpoint is read
-    if args.kind == "chan":  # its importer is its own module (vsekit.interop.chan)
-        from vsekit.interop.chan import import_chan
-
-        imported = import_chan(args.checkpoint, vocab=args.vocab)
-    elif args.kind == "esa":  # its importer is its own module (vsekit.interop.esa)
-        from vsekit.interop.esa import import_esa
-
-        imported = import_esa(args.checkpoint, vocab=args.vocab)
-    elif args.kind == "hrem":  # its importer is its own module (vsekit.interop.hrem)
-        from vsekit.interop.hrem import import_hrem
-
-        imported = import_hrem(args.checkpoint, text_config=args.text_config)
+    if args.kind in OWN_IMPORTERS:
+        module, function, options = OWN_IMPORTERS[args.kind]
+        importer = getattr(importlib.import_module(module), function)
+        imported = importer(args.checkpoint, **{o: getattr(args, o) for o in options})
     else:
         imported = import_checkpoint(
             args.kind,
@@ -51,10 +52,13 @@ def run_import(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("import", help="import a released VSE∞ / VSE+2AD / AVSE checkpoint as a vsekit run")
+    p = sub.add_parser(
+        "import",
+        help="import a released VSE∞ / VSE+2AD / AVSE / HREM / ESA / CHAN checkpoint as a vsekit run",
+    )
     p.add_argument(
         "kind",
-        choices=("vse_infty", "vse_2ad", "avse", "chan", "esa", "hrem"),
+        choices=("vse_infty", "vse_2ad", "avse", *OWN_IMPORTERS),
         help="vse_infty: BiGRU or BERT release (detected from the keys)",
     )
     p.add_argument(
