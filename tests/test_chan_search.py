@@ -86,7 +86,7 @@ def test_two_stage_with_every_picture_shortlisted_equals_exhaustive_chan(chan_in
     sets = stored_sets(chan_index)
     n = len(sets)
     tau = engine.model.recipe.model.similarity.lse_temperature
-    assert engine.rerank and engine.sets and engine.shortlist_size(10) == n  # default max(100, 10k), <= n
+    assert engine.rerank and engine.sets and engine.shortlist_size(10) == n  # default max(500, 50k), <= n
     for text in ["a red circle", "a blue square", "a green triangle", "yellow"]:
         words = engine.text.embed([text])[0].numpy()
         want = numpy_chan(sets, words, tau)
@@ -253,3 +253,17 @@ def test_sets_of_different_widths_are_stored_at_the_splits_width(chan_shapes, tm
     want = numpy_chan(sets, words, engine.model.recipe.model.similarity.lse_temperature)
     got = engine.search_text("a red circle", k=len(sets), shortlist=len(sets))
     np.testing.assert_allclose([h.score for h in got], np.sort(want)[::-1], atol=ATOL)
+
+
+@pytest.mark.slow
+def test_default_shortlists_of_a_set_model(chan_index):
+    """Text -> pictures of a CHAN index re-scores max(50k, 500) pictures by default (its one-vector proxy ranks
+    worse than AVSE's, docs/benchmarks.md); picture -> captions keeps max(10k, 100), since each shortlisted
+    caption is re-encoded; explicit rerank settings replace both."""
+    engine = SearchEngine.open(chan_index)
+    big = 1_000_000
+    assert [engine._depth(k, big, engine.picture_rule) for k in (1, 10, 20)] == [500, 500, 1000]
+    assert [engine._depth(k, big, engine.caption_rule) for k in (1, 10, 20)] == [100, 100, 200]
+    assert engine._depth(10, 300, engine.picture_rule) == 300  # never more than the index holds
+    fixed = SearchEngine(engine.index, engine.model, engine.run_cfg, rerank_factor=2, rerank_min=7)
+    assert fixed._depth(10, big, fixed.picture_rule) == fixed._depth(10, big, fixed.caption_rule) == 20

@@ -476,6 +476,6 @@ def add_shortlist_arg(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="runs whose similarity is not an inner product (AVSE, CHAN): the N pictures the first stage "
-        "ranks by one vector each that the model's own similarity re-scores (default max(10*k, 100); "
-        "more = closer to exhaustive scoring, slower)",
+        "ranks by one vector each that the model's own similarity re-scores (default max(10*k, 100), "
+        "for CHAN's sets max(50*k, 500); more = closer to exhaustive scoring, slower)",
     )

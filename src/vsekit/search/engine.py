@@ -4,8 +4,8 @@ where needed.
 For cosine models the FAISS inner product *is* the model's similarity, so a flat index is exact and an
 IVF/HNSW index only risks missing items. AEOM (AVSE) scores an image's several views block by block, which
 no inner-product index can do: the index ranks a shortlist by the views' mean, and the shortlist is
-re-scored exactly with `model.similarity` (depth = max(rerank_factor*k, rerank_min) candidates, or the
-`shortlist` an engine or a call is given). A late-interaction (CHAN) model is searched the same way: the index
+re-scored exactly with `model.similarity` (depth = max(factor*k, least) candidates, `VIEW_SHORTLIST` or for a
+model of sets `SET_SHORTLIST`, or the `shortlist` an engine or a call is given). A late-interaction (CHAN) model is searched the same way: the index
 holds each picture's set of region vectors (flattened, padding rows zero) and its proxy, the normalised mean of
 the regions; a text query's proxy is the normalised mean of its word vectors (`vsekit.search.proxies`), and the
 shortlist those two rank is re-scored with the model's late interaction. Picture -> captions re-scores its
@@ -47,6 +47,13 @@ from vsekit.search.proxies import query_proxies
 from vsekit.search.store import IndexFormatError, SearchIndex
 from vsekit.utils.io import sha256_file
 
+# The default shortlist, max(factor * k, least), by how well a model's one-vector proxy ranks for its
+# similarity (docs/benchmarks.md, "Two-stage CHAN search"): the mean of AVSE's views; the mean of a set's region
+# vectors, which on a CHAN model trained on real pictures keeps 80 % of the exhaustive top-10 at 100 and 96.5 %
+# at 500 (2,506 pictures).
+VIEW_SHORTLIST = (10, 100)
+SET_SHORTLIST = (50, 500)
+
 
 @dataclass
 class Hit:
@@ -73,8 +80,8 @@ class SearchEngine:
         model,
         run_cfg: dict,
         device: str | torch.device = "cpu",
-        rerank_factor: int = 10,
-        rerank_min: int = 100,
+        rerank_factor: int | None = None,
+        rerank_min: int | None = None,
         shortlist: int | None = None,
     ) -> None:
         self.index = index
@@ -83,10 +90,19 @@ class SearchEngine:
         self.device = torch.device(device)
         self.text = TextEmbedder(model, device)
         self.rerank = needs_rerank(model)
-        self.rerank_factor = rerank_factor
-        self.rerank_min = rerank_min
-        self.shortlist = check_shortlist(shortlist)
         self.sets = scores_sets(model)  # late interaction: pictures and queries are sets of vectors
+
+        # (factor, least) of the default shortlists: pictures for a text query; captions for a picture query
+        # (a set model re-encodes each shortlisted caption, so that side keeps the one-vector rule)
+        def rule(default: tuple[int, int]) -> tuple[int, int]:
+            return (
+                default[0] if rerank_factor is None else rerank_factor,
+                default[1] if rerank_min is None else rerank_min,
+            )
+
+        self.picture_rule = rule(SET_SHORTLIST if self.sets else VIEW_SHORTLIST)
+        self.caption_rule = rule(VIEW_SHORTLIST)
+        self.shortlist = check_shortlist(shortlist)
         self.emb_shape = tuple(index.meta.get("image_emb_shape") or [])
         self._images: ImageEmbedder | None = None
         self._images_lock = threading.Lock()
@@ -132,18 +148,18 @@ class SearchEngine:
         h = self._hit_for_picture(int(pid), score)
         return Hit(cid, score, h.path, h.file, cap["text"], int(pid))
 
-    def _depth(self, k: int, n: int, shortlist: int | None = None) -> int:
+    def _depth(self, k: int, n: int, rule: tuple[int, int], shortlist: int | None = None) -> int:
         """How many candidates the first stage hands the exact re-scoring: the call's `shortlist`, else the
-        engine's, else max(rerank_factor*k, rerank_min); never fewer than k nor more than n. A model whose
+        engine's, else max(factor*k, least) of `rule`; never fewer than k nor more than n. A model whose
         similarity is the inner product needs no re-scoring: k."""
         if not self.rerank:
             return min(k, n)
-        depth = check_shortlist(shortlist) or self.shortlist or max(k * self.rerank_factor, self.rerank_min)
+        depth = check_shortlist(shortlist) or self.shortlist or max(k * rule[0], rule[1])
         return min(n, max(k, depth))
 
     def shortlist_size(self, k: int, shortlist: int | None = None) -> int:
         """How many pictures a text query for k hits re-scores exactly (k when nothing is re-scored)."""
-        return self._depth(k, self.index.n_pictures, shortlist)
+        return self._depth(k, self.index.n_pictures, self.picture_rule, shortlist)
 
     # ---------------------------------------------------------------------------------- text -> image
     @torch.no_grad()
@@ -156,7 +172,7 @@ class SearchEngine:
         if n == 0 or k < 1:
             return [[] for _ in range(len(queries))]
         q = query_proxies(queries, self.model.recipe.model.embed_dim, self.sets)
-        scores, ids = self.index.image_faiss.search(q, self._depth(k, n, shortlist))
+        scores, ids = self.index.image_faiss.search(q, self._depth(k, n, self.picture_rule, shortlist))
         out = []
         for qi in range(len(q)):
             valid = ids[qi] >= 0
@@ -214,7 +230,7 @@ class SearchEngine:
         if idx is None or n == 0 or k < 1:
             return [[] for _ in range(len(image_emb))]
         proxy = np.ascontiguousarray(proxy_vectors(self.model, image_emb).cpu().numpy())
-        scores, ids = idx.search(proxy, self._depth(k, n))
+        scores, ids = idx.search(proxy, self._depth(k, n, self.caption_rule))
         out = []
         for qi in range(len(proxy)):
             valid = ids[qi] >= 0
