@@ -172,6 +172,12 @@ def three_builds(pics, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.mark.slow  # three Lite0 builds of 200 pictures: ~10 s on an idle 2-core CPU, more when it is shared
+def folder_pixels(root: Path, out: Path, *extra: str, test: str = "1", quiet: bool = False) -> int:
+    """`vse [-q] data folder ROOT --out OUT --pixels --dev 1 --test TEST EXTRA...`."""
+    argv = ["data", "folder", str(root), "--out", str(out), "--pixels", "--dev", "1", "--test", test, *extra]
+    return main(["-q", *argv] if quiet else argv)
+
+
 def test_folder_table_and_shards_give_the_same_dataset(three_builds, pics):
     outs = [three_builds[k] for k in ("folder", "table", "webdataset")]
     ids_seen: set[str] = set()
@@ -618,50 +624,13 @@ def test_a_foreign_dataset_folder_is_kept_unless_overwrite(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "train_caps.txt").write_text("someone else's captions\n")
-    assert (
-        main(["data", "folder", str(root), "--out", str(out), "--pixels", "--dev", "1", "--test", "1"]) == 2
-    )
+    assert folder_pixels(root, out) == 2
     assert "--overwrite" in capsys.readouterr().err
     assert (out / "train_caps.txt").read_text() == "someone else's captions\n"
-    assert (
-        main(
-            [
-                "data",
-                "folder",
-                str(root),
-                "--out",
-                str(out),
-                "--pixels",
-                "--dev",
-                "1",
-                "--test",
-                "1",
-                "--overwrite",
-                "--no-progress",
-            ]
-        )
-        == 0
-    )
+    assert folder_pixels(root, out, "--overwrite", "--no-progress") == 0
     assert check_dataset(out).ok
     # a later build into the same folder needs no --overwrite, and a split no longer built loses its files
-    assert (
-        main(
-            [
-                "data",
-                "folder",
-                str(root),
-                "--out",
-                str(out),
-                "--pixels",
-                "--dev",
-                "1",
-                "--test",
-                "0",
-                "--no-progress",
-            ]
-        )
-        == 0
-    )
+    assert folder_pixels(root, out, "--no-progress", test="0") == 0
     assert not list(out.glob("test_*")) and check_dataset(out).ok
 
 
@@ -669,24 +638,7 @@ def test_pixels_reference_the_pictures_where_they_are(tmp_path):
     pics = make_pictures(6)
     root = write_folder(tmp_path / "in" / "nested", pics)
     out = tmp_path / "out"
-    assert (
-        main(
-            [
-                "data",
-                "folder",
-                str(tmp_path / "in"),
-                "--out",
-                str(out),
-                "--pixels",
-                "--dev",
-                "1",
-                "--test",
-                "1",
-                "--no-progress",
-            ]
-        )
-        == 0
-    )
+    assert folder_pixels(tmp_path / "in", out, "--no-progress") == 0
     sp = load_precomp_split(out, "train")
     assert not sp.has_features and sp.image_ids[0].startswith("nested/")
     for i in range(sp.n_images):
@@ -701,24 +653,7 @@ def test_pixels_reference_the_pictures_where_they_are(tmp_path):
         draw("blue", "bar", "centre", "large")
     )  # at the images root's top
     (root.parent / " lead.txt").write_text("a large blue bar\n")
-    assert (
-        main(
-            [
-                "data",
-                "folder",
-                str(tmp_path / "in"),
-                "--out",
-                str(out),
-                "--pixels",
-                "--dev",
-                "1",
-                "--test",
-                "1",
-                "--no-progress",
-            ]
-        )
-        == 0
-    )
+    assert folder_pixels(tmp_path / "in", out, "--no-progress") == 0
     m = json.loads((out / "manifest.json").read_text())
     assert "images_root" not in m and m["build"]["copy_images"]
     ids = [i for s in SPLITS for i in (out / f"{s}_ids.txt").read_text().split()]
@@ -731,42 +666,9 @@ def test_pixels_reference_the_pictures_where_they_are(tmp_path):
 
 def test_progress_bars_go_quiet_under_q(tmp_path, capsys):
     root = write_folder(tmp_path / "in", make_pictures(4))
-    assert (
-        main(
-            [
-                "data",
-                "folder",
-                str(root),
-                "--out",
-                str(tmp_path / "a"),
-                "--pixels",
-                "--dev",
-                "1",
-                "--test",
-                "1",
-            ]
-        )
-        == 0
-    )
+    assert folder_pixels(root, tmp_path / "a") == 0
     assert "check pictures" in capsys.readouterr().err  # the bar, written once at the end off a terminal
-    assert (
-        main(
-            [
-                "-q",
-                "data",
-                "folder",
-                str(root),
-                "--out",
-                str(tmp_path / "b"),
-                "--pixels",
-                "--dev",
-                "1",
-                "--test",
-                "1",
-            ]
-        )
-        == 0
-    )
+    assert folder_pixels(root, tmp_path / "b", quiet=True) == 0
     captured = capsys.readouterr()
     assert "check pictures" not in captured.err and "dataset ready" in captured.out
 

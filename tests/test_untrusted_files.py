@@ -80,6 +80,12 @@ def shas_of_set(out: Path) -> set[str]:
     }
 
 
+def build_folder(root: Path, out: Path, *extra: str) -> int:
+    """`vse data folder ROOT --out OUT --pixels`, every picture in train (no dev or test split)."""
+    argv = ["data", "folder", str(root), "--out", str(out), "--pixels", "--no-progress"]
+    return main([*argv, "--dev", "0", "--test", "0", *extra])
+
+
 def run_bounded(argv: list[str], cwd: Path, memory: int = MEMORY_LIMIT) -> subprocess.CompletedProcess:
     """`vse ARGV` in a child process limited to `memory` bytes of address space and TIMEOUT_S seconds: a hang or
     an unbounded read fails (subprocess.TimeoutExpired, or a non-zero exit) instead of running forever."""
@@ -185,24 +191,7 @@ def test_folder_caption_link_out_of_the_folder_is_never_read(tmp_path, capsys):
     (root / "p0.txt").unlink()
     os.symlink(secret_file(tmp_path / "secret.txt"), root / "p0.txt")
     out = tmp_path / "out"
-    assert (
-        main(
-            [
-                "data",
-                "folder",
-                str(root),
-                "--out",
-                str(out),
-                "--pixels",
-                "--no-progress",
-                "--dev",
-                "0",
-                "--test",
-                "0",
-            ]
-        )
-        == 0
-    )
+    assert build_folder(root, out) == 0
     err = capsys.readouterr().err
     assert SECRET not in written_text(out) and SECRET not in err
     said = [line for line in (out / "problems.txt").read_text().splitlines() if line.startswith("p0.txt")]
@@ -218,25 +207,7 @@ def test_folder_picture_link_out_of_the_folder_is_never_read(tmp_path, capsys):
     (root / "link.txt").write_text("a picture from elsewhere\n")
     for copy in ([], ["--copy-images"]):
         out = tmp_path / f"out{len(copy)}"
-        assert (
-            main(
-                [
-                    "data",
-                    "folder",
-                    str(root),
-                    "--out",
-                    str(out),
-                    "--pixels",
-                    "--no-progress",
-                    "--dev",
-                    "0",
-                    "--test",
-                    "0",
-                    *copy,
-                ]
-            )
-            == 0
-        )
+        assert build_folder(root, out, *copy) == 0
         assert "link.png: unreadable picture" in capsys.readouterr().err
         assert hashlib.sha256(outside).hexdigest() not in shas_of_set(out)
         assert (out / "train_ids.txt").read_text().split() == ["p0", "p1"]
@@ -279,24 +250,7 @@ def test_x_jpg_and_x_png_beside_x_txt_are_both_reported_and_skipped(tmp_path, ca
     Image.new("RGB", (16, 16), (100, 1, 1)).save(root / "x.jpg")
     (root / "x.txt").write_text("which one am I?\n")
     out = tmp_path / "out"
-    assert (
-        main(
-            [
-                "data",
-                "folder",
-                str(root),
-                "--out",
-                str(out),
-                "--pixels",
-                "--no-progress",
-                "--dev",
-                "0",
-                "--test",
-                "0",
-            ]
-        )
-        == 0
-    )
+    assert build_folder(root, out) == 0
     capsys.readouterr()
     problems = (out / "problems.txt").read_text().splitlines()
     assert [line.split(": ")[:2] for line in problems] == [["x.jpg", "name clash"], ["x.png", "name clash"]]
@@ -314,24 +268,7 @@ def test_a_file_that_is_not_a_picture_is_reported_by_its_name(tmp_path, capsys):
     (root / "notes.png").write_bytes(b"just some text, no picture")
     (root / "notes.txt").write_text("a caption\n")
     out = tmp_path / "out"
-    assert (
-        main(
-            [
-                "data",
-                "folder",
-                str(root),
-                "--out",
-                str(out),
-                "--pixels",
-                "--no-progress",
-                "--dev",
-                "0",
-                "--test",
-                "0",
-            ]
-        )
-        == 0
-    )
+    assert build_folder(root, out) == 0
     line = next(x for x in capsys.readouterr().err.splitlines() if "notes.png" in x)
     assert "notes.png: unreadable picture: cannot read image" in line
     assert "object at 0x" not in line and "BytesIO" not in line
