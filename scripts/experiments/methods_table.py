@@ -87,6 +87,14 @@ ROWS = [
         "HREM (relation graph in the loss), MiniLM body frozen",
         ("model.text.freeze=true",),
     ),
+    # a diagnostic row: HREM's encoders and base triplet term, its graph never joining (warm-up past the end)
+    Row(
+        "hrem_minilm_frozen_nograph",
+        "",
+        "hrem",
+        "HREM encoders without the graph (base triplet only), MiniLM body frozen",
+        ("model.text.freeze=true", "loss.hrem_warmup_iters=1000000"),
+    ),
 ]
 
 
@@ -98,6 +106,8 @@ def method_overrides(row: Row, data: Path, epochs: int) -> tuple[str, ...]:
         batch = int(next(o for o in DEMO_OVERRIDES if o.startswith("train.batch_size=")).split("=")[1])
         dim = int(next(o for o in DEMO_OVERRIDES if o.startswith("model.embed_dim=")).split("=")[1])
         warm = hrem_warmup_iters(count_lines(data / "train_caps.txt"), batch, epochs)
+        if any(e.startswith("loss.hrem_warmup_iters=") for e in row.extra):
+            return (f"loss.hrem_embed_dim={dim}",)  # the row sets its own warm-up
         return (f"loss.hrem_embed_dim={dim}", f"loss.hrem_warmup_iters={warm}")
     return ()
 
