@@ -116,7 +116,7 @@ METHOD_NOTES = [
     "Every row: `vsekit_lab.demo.demo_overrides` (512-d, grid features, vocabulary min count 1, batch 128, "
     "8 epochs with x0.1 at epoch 6; the floor: its own 30 epochs, no decay), best-on-dev epoch, test split.",
     "ESA, CHAN, HREM keep their recipes' optimizer and loss settings (ESA: Adam without weight decay, SEL "
-    "margin 0.2; CHAN: AdamW 0.01, hinge margin 0.05, LSE τ 0.1; HREM: AdamW 1e-4, 0.1x on the body). "
+    "margin 0.2; CHAN: AdamW 0.01, hinge margin 0.05, LSE τ 0.1; HREM: AdamW 5e-4 with weight decay 1e-4, margin 0.2). "
     "The demo's overrides replace CHAN's batch 384 by 128 and HREM's two decays (epochs 15, 25 of 30) by one "
     "at epoch 6.",
     "ESA: `model.image.feature_type=region` on top of the demo's overrides, i.e. the same grid features read "
@@ -129,6 +129,10 @@ METHOD_NOTES = [
     "`loss.hrem_embed_dim` = 512 to match the demo's embedding; `loss.hrem_warmup_iters` scaled from the "
     "release's 8,000 of 33,960 steps (30 epochs x 1,132 Flickr30K steps, 23.6 %) to the same share of this "
     "run's steps.",
+    "CHAN, margin 0.5: `loss.margin=0.5`, the release's 0.05 on the cosine scale (its LSE score is not "
+    "rescaled by τ = 0.1); at 0.05 the warm-up settles where every score is equal (docs/chan.md).",
+    "HREM without the graph (diagnostic): `loss.hrem_warmup_iters=1000000`, so the graph never joins and the "
+    "loss is HREM's base triplet term on its own encoders.",
 ]
 
 
