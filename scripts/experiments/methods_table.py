@@ -248,67 +248,83 @@ def load_results(out: Path, seeds: list[int]) -> dict[str, list[dict]]:
     return found
 
 
-def load_failures(out: Path, seeds: list[int]) -> dict[str, str]:
-    """The errors of runs that failed and have not finished since (kept in the run folder, so a later
-    `--report-only` still names them)."""
-    failures = {}
-    for row in ROWS:
-        for s in seeds:
-            folder = run_dir(out, row, s)
-            if (folder / "failed.txt").is_file() and not (folder / "study_result.json").is_file():
-                failures[f"{row.name} seed {s}"] = (folder / "failed.txt").read_text(encoding="utf-8").strip()
-    return failures
+def failed_runs(folders: dict[str, Path], done_name: str) -> dict[str, str]:
+    """The errors of runs (name -> folder) that failed and have not finished since (`failed.txt` without
+    `done_name` in the folder), so a later `--report-only` still names them."""
+    return {
+        name: (folder / "failed.txt").read_text(encoding="utf-8").strip()
+        for name, folder in folders.items()
+        if (folder / "failed.txt").is_file() and not (folder / done_name).is_file()
+    }
 
 
-def report(args) -> str:
-    out = Path(args.out)
-    results = load_results(out, args.seeds)
-    failures = load_failures(out, args.seeds)
+def table_head() -> list[str]:
     head = "| model | seeds | " + " | ".join(k.replace("_r", " R@") for k in KEYS)
-    head += " | best epochs | trainable params | train time (s) |"
-    lines = [head, "|" + "---|" * (len(KEYS) + 5)]
-    missing = []
-    for row in ROWS:
-        runs = results.get(row.name, [])
-        done = {r["seed"] for r in runs}
-        missing += [f"{row.name} seed {s}" for s in args.seeds if s not in done]
-        if not runs:
-            continue
-        cells = [mean_std([r["test"][k] for r in runs]) for k in KEYS]
-        times = [r["train_time_s"] for r in runs if r["train_time_s"] == r["train_time_s"]]  # NaN: unknown
-        lines.append(
-            f"| {runs[0]['label']} | {', '.join(str(r['seed']) for r in runs)} | "
-            + " | ".join(cells)
-            + f" | {', '.join(str(r['best_epoch']) for r in runs)} | {runs[0]['parameters']:,}"
-            + (f" | {statistics.fmean(times):.0f} |" if times else " | – |")
-        )
-    cmd = "nice -n 10 .venv/bin/python scripts/experiments/methods_table.py --data data/openclipart --out runs/methods"
-    parts = [
-        "# Methods on openclipart (test split, mean ± std over seeds, recalls in %)\n",
-        f"Command: `{cmd} --jobs {args.jobs}`\n",
-        "\n".join(lines),
-        "",
-        "Notes:\n",
-        *[f"- {n}" for n in METHOD_NOTES],
-        f"- Train time: the trainer's training seconds summed over the epochs (validation excluded), "
-        f"{args.threads} torch thread(s) a run, {args.jobs} runs at a time, niced, on a shared 2-core CPU "
-        "(other work ran beside it): compare them within this table only, loosely.",
-        "",
-    ]
+    return [head + " | best epochs | trainable params | train time (s) |", "|" + "---|" * (len(KEYS) + 5)]
+
+
+def table_row(label: str, runs: list[dict]) -> str:
+    """One row: mean ± std of each recall over the runs, their seeds, best epochs, size and train time."""
+    cells = [mean_std([r["test"][k] for r in runs]) for k in KEYS]
+    times = [r["train_time_s"] for r in runs if r["train_time_s"] == r["train_time_s"]]  # NaN: unknown
+    return (
+        f"| {label} | {', '.join(str(r['seed']) for r in runs)} | "
+        + " | ".join(cells)
+        + f" | {', '.join(str(r['best_epoch']) for r in runs)} | {runs[0]['parameters']:,}"
+        + (f" | {statistics.fmean(times):.0f} |" if times else " | – |")
+    )
+
+
+def write_report(
+    out: Path,
+    stem: str,
+    sections: list[str],
+    notes: list[str],
+    missing: list[str],
+    failures: dict,
+    results: dict,
+) -> str:
+    """OUT/STEM.md (the sections, the notes, what is missing or failed) and OUT/STEM.json; returns the text."""
+    parts = [*sections, "Notes:\n", *[f"- {n}" for n in notes], ""]
     if missing:
         parts.append("Missing (not finished): " + ", ".join(missing) + "\n")
     if failures:
         parts += ["Failed:\n", *[f"- {k}: {v}" for k, v in failures.items()], ""]
     text = "\n".join(parts)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "methods.md").write_text(text, encoding="utf-8")
-    (out / "methods.json").write_text(
-        json.dumps(
-            {"notes": METHOD_NOTES, "missing": missing, "failures": failures, "runs": results}, indent=1
-        ),
-        encoding="utf-8",
-    )
+    (out / f"{stem}.md").write_text(text, encoding="utf-8")
+    summary = {"notes": notes, "missing": missing, "failures": failures, "runs": results}
+    (out / f"{stem}.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
     return text
+
+
+def report(args) -> str:
+    out = Path(args.out)
+    results = load_results(out, args.seeds)
+    folders = {f"{row.name} seed {s}": run_dir(out, row, s) for row in ROWS for s in args.seeds}
+    lines, missing = table_head(), []
+    for row in ROWS:
+        runs = results.get(row.name, [])
+        done = {r["seed"] for r in runs}
+        missing += [f"{row.name} seed {s}" for s in args.seeds if s not in done]
+        if runs:
+            lines.append(table_row(runs[0]["label"], runs))
+    cmd = "nice -n 10 .venv/bin/python scripts/experiments/methods_table.py --data data/openclipart --out runs/methods"
+    sections = [
+        "# Methods on openclipart (test split, mean ± std over seeds, recalls in %)\n",
+        f"Command: `{cmd} --jobs {args.jobs}`\n",
+        "\n".join(lines),
+        "",
+    ]
+    notes = [
+        *METHOD_NOTES,
+        f"Train time: the trainer's training seconds summed over the epochs (validation excluded), "
+        f"{args.threads} torch thread(s) a run, {args.jobs} runs at a time, niced, on a shared 2-core CPU "
+        "(other work ran beside it): compare them within this table only, loosely.",
+    ]
+    return write_report(
+        out, "methods", sections, notes, missing, failed_runs(folders, "study_result.json"), results
+    )
 
 
 def main() -> int:

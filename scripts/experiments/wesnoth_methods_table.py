@@ -30,7 +30,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # the openclipart table owns the shared rules (release warm-up share, mean ± std, training seconds)
-from methods_table import count_lines, hrem_warmup_iters, mean_std, training_seconds
+from methods_table import (
+    count_lines,
+    failed_runs,
+    hrem_warmup_iters,
+    table_head,
+    table_row,
+    training_seconds,
+    write_report,
+)
 
 SEEDS = (0, 1, 2)
 KEYS = ["i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "rsum"]
@@ -102,12 +110,17 @@ def row_overrides(row: Row, data: Path) -> list[str]:
     return sets + [f"train.log_every={steps_per_epoch}"]
 
 
-def collapse_value(data: Path, margin: float, batch: int) -> float:
-    """The hardest-negative hinge's loss on a constant score matrix, averaged over one epoch's batches (2 B m
-    a batch, vsekit.training.collapse; the last batch is the partial one)."""
+def collapse_value(data: Path, loss_cfg, batch: int) -> float | None:
+    """The loss's value on a constant score matrix (`vsekit.training.collapse.collapse_value`, hardest negative,
+    no two captions of one clip counted apart), averaged over one epoch's batches (the last is the partial
+    one); None for a loss without one."""
+    from vsekit.training.collapse import collapse_value as hinge_value
+    from vsekit.training.collapse import negatives_per_row
+
     n = count_lines(data / "train_caps.txt")
     sizes = [batch] * (n // batch) + ([n % batch] if n % batch else [])
-    return statistics.fmean(2 * b * margin for b in sizes)
+    values = [hinge_value(loss_cfg, negatives_per_row(None, b, False), hardest=True) for b in sizes]
+    return None if values[0] is None else statistics.fmean(float(v) for v in values)
 
 
 def run_dir(out: Path, row: Row, seed: int) -> Path:
@@ -186,8 +199,6 @@ def run_one(row: Row, seed: int, data: Path, out: Path) -> dict:
     best = json.loads((folder / "best.json").read_text())
     model, _ = load_run(folder, "best", "cpu")
     losses = train_losses(folder)
-    margin = recipe.loss.margin
-    hinge = recipe.loss.name == "triplet" and recipe.loss.max_violation
     collapses = [
         json.loads(x)
         for x in (folder / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
@@ -205,7 +216,7 @@ def run_one(row: Row, seed: int, data: Path, out: Path) -> dict:
         "dev_rsum": best.get("rsum"),
         "test": json.loads(test_file.read_text()),
         "train_loss_by_epoch": losses,
-        "collapse_value_epoch_mean": collapse_value(data, margin, recipe.train.batch_size) if hinge else None,
+        "collapse_value_epoch_mean": collapse_value(data, recipe.loss, recipe.train.batch_size),
         "collapse_alarms": collapses,
         "dev_last_scores": dev_scores(folder),
         "train_time_s": training_seconds(folder),
@@ -231,16 +242,6 @@ def load_results(out: Path, seeds: list[int]) -> dict[str, list[dict]]:
     return found
 
 
-def load_failures(out: Path, seeds: list[int]) -> dict[str, str]:
-    failures = {}
-    for row in ROWS:
-        for s in seeds:
-            folder = run_dir(out, row, s)
-            if (folder / "failed.txt").is_file() and not (folder / "result.json").is_file():
-                failures[f"{row.name} seed {s}"] = (folder / "failed.txt").read_text(encoding="utf-8").strip()
-    return failures
-
-
 def loss_note(runs: list[dict]) -> str:
     """The last epoch's train loss per seed beside the hinge's collapse value, when the row has one."""
     cv = runs[0].get("collapse_value_epoch_mean")
@@ -258,31 +259,22 @@ def loss_note(runs: list[dict]) -> str:
 def report(args) -> str:
     out = Path(args.out)
     results = load_results(out, args.seeds)
-    failures = load_failures(out, args.seeds)
-    head = "| model | seeds | " + " | ".join(k.replace("_r", " R@") for k in KEYS)
-    head += " | best epochs | trainable params | train time (s) |"
-    lines = [head, "|" + "---|" * (len(KEYS) + 5)]
-    missing, per_seed = [], []
+    folders = {f"{row.name} seed {s}": run_dir(out, row, s) for row in ROWS for s in args.seeds}
+    lines, missing, per_seed = table_head(), [], []
     for row in ROWS:
         runs = results.get(row.name, [])
         done = {r["seed"] for r in runs}
         missing += [f"{row.name} seed {s}" for s in args.seeds if s not in done]
         if not runs:
             continue
-        cells = [mean_std([r["test"][k] for r in runs]) for k in KEYS]
-        lines.append(
-            f"| {row.label} | {', '.join(str(r['seed']) for r in runs)} | "
-            + " | ".join(cells)
-            + f" | {', '.join(str(r['best_epoch']) for r in runs)} | {runs[0]['parameters']:,}"
-            + f" | {statistics.fmean(r['train_time_s'] for r in runs):.0f} |"
-        )
+        lines.append(table_row(row.label, runs))
         rs = ", ".join(f"seed {r['seed']} {r['test']['rsum']:.1f} (dev {r['dev_rsum']:.1f})" for r in runs)
         per_seed.append(f"- {row.name}: test rsum {rs}; {loss_note(runs)}")
     cmd = (
         "OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python scripts/experiments/wesnoth_methods_table.py "
         "--data data/wesnoth --out runs/wesnoth_methods"
     )
-    parts = [
+    sections = [
         "# Methods on the Wesnoth clips (test split, mean ± std over seeds, recalls in %)\n",
         f"Command: `{cmd}`\n",
         "\n".join(lines),
@@ -290,24 +282,15 @@ def report(args) -> str:
         "Per seed:\n",
         *per_seed,
         "",
-        "Notes:\n",
-        *[f"- {n}" for n in NOTES],
-        "- Train time: the trainer's training seconds summed over the epochs (validation excluded), one torch "
-        "thread, one run at a time, niced, on a shared 2-core CPU: compare within this table only, loosely.",
-        "",
     ]
-    if missing:
-        parts.append("Missing (not finished): " + ", ".join(missing) + "\n")
-    if failures:
-        parts += ["Failed:\n", *[f"- {k}: {v}" for k, v in failures.items()], ""]
-    text = "\n".join(parts)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "wesnoth_methods.md").write_text(text, encoding="utf-8")
-    (out / "wesnoth_methods.json").write_text(
-        json.dumps({"notes": NOTES, "missing": missing, "failures": failures, "runs": results}, indent=1),
-        encoding="utf-8",
+    notes = [
+        *NOTES,
+        "Train time: the trainer's training seconds summed over the epochs (validation excluded), one torch "
+        "thread, one run at a time, niced, on a shared 2-core CPU: compare within this table only, loosely.",
+    ]
+    return write_report(
+        out, "wesnoth_methods", sections, notes, missing, failed_runs(folders, "result.json"), results
     )
-    return text
 
 
 def main() -> int:
