@@ -433,3 +433,40 @@ def test_mask_and_ends_of_the_vocabulary_are_what_the_device_path_uses(tiny_data
     for i in (0, 7, 100):
         ids = t.text.encode(caps[i])
         assert d.tokens[i, : len(ids)].tolist() == ids and int(d.token_lengths[i]) == len(ids)
+
+
+def test_coco_like_features_are_the_same_for_any_thread_count(tmp_path):
+    from vsekit_lab.bench.data_path import write_coco_like
+
+    small = 4 * 3 * 8 * 4  # chunk_bytes of 4 images: 30 images in 8 chunks, drawn by 1 and by 3 threads
+    one = write_coco_like(tmp_path / "a", 30, regions=3, img_dim=8, chunk_bytes=small, threads=1)
+    three = write_coco_like(
+        tmp_path / "b", 30, regions=3, img_dim=8, chunk_bytes=small, threads=3, split="dev"
+    )
+    a, b = np.load(one / "train_ims.npy"), np.load(three / "dev_ims.npy")
+    assert a.shape == (30, 3, 8) and a.dtype == np.float16 and np.array_equal(a, b)
+    assert len(np.unique(a.reshape(30, -1), axis=0)) == 30  # no chunk repeats another's draws
+    caps = (three / "dev_caps.txt").read_text().splitlines()
+    assert len(caps) == 150 and all(8 <= len(c.split()) <= 25 for c in caps)
+
+
+def test_bench_epoch_times_one_whole_epoch_of_vse_train(tmp_path, capsys, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the set and the run go (then removed)
+    out = tmp_path / "epoch.json"
+    tiny = ["--n", "30", "--dev-images", "10", "--regions", "4", "--img-dim", "8", "--batch", "8"]
+    tiny += ["--set", "model.embed_dim=16", "--set", "model.text.word_dim=8"]
+    assert main(["bench", "epoch", *tiny, "--json-out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    # every caption once: 30 images x 5 captions in batches of 8 (the last one of 6)
+    assert res["images"] == 30 and res["captions"] == 150 and res["data_path"] == "device:cpu"
+    assert 0 < res["train_s"] < res["wall_s"]
+    assert res["outside_epoch_s"] == pytest.approx(res["wall_s"] - res["train_s"])
+    assert res["samples_per_s"] > res["wall_samples_per_s"] == pytest.approx(150 / res["wall_s"])
+    assert "| vse_infty model.embed_dim=16 model.text.word_dim=8 |" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch.json"]  # set and run removed
+    # a run that fails: its own message, exit 1, nothing left behind
+    assert main(["bench", "epoch", *tiny, "--set", "train.no_such_key=1"]) == 1
+    assert "no_such_key" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch.json"]

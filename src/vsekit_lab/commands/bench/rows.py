@@ -18,6 +18,7 @@ SECTIONS = {
     "train-step": "Training step (`vse bench train-step`)",
     "grad-cache": "Gradient caching: peak memory of one step (`vse bench grad-cache`)",
     "data": "Data path (`vse bench data`)",
+    "epoch": "One epoch of `vse train`, end to end (`vse bench epoch`)",
     "amp": "bf16 autocast against float32: one step's loss and gradients (`vse bench amp`)",
     "eval": "Evaluation: `vse eval-sims` (`vse bench eval`)",
     "eval-sims": "Evaluation as whole processes: `vse eval-sims` vs a minimal numpy script (`vse bench eval-sims`)",

@@ -1,5 +1,6 @@
-"""`vse bench` sub-verbs that time or measure one training step: train-step, amp (bf16 numerics), grad-cache
-(peak memory), data (the data path alone) and ladder (the ladder loss's cost)."""
+"""`vse bench` sub-verbs that time or measure training: train-step, amp (bf16 numerics), grad-cache (peak
+memory), data (the data path alone), ladder (the ladder loss's cost) and epoch (one epoch of `vse train`, end
+to end)."""
 
 from __future__ import annotations
 
@@ -228,6 +229,53 @@ def run_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_epoch(args: argparse.Namespace) -> int:
+    import sys
+
+    from vsekit_lab.bench.epoch import EpochRunError, bench_epoch
+
+    try:
+        res = bench_epoch(
+            n=args.n,
+            recipe=args.recipe,
+            device=args.device,
+            overrides=args.set,
+            regions=args.regions,
+            img_dim=args.img_dim,
+            dev_images=args.dev_images,
+            batch=args.batch,
+            data_dir=args.data,
+            timeout=args.timeout or None,
+        )
+    except EpochRunError as e:
+        print(f"vse bench epoch: {e}", file=sys.stderr)
+        return 1
+    row = {
+        **res,
+        "what": " ".join([res["recipe"], *res["overrides"]]),
+        "set": f"{res['images']:,} x {res['regions']}x{res['img_dim']} float16, {res['captions']:,} captions",
+    }
+    emit(
+        args,
+        [
+            ("what", "recipe and keys"),
+            ("set", "train split"),
+            ("batch", "batch"),
+            ("data_path", "data path"),
+            ("write_s", "writing the set, s"),
+            ("wall_s", "`vse train` wall, s"),
+            ("train_s", "epoch's training, s"),
+            ("outside_epoch_s", "start-up + validation + checkpoint, s"),
+            ("samples_per_s", "samples/s (training)"),
+            ("wall_samples_per_s", "samples/s (wall)"),
+        ],
+        [row],
+        args.device,
+    )
+    write_json(args, res)
+    return 0
+
+
 def run_ladder(args: argparse.Namespace) -> int:
     from vsekit_lab.bench.ladder import bench_ladder_step
 
@@ -435,6 +483,36 @@ def add_data(add: AddVerb) -> None:
     )
     da.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any recipe key")
     add_json_args(da, "the result")
+
+
+def add_epoch(add: AddVerb) -> None:
+    """`vse bench epoch` and its options."""
+    ep = add("epoch", "one epoch of `vse train` end to end on a synthetic COCO-sized set", run_epoch)
+    ep.add_argument(
+        "--n",
+        type=int,
+        action=at_least(2),
+        default=113_287,
+        help="train images of the synthetic set, 5 captions each (default: COCO's 113,287)",
+    )
+    ep.add_argument(
+        "--dev-images", type=int, action=at_least(2), default=1_000, help="dev images (validation)"
+    )
+    ep.add_argument("--regions", type=int, action=POSITIVE, default=36)
+    ep.add_argument("--img-dim", type=int, action=POSITIVE, default=2048)
+    ep.add_argument("--batch", type=int, action=at_least(2), default=128)
+    ep.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 …")
+    ep.add_argument("--recipe", default="vse_infty")
+    ep.add_argument("--data", metavar="DIR", help="train on this precomp set (train and dev splits) instead")
+    ep.add_argument(
+        "--timeout",
+        type=float,
+        action=at_least(0),
+        default=0,
+        help="give up on `vse train` after this many seconds (0 = no limit)",
+    )
+    ep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any recipe key")
+    add_json_args(ep, "the result")
 
 
 def add_ladder(add: AddVerb) -> None:

@@ -10,6 +10,7 @@ from vsekit_lab.commands.bench.search import add_search_verbs
 from vsekit_lab.commands.bench.training import (
     add_amp,
     add_data,
+    add_epoch,
     add_grad_cache,
     add_ladder,
     add_train_step,
@@ -26,6 +27,7 @@ def register(sub) -> None:
         add_amp,
         add_grad_cache,
         add_data,
+        add_epoch,
         add_eval,
         add_eval_sims,
         add_eccv,
