@@ -268,6 +268,12 @@ class TrainConfig:
         rule=">= 0",
     )
     stop_on_collapse: bool = setting(False, "and then stop the run (state saved, `vse train` exits non-zero)")
+    chance_validations: int = setting(
+        2,
+        "chance alarm (vsekit.training.chance): warn once when dev rsum stays below the level of random "
+        "scores on the dev split (its mean + 3 std) for this many consecutive validations; 0 = off",
+        rule=">= 0",
+    )
     data_on_device: bool | str = setting(
         "auto",
         "where training batches are made (vsekit.training.data_path): true = "

@@ -17,6 +17,8 @@ Everything is vectorised and processed in column/row shards so that 5K x 25K and
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from vsekit.metrics.common import (  # noqa: F401  (MetricsInputError, NonFiniteScoresError: public here too)
@@ -180,6 +182,42 @@ def add_coherence(
     for row, extra in zip(metrics.get("folds", []), folds):
         row.update(extra)
     return metrics
+
+
+def _nested_hits(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and variance of h_1 + h_5 + h_10 per query, where h_K = 1[rank < K] with P(h_K) = p[:, K's index]:
+    the hits are nested (h_1 <= h_5 <= h_10), so Cov(h_a, h_b) = p_min(a,b) - p_a p_b."""
+    mean = p.sum(1)
+    lo = np.minimum(p[:, :, None], p[:, None, :])
+    var = (lo - p[:, :, None] * p[:, None, :]).sum((1, 2))
+    return mean, var
+
+
+def chance_rsum(cap2img: np.ndarray, n_images: int | None = None) -> tuple[float, float]:
+    """rsum of a similarity matrix of independent random scores (no ties) on this caption->image map: its
+    expectation and a bound on its standard deviation, so a model can be told apart from chance.
+
+    t2i: a caption's image lies uniformly among the N images, P(rank < K) = min(K, N) / N. i2t: an image's c
+    captions are a uniform c-subset of the M columns, P(rank < K) = 1 - C(M - c, K) / C(M, K). Rows are
+    independent (as are columns), so each direction's variance is exact; the two directions share the matrix,
+    so the returned std is the sum of theirs (the largest any correlation between them allows)."""
+    cap2img = np.asarray(cap2img, dtype=np.int64).reshape(-1)
+    n_img = int(cap2img.max()) + 1 if n_images is None else int(n_images)
+    n_cap = len(cap2img)
+    if n_cap == 0 or n_img < 1 or cap2img.min() < 0 or cap2img.max() >= n_img:
+        raise MetricsInputError(f"caption->image map does not fit {n_img} images: {n_cap} captions")
+    ks = np.asarray(RECALL_KS, dtype=np.float64)
+    t2i_p = np.minimum(ks, n_img)[None, :] / n_img
+    t2i_mean, t2i_var = _nested_hits(t2i_p)
+    counts = np.bincount(cap2img, minlength=n_img).astype(np.float64)
+    # C(M - c, K) / C(M, K) = prod_{j < K} (M - c - j) / (M - j), 0 once a factor reaches 0
+    j = np.arange(int(ks.max()), dtype=np.float64)
+    factors = np.clip((n_cap - counts[:, None] - j) / np.maximum(n_cap - j, 1.0), 0.0, 1.0)
+    miss = np.cumprod(factors, axis=1)[:, ks.astype(np.int64) - 1]
+    i2t_mean, i2t_var = _nested_hits(1.0 - miss)
+    mean = 100.0 * (t2i_mean[0] + i2t_mean.mean())
+    std = 100.0 * (math.sqrt(t2i_var[0] / n_cap) + math.sqrt(i2t_var.sum()) / n_img)
+    return float(mean), float(std)
 
 
 def cap2img_for_k(n_img: int, n_cap: int, captions_per_image: int) -> np.ndarray:

@@ -58,6 +58,7 @@ from vsekit.runs import (
     write_run_config,
 )
 from vsekit.training.advice import small_data_advice  # noqa: F401 (imported from here too)
+from vsekit.training.chance import ChanceAlarm
 from vsekit.training.collapse import CollapseMonitor, TrainingCollapsed
 from vsekit.training.data_path import (  # noqa: F401 (EpochBatches, device_batches: imported from here too)
     EpochBatches,
@@ -212,6 +213,12 @@ class Trainer:
         # train.collapse_steps: counters on the device, read where _check_finite reads (training/collapse.py)
         self._collapse = (
             CollapseMonitor(recipe.loss, recipe.train.collapse_steps) if recipe.train.collapse_steps else None
+        )
+        # train.chance_validations: dev retrieval no better than random scores (training/chance.py)
+        self._chance = (
+            ChanceAlarm(self.val_split.cap2img, self.val_split.n_images, recipe.train.chance_validations)
+            if recipe.train.chance_validations
+            else None
         )
         self._tb = None
         # --report-to wandb: the records of _emit, also sent to W&B (rank 0 only)
@@ -741,6 +748,19 @@ class Trainer:
                 f"epoch {epoch + 1}/{total_epochs} dev: {format_table(metrics)}{'  (best)' if improved else ''}"
                 f"  [{samples_per_s:,.0f} samples/s]"
             )
+            chance = self._chance.update(epoch + 1, metrics["rsum"]) if self._chance is not None else None
+            if chance:
+                self.log(f"warning: {chance}")
+                self._emit(
+                    {
+                        "kind": "chance",
+                        "epoch": epoch + 1,
+                        "step": self.state.global_step,
+                        "rsum": metrics["rsum"],
+                        "chance_rsum": self._chance.mean,
+                        "chance_std": self._chance.std,
+                    }
+                )
             self.state.epoch += 1
             self.state.step_in_epoch = 0
             if improved:
