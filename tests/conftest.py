@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -162,3 +163,15 @@ def recall_vs(ids: np.ndarray, truth: np.ndarray) -> float:
     """Mean fraction of each query's true top-k found among its returned ids."""
     k = truth.shape[1]
     return float(np.mean([len(set(a.tolist()) & set(t.tolist())) / k for a, t in zip(ids, truth)]))
+
+
+def constant_dataset(src, dst):
+    """The tiny set with every region of every training image the same vector and every caption the same words
+    (with caption augmentation off): whatever the model, its embeddings of a batch are one point, all
+    similarities equal, and nothing can be learned."""
+    shutil.copytree(src, dst)
+    ims = np.load(dst / "train_ims.npy")
+    np.save(dst / "train_ims.npy", np.broadcast_to(ims[:1, :1], ims.shape).copy())
+    n = len((dst / "train_caps.txt").read_text().splitlines())
+    (dst / "train_caps.txt").write_text("a red dog on the grass\n" * n)
+    return dst

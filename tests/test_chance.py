@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 
+from conftest import constant_dataset
 from vsekit.config import load_recipe
 from vsekit.metrics import cap2img_for_k, chance_rsum, retrieval_metrics
 from vsekit.training.chance import MAX_RSUM, SIGMAS, ChanceAlarm
@@ -70,21 +71,9 @@ def test_alarm_is_off_where_chance_cannot_be_told_apart():
 SMALL = ["model.embed_dim=16", "model.text.word_dim=8", "model.image.mlp_hidden=16", "train.batch_size=16"]
 
 
-def blind_dataset(src, dst):
-    """The tiny set with every training image and caption the same: nothing to learn, dev stays at chance."""
-    import shutil
-
-    shutil.copytree(src, dst)
-    ims = np.load(dst / "train_ims.npy")
-    np.save(dst / "train_ims.npy", np.broadcast_to(ims[:1, :1], ims.shape).copy())
-    n = len((dst / "train_caps.txt").read_text().splitlines())
-    (dst / "train_caps.txt").write_text("a red dog on the grass\n" * n)
-    return dst
-
-
 @pytest.mark.parametrize("patience", [2, 0])
 def test_a_run_that_learns_nothing_is_named(tiny_data, tmp_path, patience):
-    data = blind_dataset(tiny_data, tmp_path / "data")
+    data = constant_dataset(tiny_data, tmp_path / "data")
     r = load_recipe(
         "vsepp",
         [*SMALL, "train.epochs=3", "data.text_augment_prob=0", f"train.chance_validations={patience}"],

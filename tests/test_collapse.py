@@ -2,12 +2,11 @@
 
 import json
 import math
-import shutil
 
-import numpy as np
 import pytest
 import torch
 
+from conftest import constant_dataset
 from vsekit.cli import main
 from vsekit.config import LossConfig, load_recipe
 from vsekit.losses import create_loss
@@ -133,18 +132,6 @@ def test_fires_once_on_a_run_collapsed_by_a_huge_learning_rate(synthetic_dir, tm
     assert len(alarms) == 1 and alarms[0]["by_spread"] and alarms[0]["step"] < 60
     top = max(rec["spread"] for rec in run_records(tmp_path / "run") if rec["kind"] == "train")
     assert alarms[0]["spread"] < 0.1 * top
-
-
-def constant_dataset(src, dst):
-    """The tiny set with every region of every training image the same vector and every caption the same words
-    (recipes below: no caption augmentation): whatever the model, its embeddings of a batch are one point and
-    all similarities equal."""
-    shutil.copytree(src, dst)
-    ims = np.load(dst / "train_ims.npy")
-    np.save(dst / "train_ims.npy", np.broadcast_to(ims[:1, :1], ims.shape).copy())
-    n = len((dst / "train_caps.txt").read_text().splitlines())
-    (dst / "train_caps.txt").write_text("a red dog on the grass\n" * n)
-    return dst
 
 
 def test_fires_on_constant_embeddings_at_the_collapse_value(tiny_data, tmp_path):
