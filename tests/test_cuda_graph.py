@@ -311,6 +311,46 @@ def test_vse_train_refuses_a_graph_on_the_cpu_before_writing_anything(tiny_data,
     assert "train.cuda_graph=true cannot capture" in capsys.readouterr().err and not out.exists()
 
 
+def test_a_failed_capture_names_the_shape_and_the_way_on():
+    """A capture that raises (as torch does when a kernel library calls what stream capture forbids) becomes one
+    SetupError (exit 2 in the CLI) naming the batch shape, the error and the eager resume; nothing is kept."""
+    from vsekit.errors import SetupError
+    from vsekit.training.cuda_graph import CudaGraphCaptureError
+
+    def capture(fn):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore detail")
+
+    graphs = StepGraphs(lambda inputs, flags: {}, capture, torch.device("cpu"))
+    with pytest.raises(CudaGraphCaptureError) as err:
+        graphs(_batch(4, 5, 0))
+    msg = str(err.value)
+    assert isinstance(err.value, SetupError) and "\n" not in msg
+    assert "'tokens': (4, 5)" in msg and "operation not permitted when stream is capturing" in msg
+    assert "--resume RUN --set train.cuda_graph=false" in msg and graphs.entries == {}
+
+
+def test_resume_may_switch_the_graph_off(tiny_data, tmp_path, capsys):
+    """The CUDA graph switch is a resume key (the same step, replayed or eager): a run resumes with it set,
+    config.json records it; on a CPU switching it on is refused by the step's own check."""
+    run = tmp_path / "run"
+    tiny = ["--set", "model.embed_dim=16", "--set", "model.text.word_dim=8", "--no-progress"]
+    assert (
+        main(
+            ["train", "--data", str(tiny_data), "--out", str(run), "--epochs", "1", "--device", "cpu", *tiny]
+        )
+        == 0
+    )
+    resume = ["train", "--resume", str(run), "--epochs", "2", "--device", "cpu", "--no-progress"]
+    assert main([*resume, "--set", "train.cuda_graph=false"]) == 0
+    assert json.loads((run / "config.json").read_text())["recipe"]["train"]["epochs"] == 2
+    capsys.readouterr()
+    assert main([*resume, "--epochs", "3", "--set", "train.cuda_graph=true"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "train.cuda_graph=true cannot capture" in err and "the run is on cpu" in err and "\n" not in err
+    assert main([*resume, "--epochs", "3", "--set", "train.seed=3"]) == 2
+    assert "start a new run to change train.seed" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------ on a GPU (skipped)
 @CUDA
 @pytest.mark.parametrize("recipe", ["vse_infty", "vse_2ad", "avse"])

@@ -60,8 +60,9 @@ _NOT_WITH_RESUME = (
     ("seed", "--seed"),
     ("overwrite", "--overwrite"),
 )
-# recipe keys a resumed run may be given with --set: the lr schedule of the epochs still to train
-RESUME_KEYS = ("optim.lr_decay_epochs", "optim.lr_decay")
+# recipe keys a resumed run may be given with --set: the lr schedule of the epochs still to train, and whether the
+# step is replayed as CUDA graphs (the same step either way; checkpoints record the optimizer as it was built)
+RESUME_KEYS = ("optim.lr_decay_epochs", "optim.lr_decay", "train.cuda_graph")
 
 
 def _resume_command(args: argparse.Namespace) -> str:
@@ -141,7 +142,8 @@ def run_train(args: argparse.Namespace) -> int:
             if key not in RESUME_KEYS:
                 raise VseInputError(
                     f"--set {item}: a resumed run keeps its recipe; with --resume only the lr schedule "
-                    f"can change ({', '.join(RESUME_KEYS)}); start a new run to change {key}"
+                    f"and the CUDA graph switch can change ({', '.join(RESUME_KEYS)}); start a new run to "
+                    f"change {key}"
                 )
     elif not args.data or not args.out:
         raise VseInputError("vse train needs --data DIR and --out RUN_DIR (or --resume RUN_DIR)")
@@ -156,7 +158,8 @@ def run_train(args: argparse.Namespace) -> int:
 
         if args.resume:
             recipe, _, cfg = read_run_config(args.resume)
-            if args.set:  # a new lr schedule for the epochs still to train; config.json records it
+            # a new lr schedule (or graph switch) for the epochs still to train; config.json records it
+            if args.set:
                 recipe = recipe_from_dict(apply_overrides(to_dict(recipe), args.set))
             if args.epochs is not None:  # train on to N epochs in all; the lr schedule stays the recipe's
                 recipe.train.epochs = args.epochs

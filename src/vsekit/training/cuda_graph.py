@@ -49,6 +49,7 @@ from torch import nn
 from vsekit.config import ConfigError, Recipe
 from vsekit.data.batch import Batch
 from vsekit.distributed import DistContext
+from vsekit.errors import SetupError
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +178,11 @@ def shape_key(batch: Batch | Mapping[str, torch.Tensor]) -> tuple:
     return tuple((k, tuple(t.shape), t.dtype) for k, t in Batch.of(batch).items())
 
 
+class CudaGraphCaptureError(SetupError):
+    """Capturing the step failed on this device (an operation the capture forbids, e.g. in a kernel library):
+    the message names the batch shape and the setting that runs the step eagerly instead."""
+
+
 @dataclass
 class _Entry:
     inputs: Batch  # the static buffers the graph reads
@@ -216,7 +222,17 @@ class StepGraphs:
                 {k: tuple(v.shape) for k, v in inputs.items()},
                 len(self.entries) + 1,
             )
-            entry = _Entry(inputs, self.capture(lambda: self.body(inputs, flags)))
+            try:
+                replay = self.capture(lambda: self.body(inputs, flags))
+            except RuntimeError as e:  # torch reports capture failures as RuntimeError (CUDA errors included)
+                shapes = {k: tuple(v.shape) for k, v in inputs.items()}
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise CudaGraphCaptureError(
+                    f"train.cuda_graph=true: capturing the training step for batch shape {shapes} failed on "
+                    f"{self.device} ({first}); run the step eagerly instead: the run keeps its last "
+                    "checkpoint, and vse train --resume RUN --set train.cuda_graph=false continues it"
+                ) from e
+            entry = _Entry(inputs, replay)
             self.entries[key] = entry
         else:
             self._copy(entry.inputs, batch)
