@@ -464,6 +464,9 @@ def test_bench_epoch_times_one_whole_epoch_of_vse_train(tmp_path, capsys, monkey
     assert 0 < res["train_s"] < res["wall_s"]
     assert res["outside_epoch_s"] == pytest.approx(res["wall_s"] - res["train_s"])
     assert res["samples_per_s"] > res["wall_samples_per_s"] == pytest.approx(150 / res["wall_s"])
+    # the run's peak RSS, in GiB: a process that imported torch holds more than 0.1 GiB (KiB taken for bytes
+    # would give 1e-4), and less than this machine has
+    assert 0.1 < res["peak_memory_gib"] < 64
     assert "| vse_infty model.embed_dim=16 model.text.word_dim=8 |" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch.json"]  # set and run removed
     # a run that fails: its own message, exit 1, nothing left behind

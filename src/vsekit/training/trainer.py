@@ -71,6 +71,7 @@ from vsekit.training.reporting import check_report_to, make_reporters
 from vsekit.training.schedule import TrainState, lr_at_epoch  # noqa: F401 (lr_at_epoch: imported from here too)
 from vsekit.training.step import TrainStep, tf32_matmul  # noqa: F401 (tf32_matmul: imported from here too)
 from vsekit.training.step_setup import check_step_setup
+from vsekit.utils.memory import peak_memory_bytes
 from vsekit.utils.progress import progress_bar
 from vsekit.utils.runtime import resolve_device, seed_everything
 
@@ -731,6 +732,8 @@ class Trainer:
                     "train_time_s": train_time,
                     "samples_per_s": samples_per_s,
                     "data_path": self.data.path,
+                    # the run's peak so far: CUDA max allocated, or the process's peak RSS (vsekit.utils.memory)
+                    "peak_memory_gib": peak_memory_bytes(self.device)[0] / 2**30,
                 }
             )
             metrics = self.validate()

@@ -124,6 +124,7 @@ def bench_epoch(
             "samples_per_s": epoch["samples_per_s"],
             "wall_samples_per_s": epoch["samples"] / wall,
             "data_path": epoch["data_path"],
+            "peak_memory_gib": epoch["peak_memory_gib"],  # the run's: CUDA max allocated, or its peak RSS
         }
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

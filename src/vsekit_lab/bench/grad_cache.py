@@ -25,33 +25,13 @@ losses agree (up to float rounding), which shows the rows measure the same compu
 from __future__ import annotations
 
 import multiprocessing
-import os
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
 from vsekit.errors import VseInputError
-
-
-def _rss_now() -> int:
-    """Resident set size of this process now (bytes), from /proc/self/statm (0 where there is none)."""
-    try:
-        with open("/proc/self/statm", encoding="ascii") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _rss_peak() -> int:
-    """This process's peak resident set size so far (bytes; 0 where `resource` is missing: Windows)."""
-    try:
-        import resource
-    except ImportError:
-        return 0
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss * (1 if sys.platform == "darwin" else 1024)
+from vsekit.utils.memory import peak_memory_bytes, rss_now_bytes, rss_peak_bytes
 
 
 def measure_one_step(
@@ -90,17 +70,13 @@ def measure_one_step(
         torch.cuda.reset_peak_memory_stats(dev)
         before, setup_peak = torch.cuda.memory_allocated(dev), 0
     else:
-        before, setup_peak = _rss_now(), _rss_peak()
+        before, setup_peak = rss_now_bytes(), rss_peak_bytes()
     t0 = time.perf_counter()
     out = step_fn(data, epoch=epoch, step=0)
     loss = float(out["loss"])  # waits for the device
     seconds = time.perf_counter() - t0
-    if dev.type == "cuda":
-        peak, kind = torch.cuda.max_memory_allocated(dev), "CUDA max_memory_allocated"
-        observed = True
-    else:
-        peak, kind = _rss_peak(), "peak RSS (ru_maxrss)"
-        observed = peak > setup_peak
+    peak, kind = peak_memory_bytes(dev)
+    observed = dev.type == "cuda" or peak > setup_peak  # RSS: a step below the set-up's peak is not seen
     return {
         "chunk": chunk,
         "loss": loss,

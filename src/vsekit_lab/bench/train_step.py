@@ -27,7 +27,6 @@ import copy
 import math
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -42,6 +41,7 @@ from vsekit.errors import VseInputError
 from vsekit.losses import create_loss
 from vsekit.models.vse import DataSpec, VSEModel
 from vsekit.training.step import TrainStep
+from vsekit.utils.memory import peak_memory_bytes
 from vsekit_lab.bench.data_path import (
     DEFAULT_SETS,
     build_data,
@@ -109,18 +109,6 @@ def random_bert_dir(shape: str, vocab: int = 30522) -> str:
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + synthetic_words(vocab)
     BertTokenizer(vocab={w: i for i, w in enumerate(words)}, do_lower_case=True).save_pretrained(out)
     return str(out)
-
-
-def _peak_bytes(device: torch.device) -> tuple[int, str]:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device), "CUDA max allocated"
-    try:
-        import resource
-
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return rss * (1 if sys.platform == "darwin" else 1024), "process peak RSS"
-    except ImportError:  # Windows
-        return 0, "unavailable"
 
 
 def build_train_step(
@@ -310,12 +298,12 @@ def bench_train_step_variants(
                 if dev.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(dev)
                 v.times += [one(v) for _ in range(steps)]
-                v.peak = max(v.peak, _peak_bytes(dev)[0])
+                v.peak = max(v.peak, peak_memory_bytes(dev)[0])
         for v in runs:  # the data path alone, on the next batches
             v.data_ms = time_batches(v.batches, steps, dev) * 1e3 / steps
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    peak_kind = _peak_bytes(dev)[1]
+    peak_kind = peak_memory_bytes(dev)[1]
     rows = []
     for v in runs:
         r, times = v.recipe, v.times

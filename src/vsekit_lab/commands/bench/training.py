@@ -268,6 +268,7 @@ def run_epoch(args: argparse.Namespace) -> int:
             ("outside_epoch_s", "start-up + validation + checkpoint, s"),
             ("samples_per_s", "samples/s (training)"),
             ("wall_samples_per_s", "samples/s (wall)"),
+            ("peak_memory_gib", "peak memory, GiB"),
         ],
         [row],
         args.device,
