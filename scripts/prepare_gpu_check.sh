@@ -12,6 +12,8 @@
 #
 # Then, in a second call with the time left: one COCO-sized epoch of `vse train`, eager and with the graph:
 #     OUT=$OUT bash scripts/gpu_epoch.sh
+# Issue it at once: a lent machine stays warm only briefly after a call (its .venv with it), and a fresh start
+# costs minutes of the device time. With little time left, a smaller set: N=30000 LIMIT=90.
 #
 # The adaptations (each one checked: the script stops when a pattern it edits is missing):
 # - the profile step imports the training-step builder from the lab package (vsekit_lab.bench), not the library;
