@@ -469,7 +469,10 @@ def test_bench_epoch_times_one_whole_epoch_of_vse_train(tmp_path, capsys, monkey
     assert 0.1 < res["peak_memory_gib"] < 64
     assert "| vse_infty model.embed_dim=16 model.text.word_dim=8 |" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch.json"]  # set and run removed
-    # a run that fails: its own message, exit 1, nothing left behind
-    assert main(["bench", "epoch", *tiny, "--set", "train.no_such_key=1"]) == 1
-    assert "no_such_key" in capsys.readouterr().err
+    # bad input to vse train: its own one line, exit 2, nothing left behind
+    assert main(["bench", "epoch", *tiny, "--set", "train.no_such_key=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no_such_key" in err and "\n" not in err
+    assert main(["bench", "epoch", "--data", str(tmp_path / "none"), "--n", "30"]) == 2
+    assert "none" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch.json"]

@@ -103,6 +103,12 @@ def bench_epoch(
         except subprocess.TimeoutExpired as e:
             raise EpochRunError(f"vse train ran past the time limit ({timeout:g} s); no epoch figure") from e
         wall = time.perf_counter() - t0
+        if proc.returncode == 2:  # bad input (a recipe key, the --data folder): vse train's own one line
+            lines = [x.strip() for x in proc.stderr.splitlines() if x.strip()]
+            msg = lines[-1] if lines else "refused its input (exit 2)"
+            for prefix in ("vse train: error:", "error:"):
+                msg = msg[len(prefix) :].strip() if msg.startswith(prefix) else msg
+            raise VseInputError(f"vse train: {msg}")
         if proc.returncode != 0:
             tail = (proc.stdout + proc.stderr)[-TAIL_CHARS:]
             raise EpochRunError(f"vse train exited {proc.returncode}:\n{tail}")
