@@ -4,6 +4,7 @@
 # can run it:
 #
 #     bash scripts/prepare_gpu_check.sh [SHARED]    # SHARED: the folder holding tools/ and reference-code/
+#     (REF_DIR: where the copy goes, default .ref; PYTHON: the interpreter that parses tests/, default .venv's)
 #     OUT=$OUT REF_TOOL=.ref/tools/bench_released_vse_infty.py bash .ref/tools/gpu_check.sh
 #
 # Rehearse it on a CPU first (tiny shapes, minutes):
@@ -12,7 +13,7 @@
 #
 # Then, in a second call with the time left: one COCO-sized epoch of `vse train`, eager and with the graph:
 #     OUT=$OUT bash scripts/gpu_epoch.sh
-# Issue it at once: a lent machine stays warm only briefly after a call (its .venv with it), and a fresh start
+# Issue it at once: the GPU machine stays warm only briefly after a call (its .venv with it), and a fresh start
 # costs minutes of the device time. With little time left, a smaller set: N=30000 LIMIT=90.
 #
 # The adaptations (each one checked: the script stops when a pattern it edits is missing):
@@ -21,14 +22,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SHARED=${1:-../shared}
+REF=${REF_DIR:-.ref}
+PYTHON=${PYTHON:-.venv/bin/python}
 for d in tools reference-code; do
   [ -d "$SHARED/$d" ] || { echo "prepare_gpu_check: $SHARED/$d not found (pass the shared folder as argument)" >&2; exit 2; }
 done
-rm -rf .ref
-mkdir -p .ref
-cp -r "$SHARED/tools" "$SHARED/reference-code" .ref/
-chmod -R u+w .ref
-CHECK=.ref/tools/gpu_check.sh
+rm -rf "$REF"
+mkdir -p "$REF"
+cp -r "$SHARED/tools" "$SHARED/reference-code" "$REF/"
+chmod -R u+w "$REF"
+CHECK=$REF/tools/gpu_check.sh
 
 # the builder's module, taken from the tree rather than assumed
 mod=$(grep -rl "^def build_train_step" src --include=*.py | head -1)
@@ -42,7 +45,7 @@ sed -i "s/^from vsekit.bench.train_step import build_train_step/from $mod import
 missing=()
 while IFS= read -r id; do
   grep -qF "\"$id\"" "$CHECK" || missing+=("$id")
-done < <(.venv/bin/python - <<'EOF'
+done < <("$PYTHON" - <<'EOF'
 import ast, pathlib
 
 def cuda_mark(node):
@@ -67,5 +70,5 @@ if [ "${#missing[@]}" -gt 0 ]; then
   sed -i "s|^  $anchor\$|  $anchor$extra|" "$CHECK"
 fi
 bash -n "$CHECK"
-echo "prepared .ref/ (builder: $mod; CUDA tests added: ${#missing[@]})"
+echo "prepared $REF/ (builder: $mod; CUDA tests added: ${#missing[@]})"
 printf '  %s\n' "${missing[@]}"
