@@ -476,3 +476,21 @@ def test_bench_epoch_times_one_whole_epoch_of_vse_train(tmp_path, capsys, monkey
     assert main(["bench", "epoch", "--data", str(tmp_path / "none"), "--n", "30"]) == 2
     assert "none" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch.json"]
+
+
+def test_the_epoch_bench_keeps_the_runs_last_lines_and_kills_it_at_its_limit():
+    import sys
+    import time
+
+    from vsekit_lab.bench.epoch import TAIL_LINES, EpochRunError, run_process
+
+    code, tail = run_process(
+        [sys.executable, "-c", "import sys; [print(i) for i in range(100)]; sys.exit(3)"], 30
+    )
+    assert code == 3 and tail == [str(i) for i in range(100 - TAIL_LINES, 100)]
+    t0, seen = time.monotonic(), []
+    sleeper = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"]
+    with pytest.raises(EpochRunError, match="time limit"):
+        run_process(sleeper, 1.0, seen.append)
+    assert time.monotonic() - t0 < 30  # killed, not waited for
+    assert seen == ["up"]  # each line handed on as it came

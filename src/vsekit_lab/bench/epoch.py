@@ -22,8 +22,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from vsekit.data.precomp import load_precomp_split
@@ -32,7 +34,7 @@ from vsekit_lab.bench.data_path import DEFAULT_SETS, write_coco_like
 
 COCO_TRAIN_IMAGES = 113_287  # Karpathy train + restval
 DEV_IMAGES = 1_000  # validation runs on the first 1,000 dev images (data.val_max_images)
-TAIL_CHARS = 4_000  # of a failed run's output, kept in the error
+TAIL_LINES = 40  # of a failed run's output, kept in the error
 
 
 class EpochRunError(RuntimeError):
@@ -63,6 +65,36 @@ def epoch_records(run_dir: str | Path) -> tuple[dict, dict | None]:
     return epoch, val
 
 
+def run_process(
+    cmd: list[str], timeout: float | None, echo: Callable[[str], None] | None = None
+) -> tuple[int, list[str]]:
+    """Run `cmd` (its stderr into its stdout), keep the last TAIL_LINES lines of its output, and hand every
+    line to `echo` as it comes (an epoch at COCO's size takes minutes). Past `timeout` seconds the process is
+    killed and EpochRunError raised."""
+    tail: deque[str] = deque(maxlen=TAIL_LINES)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy()
+    )
+
+    def pump() -> None:
+        for line in proc.stdout:
+            tail.append(line.rstrip("\n"))
+            if echo is not None:
+                echo(line.rstrip("\n"))
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        proc.kill()
+        proc.wait()
+        raise EpochRunError(f"vse train ran past the time limit ({timeout:g} s); no epoch figure") from e
+    finally:
+        reader.join(timeout=10)
+    return code, list(tail)
+
+
 def bench_epoch(
     n: int = COCO_TRAIN_IMAGES,
     recipe: str = "vse_infty",
@@ -75,11 +107,13 @@ def bench_epoch(
     data_dir: str | Path | None = None,
     timeout: float | None = None,
     seed: int = 0,
+    echo: Callable[[str], None] | None = None,
 ) -> dict:
     """Time `vse train --epochs 1` as a process on a synthetic COCO-shaped set (written to a temporary folder
     and removed after, unless `data_dir` names an existing precomp set: then its shapes are reported, not `n`,
     `regions` and `img_dim`). `overrides` are recipe keys; the
-    synthetic captions are plain words, so the tokenizer is regex (any tokenizer reads them alike)."""
+    synthetic captions are plain words, so the tokenizer is regex (any tokenizer reads them alike); `echo`
+    receives the run's log lines as they come."""
     if n < 2 or dev_images < 2 or batch < 2:
         raise VseInputError(f"need n >= 2, dev_images >= 2 and batch >= 2; got {n}, {dev_images}, {batch}")
     tmp = Path(tempfile.mkdtemp(prefix="vsekit-bench-epoch-"))
@@ -98,20 +132,16 @@ def bench_epoch(
         for s in sets:
             cmd += ["--set", s]
         t0 = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
-        except subprocess.TimeoutExpired as e:
-            raise EpochRunError(f"vse train ran past the time limit ({timeout:g} s); no epoch figure") from e
+        code, output = run_process(cmd, timeout, echo=echo)
         wall = time.perf_counter() - t0
-        if proc.returncode == 2:  # bad input (a recipe key, the --data folder): vse train's own one line
-            lines = [x.strip() for x in proc.stderr.splitlines() if x.strip()]
+        if code == 2:  # bad input (a recipe key, the --data folder): vse train's own one line
+            lines = [x.strip() for x in output if x.strip()]
             msg = lines[-1] if lines else "refused its input (exit 2)"
             for prefix in ("vse train: error:", "error:"):
                 msg = msg[len(prefix) :].strip() if msg.startswith(prefix) else msg
             raise VseInputError(f"vse train: {msg}")
-        if proc.returncode != 0:
-            tail = (proc.stdout + proc.stderr)[-TAIL_CHARS:]
-            raise EpochRunError(f"vse train exited {proc.returncode}:\n{tail}")
+        if code != 0:
+            raise EpochRunError(f"vse train exited {code}:\n" + "\n".join(output))
         epoch, _ = epoch_records(run_dir)
         n, regions, img_dim = load_precomp_split(data_dir, "train").features.shape  # what was trained on
         return {

@@ -246,6 +246,10 @@ def run_epoch(args: argparse.Namespace) -> int:
             batch=args.batch,
             data_dir=args.data,
             timeout=args.timeout or None,
+            # the run's log lines while it trains, for a person watching
+            echo=(lambda line: print(f"  | {line}", file=sys.stderr, flush=True))
+            if sys.stderr.isatty()
+            else None,
         )
     except EpochRunError as e:
         print(f"vse bench epoch: {e}", file=sys.stderr)
