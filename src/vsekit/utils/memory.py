@@ -24,13 +24,13 @@ def rss_now_bytes() -> int:
         return 0
 
 
-def rss_peak_bytes(children: bool = False) -> int:
-    """Peak resident set size so far (bytes) of this process, or of its largest finished child process."""
+def rss_peak_bytes() -> int:
+    """Peak resident set size of this process so far (bytes)."""
     try:
         import resource
     except ImportError:
         return 0
-    rss = resource.getrusage(resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF).ru_maxrss
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss * (1 if sys.platform == "darwin" else 1024)  # macOS reports bytes, Linux KiB
 
 
@@ -39,4 +39,5 @@ def peak_memory_bytes(device: torch.device | str) -> tuple[int, str]:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), CUDA_PEAK
-    return rss_peak_bytes(), RSS_PEAK
+    peak = rss_peak_bytes()
+    return peak, RSS_PEAK if peak else "unavailable"

@@ -50,19 +50,14 @@ def write_epoch_set(
     return Path(out_dir)
 
 
-def epoch_records(run_dir: str | Path) -> tuple[dict, dict | None]:
-    """The run's `epoch` record (training time, samples, data path) and its `val` record, if written."""
-    epoch, val = None, None
+def epoch_record(run_dir: str | Path) -> dict:
+    """The run's `epoch` record of metrics.jsonl: training time, samples, data path, peak memory."""
     path = Path(run_dir) / "metrics.jsonl"
-    for line in path.read_text(encoding="utf-8").splitlines():
-        rec = json.loads(line)
-        if rec.get("kind") == "epoch":
-            epoch = rec
-        elif rec.get("kind") == "val":
-            val = rec
-    if epoch is None:
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    epochs = [r for r in records if r.get("kind") == "epoch"]
+    if not epochs:
         raise EpochRunError(f"{path}: no epoch record (the run did not finish its epoch)")
-    return epoch, val
+    return epochs[-1]
 
 
 def run_process(
@@ -111,9 +106,8 @@ def bench_epoch(
 ) -> dict:
     """Time `vse train --epochs 1` as a process on a synthetic COCO-shaped set (written to a temporary folder
     and removed after, unless `data_dir` names an existing precomp set: then its shapes are reported, not `n`,
-    `regions` and `img_dim`). `overrides` are recipe keys; the
-    synthetic captions are plain words, so the tokenizer is regex (any tokenizer reads them alike); `echo`
-    receives the run's log lines as they come."""
+    `regions` and `img_dim`). `overrides` are recipe keys; the synthetic captions are plain words, so the
+    tokenizer is regex (any tokenizer reads them alike); `echo` receives the run's log lines as they come."""
     if n < 2 or dev_images < 2 or batch < 2:
         raise VseInputError(f"need n >= 2, dev_images >= 2 and batch >= 2; got {n}, {dev_images}, {batch}")
     tmp = Path(tempfile.mkdtemp(prefix="vsekit-bench-epoch-"))
@@ -142,7 +136,7 @@ def bench_epoch(
             raise VseInputError(f"vse train: {msg}")
         if code != 0:
             raise EpochRunError(f"vse train exited {code}:\n" + "\n".join(output))
-        epoch, _ = epoch_records(run_dir)
+        epoch = epoch_record(run_dir)
         n, regions, img_dim = load_precomp_split(data_dir, "train").features.shape  # what was trained on
         return {
             "recipe": recipe,
