@@ -117,11 +117,13 @@ def test_learning_rate_must_be_positive(lr, data, tmp_path, capsys):
         ],
         "train",
     )
-    assert (
-        "optim.lr=" in err
-        and "must be a positive finite number" in err
-        and "Invalid learning rate" not in err
+    # NaN and infinity are refused for every float key (no recipe key means them), the rest by the key's rule
+    rule = (
+        "must be a finite number (not NaN or infinity)"
+        if lr in ("nan", "inf")
+        else "must be a positive finite number"
     )
+    assert "optim.lr=" in err and rule in err and "Invalid learning rate" not in err
     assert not (tmp_path / "r").exists()
 
 

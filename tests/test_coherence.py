@@ -23,6 +23,7 @@ from vsekit.metrics.coherence import (
     image_caption_relevance,
     kendall_tau_b,
 )
+from vsekit.metrics.retrieval import add_coherence, retrieval_metrics_fold5
 
 
 def _cs_of_ranking(ranking: list[int]) -> float:
@@ -185,7 +186,11 @@ def test_fold5_cs_is_the_mean_over_1k_folds_not_one_5k_ranking(rng):
         assert fold == coherence_metrics(
             sims[np.ix_(rows, cols)], cap2img[cols] - 5 * f, rel[np.ix_(cols, cols)], ks=[5]
         )
-    out = evaluate_sims(sims, cap2img, fold5=True, relevance=rel, cs_k=[5])
+    # W-D18: evaluate_sims(fold5=True) is COCO 1K only; its fold mechanism on this 25-image matrix
+    with pytest.raises(ValueError, match="5,000 images"):
+        evaluate_sims(sims, cap2img, fold5=True, relevance=rel, cs_k=[5])
+    out = retrieval_metrics_fold5(sims, cap2img)
+    add_coherence(out, sims, cap2img, rel, [5], "paper", True)
     assert out["i2t_cs@5"] == pytest.approx(1.0)
     assert all(row["i2t_cs@5"] == pytest.approx(1.0) and "i2t_r1" in row for row in out["folds"])
     assert out["i2t_map"] == pytest.approx(np.mean([f["i2t_map"] for f in folds]))
@@ -202,7 +207,11 @@ def test_fold5_all_captions_protocol_is_per_fold_too(rng):
         coherence_metrics(sims, cap2img, rel, ks=[4], protocol="5k")
 
 
-def test_eval_sims_fold5_prints_the_fold_mean_cs(tmp_path, rng, capsys):
+def test_eval_sims_fold5_prints_the_fold_mean_cs(tmp_path, rng, capsys, monkeypatch):
+    import vsekit.metrics.retrieval as retrieval
+
+    # W-D18: --fold5 is COCO 1K only (5,000 images); lifted here to see the fold means printed on 25 images
+    monkeypatch.setattr(retrieval, "check_fold5_protocol", lambda *args, **kwargs: None)
     sims, cap2img, rel = _fold_blocks(rng)
     np.save(tmp_path / "sims.npy", sims.astype(np.float32))
     np.save(tmp_path / "rel.npy", rel.astype(np.float32))

@@ -218,7 +218,9 @@ def test_torchrun_two_ranks_write_exactly_the_single_process_folder(shapes_model
 def test_index_from_embeddings_searches_like_the_model(shapes_model, split_embeddings, tmp_path, capsys):
     data, run = shapes_model
     out = tmp_path / "idx"
-    assert main(["index", "--from-embeddings", str(split_embeddings), "--out", str(out)]) == 0
+    # the pictures' root embed.json records lies outside the embeddings folder: named with --images-root
+    argv = ["index", "--from-embeddings", str(split_embeddings), "--images-root", str(data)]
+    assert main([*argv, "--out", str(out)]) == 0
     idx = SearchIndex(out)
     assert idx.n_pictures == 24 and idx.n_captions == 24
     assert idx.pictures[0]["path"] == "images/test_red_circle_0.png" and idx.picture_file(0) is not None
@@ -227,19 +229,14 @@ def test_index_from_embeddings_searches_like_the_model(shapes_model, split_embed
     hits = json.loads(capsys.readouterr().out)
     assert all("red_circle" in h["path"] for h in hits)
     pq_index = tmp_path / "pq"
-    assert (
-        main(
-            ["index", "--from-embeddings", str(split_embeddings), "--out", str(pq_index), "--index", "ivfpq"]
-        )
-        == 0
-    )
+    assert main([*argv, "--out", str(pq_index), "--index", "ivfpq"]) == 0
     assert type(SearchIndex(pq_index).image_faiss.base).__name__ == "IndexIVFPQ"  # re-scored by default
     capsys.readouterr()
     assert main(["search", str(pq_index), "a red circle", "-k", "1", "--json", "--device", "cpu"]) == 0
     assert "red_circle" in json.loads(capsys.readouterr().out)[0]["path"]
     # a second build from the same folder adds nothing; the same rows are not duplicated
     msgs = []
-    build_index_from_embeddings(split_embeddings, out, log=msgs.append)
+    build_index_from_embeddings(split_embeddings, out, log=msgs.append, images_root=data)
     assert SearchIndex(out).n_pictures == 24 and any("already in it" in m for m in msgs)
 
 
@@ -268,7 +265,7 @@ def test_bad_embedding_folders_are_named(shapes_model, split_embeddings, tmp_pat
     nan[2, 4] = np.nan
     np.save(bad / "img_emb" / "img_emb_1.npy", nan)
     fails(
-        ["index", "--from-embeddings", str(bad), "--out", str(tmp_path / "i2")],
+        ["index", "--from-embeddings", str(bad), "--images-root", str(data), "--out", str(tmp_path / "i2")],
         "img_emb_1.npy: row 2 has NaN/inf",
     )
     assert not (tmp_path / "i2").exists()  # a failed first build leaves no --out folder
@@ -280,7 +277,8 @@ def test_bad_embedding_folders_are_named(shapes_model, split_embeddings, tmp_pat
     info = json.loads((wide / "embed.json").read_text())
     info["image_emb_shape"] = [2 * info["image_emb_shape"][0]]
     (wide / "embed.json").write_text(json.dumps(info))
-    assert main(["index", "--from-embeddings", str(split_embeddings), "--out", str(tmp_path / "ok")]) == 0
+    argv = ["index", "--from-embeddings", str(split_embeddings), "--images-root", str(data)]
+    assert main([*argv, "--out", str(tmp_path / "ok")]) == 0
     fails(
         ["index", "--from-embeddings", str(wide), "--out", str(tmp_path / "ok")],
         "image embeddings, but the index",

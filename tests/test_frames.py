@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from vsekit.cli import main
-from vsekit.data.frames import RaggedFrames, load_frames, write_frames
-from vsekit.data.precomp import DataFormatError, load_precomp_split
+from vsekit.data.frames import RaggedFrames, load_frames
+from vsekit.data.precomp import DataFormatError, load_precomp_split, write_frames
 from vsekit.data.validate import check_dataset, check_split_features
 from vsekit.errors import MissingPackageError
 from vsekit_lab.datasets.video_convert import VideoConvertError, convert_video

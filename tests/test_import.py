@@ -169,7 +169,8 @@ def test_fixed_widths_give_the_releases_numbers(imported, extra):
     tokens = np.asarray(inputs["captions"])
     wide_tokens = np.concatenate([tokens, np.zeros((tokens.shape[0], more_tokens), tokens.dtype)], 1)
     img = model.encode_image(wide, inputs["image_lengths"])
-    txt = model.encode_text(wide_tokens, inputs["caption_lengths"])
+    # eval mode: encode_text holds no graph (R-D17), so the caption embeddings are the leaves of this loss
+    txt = model.encode_text(wide_tokens, inputs["caption_lengths"]).requires_grad_(True)
     close(img, outputs["img_emb"], "img_emb (wider)")
     close(txt, outputs["cap_emb"], "cap_emb (wider)")
     img.retain_grad(), txt.retain_grad()

@@ -194,10 +194,10 @@ def test_a_large_jpeg_is_decoded_at_a_smaller_scale(engine):
 
 
 def test_thumbnails_are_decoded_within_the_same_budget(engine, tmp_path):
-    files = [tmp_path / "huge.png", tmp_path / "photo.jpg", tmp_path / "scan.tif"]
+    files = [tmp_path / "huge.png", tmp_path / "photo.jpg", tmp_path / "scan.bmp"]
     files[0].write_bytes(png_bytes(4097, 4096, "RGBA"))  # an indexed folder's contents are not trusted either
     Image.new("RGB", (4000, 3000), (10, 120, 200)).save(files[1])
-    Image.new("RGB", (300, 200), (200, 10, 10)).save(files[2])  # any format the index took
+    Image.new("RGB", (300, 200), (200, 10, 10)).save(files[2])  # a format the index takes
     engine.index = SimpleNamespace(
         n_pictures=3, pictures=[{"path": f.name} for f in files], picture_file=lambda i: files[i]
     )

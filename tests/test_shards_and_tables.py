@@ -277,7 +277,7 @@ def test_c4_deeply_nested_json_is_a_problem_not_a_crash(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["data", "webdataset", str(shard), "--out", str(out), *PIXELS]) == 0
     err = capsys.readouterr().err
-    assert f"{shard}:a.json: unreadable captions: JSON nested too deeply" in err, err
+    assert f"{shard}:a.json: unreadable captions: nested more than 64 levels deep" in err, err
     assert f'{shard}:c.json: unreadable captions: its "caption" is dict' in err, err
     assert (out / "train_caps.txt").read_text() == "a small red square\n"
 

@@ -15,13 +15,8 @@ import torch
 
 from conftest import reference_fixture_dir
 from vsekit.config import PoolingConfig
-from vsekit.models.vit_views import (
-    ViTMultiViewImageEncoder,
-    convert_released_image_state,
-    kept_patches,
-    nearest_patches,
-    released_vit_key,
-)
+from vsekit.interop.avse import convert_released_image_state, released_vit_key
+from vsekit.models.vit_views import ViTMultiViewImageEncoder, kept_patches, nearest_patches
 
 ATOL = RTOL = 1e-5  # parity: the same float32 ViT ops in other orders / kernels (measured <= 0.02 of it)
 

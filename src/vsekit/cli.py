@@ -56,6 +56,13 @@ class _StderrHandler(logging.StreamHandler):
     def stream(self, _value) -> None:
         pass
 
+    def format(self, record: logging.LogRecord) -> str:
+        """The record as a line the terminal shows and never obeys (`vsekit.utils.printable`: a name from
+        elsewhere holding ESC or CR cannot forge or erase a line); the newlines of a message are kept."""
+        from vsekit.utils.printable import printable_lines
+
+        return printable_lines(super().format(record))
+
     def filter(self, record: logging.LogRecord) -> bool:
         owner = logging.getLogger(record.name)
         while owner is not None and self not in owner.handlers:
@@ -125,6 +132,7 @@ def debug_enabled() -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand. Bad input -> one line naming the problem and exit 2; a bug -> one line that says
     so and exit 1; `VSE_DEBUG=1` re-raises both with their full traceback."""
+    _ignore_file_size_signal()
     try:
         from vsekit.checks import EXPECTED_ERRORS  # no torch: each command imports what it needs itself
     except KeyboardInterrupt:
@@ -170,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     except (*EXPECTED_ERRORS, FloatingPointError, CliError) as e:
         if debug_enabled():
             raise
-        print(f"vse {args.command}: error: {e}", file=sys.stderr)
+        from vsekit.utils.printable import printable_lines
+
+        print(f"vse {args.command}: error: {printable_lines(e)}", file=sys.stderr)
         return 2
     except MemoryError as e:  # and torch's OutOfMemoryError (a RuntimeError): a resource limit, not a bug
         return _out_of_memory(args, e)
@@ -183,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if debug_enabled():
             raise
+        if isinstance(e, (OSError, RuntimeError)) and (storage := _storage_full(e)):
+            from vsekit.utils.printable import printable_lines
+
+            print(f"vse {args.command}: error: {printable_lines(storage)}", file=sys.stderr)
+            return 2
         if type(e).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch here
             return _out_of_memory(args, e)
         print(
@@ -192,6 +207,32 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     return int(result or 0)
+
+
+def _ignore_file_size_signal() -> None:
+    """A file-size limit (`ulimit -f`) makes the kernel send SIGXFSZ, which kills the process outright by
+    default; ignored, the write fails with EFBIG instead and is reported like a full disk (one line, exit 2,
+    the previous files kept)."""
+    import signal
+
+    if hasattr(signal, "SIGXFSZ"):
+        with contextlib.suppress(ValueError, OSError):  # not the main thread (an embedding host): leave it
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
+def _storage_full(e: BaseException) -> str | None:
+    """One line for a write stopped by a full disk, quota or file-size limit that no command named a file
+    for (`vsekit.utils.io.storage_full_errno`): the file the OS names, else the working folder's free space."""
+    from vsekit.utils.io import STORAGE_FULL_ERRNOS, free_space_text, storage_full_errno, storage_full_error
+
+    number = storage_full_errno(e)
+    if number is None:
+        return None
+    if getattr(e, "filename", None):
+        return str(storage_full_error(e.filename, e))
+    hint = STORAGE_FULL_ERRNOS[number]
+    why = os.strerror(number) + (f": {hint}" if hint else "")
+    return f"a write failed: {why} ({free_space_text(os.getcwd())})"
 
 
 def _stdout_closed() -> int:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
+import math
 import types
 import typing
 from collections.abc import Iterator
@@ -27,6 +29,19 @@ import yaml
 from vsekit import registry
 from vsekit.errors import VseInputError, check_device_name
 from vsekit.registry import setting
+from vsekit.utils.safe_json import MAX_NUMBER_CHARS
+
+log = logging.getLogger(__name__)
+
+# What a recipe file may hold (a recipe may come from elsewhere: a downloaded file, a run's config.json). The
+# built-in recipes are under 4 KB, nest 5 levels (model.image.pooling.name, a list inside) and use no YAML
+# anchors or aliases, so each bound is far above any real recipe and refuses before the cost grows.
+MAX_RECIPE_BYTES = 1 << 20  # 1 MiB: a recipe file, or one --set value
+MAX_RECIPE_DEPTH = 32  # mappings and lists inside each other
+# What the widths of a model may add up to, estimated from the recipe before anything is allocated (the weight
+# matrices the widths size; a pretrained body is not counted): 2**30 parameters is 4 GiB as float32 (16 GiB with
+# gradients and AdamW's two moments), 45x the ~24 M of the largest built-in recipe (hrem).
+MAX_MODEL_PARAMETERS = 1 << 30
 
 
 class ConfigError(VseInputError):
@@ -147,7 +162,7 @@ class LossConfig(PartSection):
 
 @dataclass
 class ModelConfig:
-    embed_dim: int = setting(1024, "size of the joint embedding space", rule=">= 1")
+    embed_dim: int = setting(1024, "size of the joint embedding space", rule=">= 1", max=registry.MAX_WIDTH)
     normalize: bool = setting(True, "L2-normalise both embeddings")
     l2_form: str = setting(
         "clamp",
@@ -205,7 +220,9 @@ class DataConfig:
         "caption augmentation: each word is masked, replaced or dropped with this probability (0 = off)",
         rule="in [0, 1]",
     )
-    num_workers: int = setting(0, "DataLoader worker processes (the CPU data path)", rule=">= 0")
+    num_workers: int = setting(
+        0, "DataLoader worker processes (the CPU data path)", rule=">= 0", max=registry.MAX_WORKERS
+    )
 
 
 @dataclass
@@ -227,9 +244,13 @@ class OptimConfig:
 class TrainConfig:
     epochs: int = setting(25, "epochs to train (at least 1; --epochs)")
     batch_size: int = setting(
-        128, "image-caption pairs per batch, whose other pairs are the negatives (at least 2; --batch-size)"
+        128,
+        "image-caption pairs per batch, whose other pairs are the negatives (at least 2; --batch-size)",
+        max=registry.MAX_BATCH,
     )
-    eval_batch_size: int = setting(256, "batch size of encoding for validation", rule=">= 1")
+    eval_batch_size: int = setting(
+        256, "batch size of encoding for validation", rule=">= 1", max=registry.MAX_BATCH
+    )
     seed: int = setting(
         0,
         "seed of the initial weights, the batch order and the augmentation (--seed)",
@@ -259,6 +280,7 @@ class TrainConfig:
         "back-propagate: the full batch's gradients at about one chunk's activation "
         "memory, for ~2x the encoder work; 0 = off",
         rule=">= 0",
+        max=registry.MAX_BATCH,
     )
     collapse_steps: int = setting(
         200,
@@ -290,6 +312,7 @@ class TrainConfig:
         "caption. 0: each batch its own width (dynamic shapes). Transformer text "
         "(DataLoader only) pads each batch to its own longest caption",
         rule=">= 0",
+        max=registry.MAX_COUNT,
     )
     cuda_graph: bool = setting(
         False,
@@ -302,6 +325,11 @@ class TrainConfig:
 @dataclass
 class Recipe:
     name: str = setting("custom", "the recipe's name (a file's stem when not given)")
+    coco_scale: bool = setting(
+        False,
+        "its settings were chosen for Flickr30K / MS-COCO (29k-113k images): vse train hints at the "
+        "bag-of-words floor when it meets a small split (training/advice.py)",
+    )
     model: ModelConfig = field(default_factory=ModelConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -332,6 +360,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        given = [a for a in args if a is not type(None)]
+        if len(given) == 1:  # an optional key: the type's own message (must be a finite number, …)
+            return _coerce(value, given[0], where)
         for a in args:
             if a is type(None):
                 continue
@@ -353,12 +384,20 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             # YAML 1.1 reads `2e-4` and `1E-3` (no dot, or no sign in the exponent) as strings: a float field
             # takes every literal Python's float() reads (ints are numbers too; int fields stay strict)
             try:
-                return float(value)
+                number = float(value) if len(value) <= MAX_NUMBER_CHARS else math.nan
             except ValueError:
                 raise ConfigError(f"{where}: expected a number, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
-        return float(value)
+        else:
+            try:
+                number = float(value)
+            except OverflowError:
+                number = math.inf
+        # no recipe key means NaN or infinity, and config.json (read back with JSON's bounds) never holds one
+        if not math.isfinite(number):
+            raise ConfigError(f"{where}={str(value)[:40]}: must be a finite number (not NaN or infinity)")
+        return number
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
@@ -384,6 +423,11 @@ def _is_part(cls: type) -> bool:
 def from_dict(cls: type, data: dict, where: str = "") -> Any:
     """Build dataclass `cls` from `data`, refusing unknown keys and wrong types."""
     types_ = _key_types(cls)
+    odd = next((k for k in data if not isinstance(k, str)), None)
+    if odd is not None:
+        raise ConfigError(
+            f"{where or 'recipe'}: key {str(odd)[:40]!r} is not a name (a {type(odd).__name__})"
+        )
     unknown = sorted(set(data) - set(types_))
     if unknown:
         prefix = f"{where}." if where else ""
@@ -431,11 +475,99 @@ def builtin_recipes() -> list[str]:
     )
 
 
-def _read_yaml(path: Path | Any, label: str) -> dict:
+class _OutOfBounds(yaml.MarkedYAMLError):
+    """A recipe's YAML beyond the bounds of `_RecipeLoader` (valid YAML, refused)."""
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """YAML's safe loader within the recipe bounds: no aliases (a few hundred bytes of nested `*a` expand to
+    billions of nodes; recipes never need them), at most `MAX_RECIPE_DEPTH` levels (the composer recurses once a
+    level), and numbers of at most `MAX_NUMBER_CHARS` characters (int() of thousands of digits is quadratic)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _OutOfBounds(
+                None,
+                None,
+                f"an alias (*{event.anchor}): recipes do not use YAML anchors and aliases",
+                event.start_mark,
+            )
+        self._depth += 1
+        if self._depth > MAX_RECIPE_DEPTH:
+            raise _OutOfBounds(
+                None, None, f"nested more than {MAX_RECIPE_DEPTH} levels deep", self.peek_event().start_mark
+            )
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_yaml_int(self, node: Any) -> int:
+        _check_number(node)
+        return super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node: Any) -> float:
+        _check_number(node)
+        return super().construct_yaml_float(node)
+
+
+def _check_number(node: Any) -> None:
+    if len(node.value) > MAX_NUMBER_CHARS:
+        raise _OutOfBounds(
+            None,
+            None,
+            f"a number of {len(node.value):,} characters (at most {MAX_NUMBER_CHARS})",
+            node.start_mark,
+        )
+
+
+_RecipeLoader.add_constructor("tag:yaml.org,2002:int", _RecipeLoader.construct_yaml_int)
+_RecipeLoader.add_constructor("tag:yaml.org,2002:float", _RecipeLoader.construct_yaml_float)
+
+
+def parse_yaml(text: str | bytes, label: str) -> Any:
+    """A recipe's YAML (a file's bytes, or one `--set` value) within the recipe bounds (`_RecipeLoader`,
+    `MAX_RECIPE_BYTES`, UTF-8); every problem is a ConfigError naming `label`."""
+    if len(text) > MAX_RECIPE_BYTES:
+        raise ConfigError(f"{label}: {len(text):,} bytes, more than a recipe may hold ({MAX_RECIPE_BYTES:,})")
+    if isinstance(text, (bytes, bytearray)):
+        try:
+            text = bytes(text).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"{label}: not UTF-8 text (byte {e.start}); a recipe is a YAML text file"
+            ) from None
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        return yaml.load(text, Loader=_RecipeLoader)  # noqa: S506  (a SafeLoader subclass)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        kind = "" if isinstance(e, _OutOfBounds) else "not valid YAML: "
+        raise ConfigError(f"{label}: {kind}{' '.join(str(e.problem or e.context).split())}{where}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{label}: not valid YAML: {e}") from e
+        raise ConfigError(f"{label}: not valid YAML: {' '.join(str(e).split())}") from None
+    except RecursionError:  # the bounds above stop well before; kept so no recursion escapes as a crash
+        raise ConfigError(f"{label}: nested too deep") from None
+
+
+def _read_bytes(path: Path | Any, label: str) -> bytes:
+    """At most MAX_RECIPE_BYTES + 1 bytes of a recipe file (a larger one is refused by `parse_yaml`)."""
+    try:
+        if isinstance(path, Path):
+            with open(path, "rb") as f:
+                return f.read(MAX_RECIPE_BYTES + 1)
+        return path.read_bytes()  # a packaged recipe
+    except OSError as e:
+        raise ConfigError(f"{label}: cannot read the recipe ({e.strerror or e})") from None
+
+
+def _read_yaml(path: Path | Any, label: str) -> dict:
+    data = parse_yaml(_read_bytes(path, label), label)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -473,10 +605,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     keys = [k for k in key.strip().split(".") if k]
     if not keys:
         raise ConfigError(f"override {item!r} has an empty key")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from e
+    shown = item if len(item) <= 80 else item[:60] + "…"
+    value = parse_yaml(raw, f"override {shown!r}: value") if raw.strip() else ""
     return keys, value
 
 
@@ -544,16 +674,82 @@ def _keys(section: Any) -> dict[str, dataclasses.Field]:
 
 
 def _check_value(key: str, value: Any, f: dataclasses.Field) -> None:
-    """A key's declared choices and range (for a list, each element's)."""
-    choices, rule = f.metadata.get("choices"), f.metadata.get("rule")
+    """A key's declared choices, range and upper bound (for a list, each element's)."""
+    choices, rule, most = f.metadata.get("choices"), f.metadata.get("rule"), f.metadata.get("max")
     if choices and value not in choices:
         raise ConfigError(f"{key}={value!r}; choose one of {', '.join(choices)}")
-    if rule is None or value is None:
+    if (rule is None and most is None) or value is None:
         return
     items = [(f"{key}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, list) else [(key, value)]
     for name, v in items:
-        if not registry.RULES[rule](v):
+        if rule is not None and not registry.RULES[rule](v):
             raise ConfigError(f"{name}={v}: must be {rule}")
+        if most is not None and v > most:
+            raise ConfigError(f"{name}={v}: at most {most:,} (the bound vsekit sets on this size)")
+
+
+def _named_fields(section: Any) -> set[str]:
+    """The settings keys the part a section names reads (none for a plain section)."""
+    if not isinstance(section, PartSection):
+        return set()
+    return set(registry.get(section.part_kind, getattr(section, section.selector)).fields())
+
+
+def parameter_estimate(r: Recipe, img_dim: int = 0, vocab_size: int = 0) -> list[tuple[str, int]]:
+    """(the key that sizes it, parameters) of the largest weight matrices the recipe's widths ask for, before
+    any is allocated: projections, residual MLPs, GRUs, word embeddings, attention layers of the embedding width.
+    `img_dim` (the features' width) and `vocab_size` come from a run's data; 0 when not known yet. An estimate
+    (a pretrained body is not counted), so that `check_model_size` refuses a model the machine cannot hold with a
+    line naming the key, rather than the allocator failing after minutes."""
+    e = r.model.embed_dim
+    image, text = r.model.image, r.model.text
+    terms = [("model.embed_dim", img_dim * e)]  # the image projection
+    image_keys, text_keys = _named_fields(image), _named_fields(text)
+    if "mlp_hidden" in image_keys:
+        terms.append(("model.image.mlp_hidden", (img_dim + e) * image.mlp_hidden))
+    if "word_dim" in text_keys:
+        terms.append(("model.text.word_dim", vocab_size * text.word_dim))
+    if "num_layers" in text_keys:  # a bidirectional GRU of width embed_dim: 3 gates x 2 directions a layer
+        layers = text.num_layers
+        gru = 6 * e * (text.word_dim + e) + (layers - 1) * 6 * e * (3 * e)
+        terms.append(("model.text.num_layers" if layers > 1 else "model.embed_dim", gru))
+    if "head_mlp_hidden" in text_keys:
+        terms.append(("model.text.head_mlp_hidden", 2 * e * text.head_mlp_hidden))
+    attention = 6 * e * e  # query, key, value, output and a feed-forward of the embedding width
+    for path, section in (("model.image.pooling", image.pooling), ("model.text.pooling", text.pooling)):
+        keys = _named_fields(section)
+        if "d_hidden" in keys:  # GPO's BiGRU over the positional encodings
+            terms.append((f"{path}.d_hidden", 6 * section.d_hidden * (section.d_pe + section.d_hidden)))
+        if "hrem_heads" in keys:
+            terms.append(("model.embed_dim", attention))
+    if "selfattn_heads" in image_keys:
+        terms.append(("model.embed_dim", attention))
+    if "hrem_embed_dim" in _named_fields(r.loss):
+        terms.append(("loss.hrem_embed_dim", 6 * r.loss.hrem_embed_dim**2))
+    return terms
+
+
+def check_model_size(r: Recipe, img_dim: int = 0, vocab_size: int = 0, where: str = "") -> None:
+    """Refuse a recipe whose model would hold more than `MAX_MODEL_PARAMETERS` parameters (`parameter_estimate`),
+    naming the key of its largest term; `where` (a run's config.json) prefixes the message."""
+    terms = parameter_estimate(r, img_dim, vocab_size)
+    total = sum(n for _, n in terms)
+    if total > MAX_MODEL_PARAMETERS:
+        key, n = max(terms, key=lambda t: t[1])
+        prefix = f"{where}: " if where else ""
+        raise ConfigError(
+            f"{prefix}{key}={_value_at(r, key)}: the model would hold about {total / 1e9:.1f} G parameters "
+            f"({4 * total / 2**30:,.0f} GiB as float32; {n / 1e9:.1f} G from this key), more than vsekit's "
+            f"bound of {MAX_MODEL_PARAMETERS / 1e9:.2f} G (vsekit.config.MAX_MODEL_PARAMETERS)"
+        )
+    log.debug("recipe %s: about %.1f M parameters in its widths", r.name, total / 1e6)
+
+
+def _value_at(r: Recipe, key: str) -> Any:
+    node: Any = r
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
 
 
 def validate_recipe(r: Recipe) -> None:
@@ -572,6 +768,7 @@ def validate_recipe(r: Recipe) -> None:
     for path, section in sections:
         for key, f in _keys(section).items():
             _check_value(f"{path}.{key}" if path else key, getattr(section, key), f)
+    check_model_size(r)
     seed_rule = "in 0 .. 2**64-1 (numpy's seed range)"  # the subset's draw: numpy refuses a negative seed
     if r.data.train_fraction < 1.0 and not registry.RULES[seed_rule](r.data.train_subset_seed):
         raise ConfigError(f"data.train_subset_seed={r.data.train_subset_seed}: must be {seed_rule}")

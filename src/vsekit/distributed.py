@@ -58,6 +58,12 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def writes_run_files() -> bool:
+    """Whether this process writes the run folder: always, except under torchrun, where only rank 0 does
+    (`DistContext.is_main`; RANK as torchrun sets it, read before the group is joined)."""
+    return env_world_size() <= 1 or os.environ.get("RANK", "0").strip() in ("", "0")
+
+
 def init_from_env(device_type: str = "cpu") -> DistContext:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
 

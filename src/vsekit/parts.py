@@ -26,7 +26,8 @@ import vsekit.pooling.hrem_parts  # noqa: F401
 import vsekit.pooling.parts  # noqa: F401
 import vsekit.similarity.parts  # noqa: F401
 from vsekit import registry
-from vsekit.config import PartSection, Recipe
+from vsekit.config import MAX_MODEL_PARAMETERS, MAX_RECIPE_BYTES, MAX_RECIPE_DEPTH, PartSection, Recipe
+from vsekit.utils.safe_json import MAX_NUMBER_CHARS
 
 KIND_TITLES = {
     "image_encoder": "image encoder",
@@ -64,6 +65,8 @@ def _type_text(tp: Any, f: dataclasses.Field) -> str:
         text += ": " + " | ".join(f.metadata["choices"])
     if f.metadata.get("rule"):
         text += ", " + ("each " if typing.get_origin(tp) is list else "") + f.metadata["rule"]
+    if f.metadata.get("max") is not None:
+        text += f", <= {f.metadata['max']:,}"
     return text
 
 
@@ -95,8 +98,12 @@ def recipe_keys_markdown() -> str:
         "unknown key is an error. Defaults are the dataclasses'; the built-in recipes set many of them (`vse "
         "recipes NAME` prints one fully resolved). A section that names a part (`model.image`, `model.text`, their "
         "`pooling`, `model.similarity`, `loss`) takes the settings of every part of its kind, flat: the **parts** "
-        "column says which parts read a key (*every*: all of them). A range (e.g. `>= 1`) or choices are checked "
-        "when the recipe is loaded.",
+        "column says which parts read a key (*every*: all of them). A range (e.g. `>= 1`), choices and an upper "
+        "bound (`<= N`: every key that sizes an allocation has one) are checked when the recipe is loaded, a "
+        "run's config.json included; so is the parameter count the widths add up to, estimated before anything "
+        f"is allocated (at most {MAX_MODEL_PARAMETERS:,}). A recipe file is at most {MAX_RECIPE_BYTES:,} bytes of "
+        f"UTF-8 YAML without anchors or aliases, nested at most {MAX_RECIPE_DEPTH} levels, with numbers of at "
+        f"most {MAX_NUMBER_CHARS} characters.",
     ]
     documented: dict[type, str] = {}
     hints_of = typing.get_type_hints

@@ -20,6 +20,12 @@ What a builder is given, by kind: pooling `(cfg: PoolingConfig, dim)`; similarit
 embed_dim, views)`; loss `(cfg: LossConfig)`; image_encoder and text_encoder `(recipe: Recipe, spec: DataSpec)`.
 Each returns the `nn.Module`. `cfg` is the recipe's whole flat section, so the part reads its keys as attributes.
 
+What consumers need to know of a part beyond its settings is a **fact** it declares at registration
+(`register(..., facts={"reads_pixels": True})`; the facts each kind may declare, and what each means, are
+`FACTS`), read only through `has_fact` / `fact` / `part_facts` / `names_with`: no consumer tests a part's name,
+so a part registered from outside (a test, a notebook) gets the same data, tokenizer, search and alarms as a
+built-in one that declares the same facts.
+
 The built-in parts register the first time the registry is asked (the package root installs that loader:
 `vsekit.parts`); a part of your own registers when your module is imported, before you load a recipe naming it.
 This module imports nothing of vsekit, so every layer may use it.
@@ -30,6 +36,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -54,21 +61,99 @@ RULES: dict[str, Callable[[Any], bool]] = {
     "in 0 .. 2**64-1 (numpy's seed range)": lambda v: 0 <= v < 2**64,
 }
 
+# Upper bounds of the keys that size an allocation or a loop (`setting(max=...)`, checked with the rule whenever a
+# recipe is validated, a run's config.json included): a recipe from elsewhere names sizes, and without a bound
+# the allocator is the check (a 10**9 embed_dim asks for terabytes). Each is far above what any recipe uses, so
+# no real model is refused; what a model of in-bound widths would hold is bounded as a whole by
+# `vsekit.config.MAX_MODEL_PARAMETERS`.
+MAX_WIDTH = 65_536  # a vector width (embed_dim, word_dim, hidden sizes): 64x the built-in recipes' 1,024
+MAX_COUNT = 256  # layers, heads, views, levels, stages, caption widths: built-in recipes use at most 16
+MAX_BATCH = 1_048_576  # pairs per batch or chunk (2**20): 32x the largest published contrastive batch, 32k
+MAX_ITERATIONS = 100_000  # iterations of a loop run every step (Sinkhorn): built-in recipes use 20
+MAX_WORKERS = 256  # DataLoader worker processes: one per core of the largest machines
+MAX_IMAGE_SIDE = 8_000  # a picture's side in pixels: 8,000**2 = MAX_IMAGE_PIXELS, the decoder's own cap
+MAX_CACHE_MB = 1_048_576  # a memory budget in MB (1 TiB): the cache fills only as far as there is data
+
+
+# The facts a part may declare (`register(..., facts=...)`), by kind: each fact's type and what it means to the
+# consumers that read it. A fact a part does not declare is False / None. One table, so a typo in a fact's name is
+# a RegistryError at registration, not a silently absent fact.
+FACTS: dict[str, dict[str, tuple[type | str, str]]] = {
+    "image_encoder": {
+        "reads_pixels": (
+            bool,
+            "takes pictures (resized to the section's image_size), not precomputed features: the trainer, "
+            "evaluation, search and CLIP_benchmark feed it pixels",
+        ),
+        "cuda_graph": (bool, "its forward was checked free of host syncs and step-to-step changes"),
+        "encode_kwargs": (tuple, "keyword arguments `encode_image` passes on besides `generator`"),
+    },
+    "text_encoder": {
+        "word_vocabulary": (
+            bool,
+            "reads word ids of a vocabulary built from the train captions (or model.text.vocab_path), not a "
+            "pretrained tokenizer: the trainer builds it, a loaded model reads it from its spec",
+        ),
+        "cuda_graph": (bool, "its forward was checked free of host syncs (no length read back)"),
+    },
+    "pooling": {
+        "keeps_sets": (
+            bool,
+            "no pooling: the encoder's set of vectors itself, for a similarity that `takes_sets`",
+        ),
+        "makes_views": (
+            bool,
+            "where its own encoders apply (`encoders`), it trains on two views of each item, which only a "
+            "loss with `scores_views` takes",
+        ),
+    },
+    "similarity": {
+        "inner_product": (
+            bool,
+            "the score is the inner product of one image vector and one caption vector: a search index "
+            "answers exactly, without re-ranking",
+        ),
+        "takes_sets": (bool, "scores sets of vectors [N, S, D] (late interaction), not one vector per item"),
+    },
+    "loss": {
+        "cuda_graph": (bool, "its forward was checked free of host syncs and data-dependent shapes"),
+        "cuda_graph_blockers": (
+            "callable",
+            "(cfg) -> list of the settings of this loss a CUDA graph cannot capture, each naming why",
+        ),
+        "equal_score": (
+            "callable",
+            "(cfg, negatives [B] float, hardest: bool, k) -> (label, 0-d tensor) or None: the loss's value when "
+            "every similarity of the batch is equal (the collapse alarm); k is ADOPT's K of the step",
+        ),
+        "scores_views": (bool, "scores groups of views of each item (a pooling with `makes_views`)"),
+    },
+}
+
 
 class RegistryError(ValueError):
     """A part registered twice, or declared in a way a recipe could not hold (a programming error)."""
 
 
 def setting(
-    default: Any, help: str, *, rule: str | None = None, choices: tuple[str, ...] | None = None
+    default: Any,
+    help: str,
+    *,
+    rule: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    max: int | None = None,  # noqa: A002  (the recipe-facing word, as docs/recipe_keys.md prints it)
 ) -> Any:
     """A recipe key of a settings dataclass: its default, the one line of help docs/recipe_keys.md prints, and
-    optionally its range (a `RULES` name; for a list, each element's) or its string choices."""
+    optionally its range (a `RULES` name; for a list, each element's), its string choices, or its upper bound
+    (`max`: every key that sizes an allocation or a loop has one, e.g. `MAX_WIDTH`, so a recipe cannot make
+    the allocator the check)."""
     if not help.strip():
         raise RegistryError("every recipe key needs a help string")
     if rule is not None and rule not in RULES:
         raise RegistryError(f"unknown rule {rule!r}; choose one of {', '.join(RULES)}")
-    metadata = {"help": help, "rule": rule, "choices": tuple(choices) if choices else None}
+    if max is not None and (isinstance(max, bool) or not isinstance(max, int)):
+        raise RegistryError(f"max={max!r}: the bound of a recipe key is an integer")
+    metadata = {"help": help, "rule": rule, "choices": tuple(choices) if choices else None, "max": max}
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -118,6 +203,7 @@ class Part:
     # a pooling that brings its own encoder for an encoder kind: {"image:precomp": build, "text:bigru": build},
     # each `build(recipe, spec)` -> the encoder, or None where the pooling's own encoder does not apply
     encoders: Mapping[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
+    facts: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # checked against `FACTS`
 
     def fields(self) -> dict[str, tuple[dataclasses.Field, Any]]:
         hints = typing.get_type_hints(self.settings)
@@ -197,10 +283,12 @@ def register(
     build: Callable[..., Any],
     help: str,
     encoders: Mapping[str, Callable[..., Any]] | None = None,
+    facts: Mapping[str, Any] | None = None,
 ) -> Part:
     """Register the part a recipe names `name` in a section of `kind`, with its settings and builder; a name
     already registered for that kind is an error (unregister it first). `encoders` (poolings only): the
-    encoders the pooling brings, by "side:encoder kind" (`pooling_encoder`)."""
+    encoders the pooling brings, by "side:encoder kind" (`pooling_encoder`). `facts`: what consumers need to
+    know of the part (`FACTS[kind]` names them), read with `has_fact` / `fact`."""
     _check_kind(kind)
     _ensure_loaded()  # the built-in parts first, so a clash with one of them is found here
     if not name or not name.replace("_", "").replace("-", "").isalnum():
@@ -216,8 +304,26 @@ def register(
             raise RegistryError(
                 f"pooling {name!r}: encoder key {key!r} must read 'image:KIND' or 'text:KIND'"
             )
+    checked = _checked_facts(kind, name, facts or {})
     module = getattr(build, "__module__", "?") or "?"
-    return _add(Part(kind, name, settings, build, help, module, encoders=dict(encoders or {})))
+    return _add(Part(kind, name, settings, build, help, module, encoders=dict(encoders or {}), facts=checked))
+
+
+def _checked_facts(kind: str, name: str, facts: Mapping[str, Any]) -> dict[str, Any]:
+    """`facts` as declared, each one `FACTS[kind]` knows, of its type."""
+    known = FACTS[kind]
+    for key, value in facts.items():
+        if key not in known:
+            choices = ", ".join(known) or "none"
+            raise RegistryError(f"{kind} {name!r}: unknown fact {key!r}; a {kind} declares {choices}")
+        tp = known[key][0]
+        ok = callable(value) if tp == "callable" else isinstance(value, tp)  # type: ignore[arg-type]
+        if tp is tuple:
+            ok = ok and all(isinstance(v, str) for v in value)
+        if not ok:
+            want = "a function" if tp == "callable" else getattr(tp, "__name__", str(tp))
+            raise RegistryError(f"{kind} {name!r}: fact {key!r} must be {want}, got {value!r}")
+    return dict(facts)
 
 
 def register_shared(kind: str, settings: type[Settings], *, help: str) -> Part:
@@ -264,6 +370,37 @@ def get(kind: str, name: str) -> Part:
         if p.name == name:
             return p
     raise ValueError(f"unknown {kind.replace('_', ' ')} {name!r}; choose one of {', '.join(names(kind))}")
+
+
+def _fact_name(kind: str, fact_name: str) -> None:
+    _check_kind(kind)
+    if fact_name not in FACTS[kind]:
+        raise RegistryError(
+            f"a {kind} declares no fact {fact_name!r}; the facts are {', '.join(FACTS[kind])}"
+        )
+
+
+def part_facts(kind: str, name: str) -> Mapping[str, Any]:
+    """The facts the part of `kind` called `name` declared (read-only); an unknown name is `get`'s ValueError."""
+    return types.MappingProxyType(dict(get(kind, name).facts))
+
+
+def fact(kind: str, name: str, fact_name: str, default: Any = None) -> Any:
+    """The value of one fact of a part (`default` when the part does not declare it)."""
+    _fact_name(kind, fact_name)
+    return get(kind, name).facts.get(fact_name, default)
+
+
+def has_fact(kind: str, name: str, fact_name: str) -> bool:
+    """Whether the part of `kind` called `name` declares `fact_name` (true): what consumers ask instead of its
+    name, e.g. `has_fact("image_encoder", recipe.model.image.kind, "reads_pixels")`."""
+    return bool(fact(kind, name, fact_name))
+
+
+def names_with(kind: str, fact_name: str) -> tuple[str, ...]:
+    """The parts of `kind` that declare `fact_name`, in registration order (for messages listing them)."""
+    _fact_name(kind, fact_name)
+    return tuple(p.name for p in parts(kind) if p.facts.get(fact_name))
 
 
 def pooling_encoder(side: str, encoder_kind: str, recipe: Any, spec: Any) -> Any:

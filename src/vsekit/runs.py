@@ -16,9 +16,11 @@ a SIGKILL at any moment leaves the previous set or the new one complete, never a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +28,20 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
-from vsekit.config import ConfigError, Recipe, recipe_from_dict, to_dict
+from vsekit.config import ConfigError, Recipe, check_model_size, recipe_from_dict, to_dict
+from vsekit.data.text import read_vocab_json, vocab_words
 from vsekit.errors import VseInputError
 from vsekit.models.vse import DataSpec, VSEModel
-from vsekit.utils.io import atomic_write_bytes, atomic_write_json, sha256_file
+from vsekit.registry import MAX_WIDTH
+from vsekit.utils.io import (
+    atomic_write_bytes,
+    atomic_write_json,
+    sha256_file,
+    storage_full_errno,
+    storage_full_error,
+)
+from vsekit.utils.locks import LOCK_NAME, folder_lock
+from vsekit.utils.safe_json import JsonBoundsError, loads_bounded
 
 RUN_FORMAT = "vsekit-run/1"
 CHECKPOINT_FORMAT = "vsekit-checkpoint/1"
@@ -71,15 +83,50 @@ def write_run_config(run_dir: Path, recipe: Recipe, spec: DataSpec, extra: dict[
     atomic_write_json(run_dir / "config.json", cfg)
 
 
+MAX_RUN_CONFIG_BYTES = 16 << 20  # a run's config.json: a recipe and a data spec, a few KB as vsekit writes it
+
+
+def _read_config_json(path: Path) -> Any:
+    """config.json within `MAX_RUN_CONFIG_BYTES` and JSON's bounds (`loads_bounded`: vsekit never writes NaN or
+    infinity there, the recipe validator refuses them), or a CheckpointError naming the file."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_RUN_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    if len(raw) > MAX_RUN_CONFIG_BYTES:
+        raise CheckpointError(f"{path}: more than {MAX_RUN_CONFIG_BYTES:,} bytes; not a run's config.json")
+    try:
+        return loads_bounded(raw, str(path))
+    except JsonBoundsError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def _data_spec(spec_d: Any, path: Path) -> dict:
+    """config.json's data_spec, each entry of the type it must have (img_dim an integer within MAX_WIDTH)."""
+    if not isinstance(spec_d, dict):
+        raise CheckpointError(f"{path}: data_spec must be an object")
+    img_dim = spec_d.get("img_dim", 0)
+    if isinstance(img_dim, bool) or not isinstance(img_dim, int) or not 0 <= img_dim <= MAX_WIDTH:
+        raise CheckpointError(
+            f"{path}: data_spec.img_dim={str(img_dim)[:40]}: must be an integer 0 .. {MAX_WIDTH:,}"
+        )
+    if not isinstance(spec_d.get("text_model_path", ""), str):
+        raise CheckpointError(f"{path}: data_spec.text_model_path must be a string")
+    if not isinstance(spec_d.get("vision_config", {}), dict):
+        raise CheckpointError(f"{path}: data_spec.vision_config must be an object")
+    return spec_d
+
+
 def read_run_config(run_dir: str | Path) -> tuple[Recipe, DataSpec, dict]:
+    """A run's recipe, data spec and config.json, each checked as a recipe from elsewhere is (bounded JSON, the
+    recipe validator with its magnitudes, the parameter estimate with the run's feature width and vocabulary)
+    before any model is built from them."""
     run_dir = Path(run_dir)
     path = run_dir / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{run_dir}: not a vsekit run directory (no config.json)")
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    cfg = _read_config_json(path)
     if not isinstance(cfg, dict) or cfg.get("format") != RUN_FORMAT:
         raise CheckpointError(
             f"{path}: format {cfg.get('format') if isinstance(cfg, dict) else None!r}; this vsekit reads {RUN_FORMAT}"
@@ -88,11 +135,25 @@ def read_run_config(run_dir: str | Path) -> tuple[Recipe, DataSpec, dict]:
         recipe = recipe_from_dict(cfg["recipe"])
     except (ConfigError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}: recipe does not fit this vsekit's schema: {e}") from e
-    spec_d = cfg.get("data_spec", {})
+    spec_d = _data_spec(cfg.get("data_spec", {}), path)
     vocab: list[str] = []
     vocab_path = run_dir / "vocab.json"
     if vocab_path.is_file():
-        vocab = json.loads(vocab_path.read_text(encoding="utf-8"))["words"]
+        try:
+            data = read_vocab_json(vocab_path)
+            if not isinstance(data, dict) or "words" not in data:
+                raise CheckpointError(
+                    f"{vocab_path}: expected {{'words': [...]}}, the vocabulary vsekit writes"
+                )
+            vocab = vocab_words(data["words"], vocab_path)
+        except CheckpointError:
+            raise
+        except VseInputError as e:
+            raise CheckpointError(str(e)) from None
+    try:
+        check_model_size(recipe, spec_d.get("img_dim", 0), len(vocab), where=str(path))
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
     text_path = spec_d.get("text_model_path", "")
     if text_path and not Path(text_path).is_absolute():  # imported runs carry their text model config inside
         text_path = str(run_dir / text_path)
@@ -103,6 +164,22 @@ def read_run_config(run_dir: str | Path) -> tuple[Recipe, DataSpec, dict]:
         vision_config=dict(spec_d.get("vision_config", {})),
     )
     return recipe, spec, cfg
+
+
+RUN_LOCK = LOCK_NAME
+"""The run's writer lock (`run_writer_lock`): neither vsekit's nor anyone else's file, never cleared."""
+
+
+@contextlib.contextmanager
+def run_writer_lock(run_dir: str | Path, log: Callable[[str], None] = print) -> Iterator[Path]:
+    """One writer per run: `vse train` (new or --resume) holds `RUN_DIR/.lock` for the whole run, so a second
+    `vse train` of the same folder stops at once with one line naming the pid that writes it, before it reads
+    or writes anything (two writers would train the same epochs side by side, each append to metrics.jsonl
+    and delete the other's temporary checkpoint). The lock is `vsekit.utils.locks.folder_lock`'s, as
+    `vse index` uses: dropped by the kernel when its holder dies, removed on every exit; a folder it
+    created is removed again when nothing was written there."""
+    with folder_lock(Path(run_dir), "vse train", "this run", CheckpointError, log, RUN_LOCK) as lock:
+        yield lock
 
 
 RUN_ARTIFACTS = frozenset(
@@ -129,7 +206,7 @@ def is_run_dir(path: str | Path) -> bool:
     """True when `path` holds a vsekit run: a config.json of this format (not any folder with a config.json)."""
     cfg = Path(path) / "config.json"
     try:
-        return cfg.is_file() and json.loads(cfg.read_text(encoding="utf-8")).get("format") == RUN_FORMAT
+        return cfg.is_file() and _read_config_json(cfg).get("format") == RUN_FORMAT
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -140,6 +217,8 @@ def split_run_dir(run_dir: str | Path) -> tuple[list[Path], list[Path]]:
     ours, others = [], []
     run = is_run_dir(run_dir)
     for p in sorted(Path(run_dir).iterdir()):
+        if p.name == RUN_LOCK:  # held by this run's writer (`run_writer_lock`): never cleared, never "other"
+            continue
         mine = p.name in RUN_ARTIFACTS or (p.name.startswith(".") and p.name.endswith(".tmp"))
         mine = mine and (run or p.name != "config.json")
         (ours if mine else others).append(p)
@@ -301,13 +380,26 @@ def write_checkpoint_set(
             seq = 0
     ckpt = run_dir / "ckpt"
     files = {}
-    for suffix, data in parts.items():
-        rel = f"ckpt/{tag}-{seq:06d}{suffix}"
-        atomic_write_bytes(run_dir / rel, data)
-        files[suffix] = {"path": rel, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    atomic_write_json(
-        manifest, {"format": CHECKPOINT_FORMAT, "tag": tag, "seq": seq, **(info or {}), "files": files}
-    )
+    try:
+        for suffix, data in parts.items():
+            rel = f"ckpt/{tag}-{seq:06d}{suffix}"
+            files[suffix] = {"path": rel, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            atomic_write_bytes(run_dir / rel, data)
+        atomic_write_json(
+            manifest, {"format": CHECKPOINT_FORMAT, "tag": tag, "seq": seq, **(info or {}), "files": files}
+        )
+    except BaseException as e:  # not committed: the previous set stays the run's; this one's files go
+        for f in files.values():
+            with contextlib.suppress(OSError):
+                (run_dir / f["path"]).unlink(missing_ok=True)
+        if storage_full_errno(e) is None:
+            raise
+        kept = (
+            f"the run keeps its previous {tag} checkpoint ({manifest.name})"
+            if manifest.is_file()
+            else f"no {tag} checkpoint was saved"
+        )
+        raise storage_full_error(manifest, e, kept) from e
     for suffix, f in files.items():
         _publish(run_dir, run_dir / f["path"], f"{tag}{suffix}")
     keep = {Path(f["path"]).name for f in files.values()}

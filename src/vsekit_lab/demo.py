@@ -83,12 +83,15 @@ def dataset_outdated(data_dir: Path) -> str | None:
     The demo reuses a built set; one built by an older vsekit (other caption rules or rendering) still
     trains, but its numbers will not match the README's table, so the user is told how to refresh it.
     """
+    from vsekit.data.manifest import ManifestError, manifest_path, read_manifest
     from vsekit_lab.datasets.openclipart import CAPTION_RULES, RENDER_VERSION
 
-    manifest_file = data_dir / "manifest.json"
+    manifest_file = manifest_path(data_dir)
     try:
-        manifest = json.loads(manifest_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        manifest = read_manifest(data_dir) if manifest_file.is_file() else None
+    except ManifestError:
+        manifest = None
+    if manifest is None:
         return None  # not built by `vse data openclipart` (or unreadable): nothing to compare with
     if manifest.get("caption_rules") != CAPTION_RULES:
         return f"{manifest_file}: built with other caption rules than this vsekit's"

@@ -1,4 +1,4 @@
-"""`vse data karpathy | link-images | folder | table | webdataset | show | check | relevance | relevance-share`,
+"""`vse data karpathy | link-images | folder | table | webdataset | show | check | noise | relevance | relevance-share`,
 and the sub-verbs other packages register in the entry-point group `vsekit.data_commands` (vsekit_lab's builders
 of particular sets: `openclipart | convert-video | synthetic | moving-shapes | wesnoth`)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from vsekit.commands.argtypes import at_least, finite, fraction
+from vsekit.commands.argtypes import at_least, between, checked, finite, fraction
 from vsekit.commands.jsonout import add_json_args
 from vsekit.commands.own_data import register_own
 from vsekit.commands.plugins import DATA_COMMANDS_GROUP, register_verbs
@@ -34,6 +34,23 @@ def run_check(args: argparse.Namespace) -> int:
     report = check_dataset(args.data, captions_per_image=args.captions_per_image)
     print(report.format())
     return 0 if report.ok else 1
+
+
+def run_noise(args: argparse.Namespace) -> int:
+    """A copy of a dataset whose train split carries mismatched pairs (vsekit.data.noise), ground truth recorded."""
+    from vsekit.data.noise import describe_noise, write_noisy_dataset
+
+    record = write_noisy_dataset(
+        args.data,
+        args.out,
+        rate=args.rate,
+        level=args.level,
+        seed=args.seed,
+        from_file=args.from_file,
+        captions_per_image=args.captions_per_image,
+    )
+    print(f"wrote {args.out}: {describe_noise(record)}")
+    return 0
 
 
 def run_relevance(args: argparse.Namespace) -> int:
@@ -125,6 +142,28 @@ def register(sub) -> None:
     c.add_argument("data")
     c.add_argument("--captions-per-image", type=int, action=at_least(1), default=5)
     c.set_defaults(func=run_check)
+    nz = dsub.add_parser(
+        "noise",
+        help="copy a dataset with mismatched train pairs (NCR/IN2R caption level or RCL image level), "
+        "features linked, the ground truth recorded",
+    )
+    nz.add_argument("data", help="the clean dataset (SRC)")
+    nz.add_argument("--out", required=True, help="a new folder for the noisy copy")
+    nz.add_argument(
+        "--rate",
+        type=float,
+        action=checked(lambda v: None if 0 <= v < 1 else "must lie in [0, 1)", "NoiseRate"),
+        help="share of pairs to mismatch, in [0, 1)",
+    )
+    nz.add_argument("--level", help="caption (NCR/IN2R, default) or image (RCL)")
+    nz.add_argument(
+        "--seed", type=int, action=between(0, 2**32 - 1), default=0, help="numpy seed of the draw (default 0)"
+    )
+    nz.add_argument(
+        "--from-file", help="apply a released noise index .npy instead (NCR's t2i or RCL's noise_inx)"
+    )
+    nz.add_argument("--captions-per-image", type=int, action=at_least(1), default=5)
+    nz.set_defaults(func=run_noise)
     r = dsub.add_parser(
         "relevance", help="cache caption x caption relevance (MiniLM) for CS@K and the ladder loss"
     )

@@ -172,6 +172,10 @@ def eval_preflight(args: argparse.Namespace) -> str:
             )
         if args.eccv:  # checked before the encoding, which takes minutes
             check_eccv_split(data, args.split, recipe.data.captions_per_image)
+    if getattr(args, "fold5", False) and layout is not None:  # COCO 1K sizes, before the encoding too
+        from vsekit.metrics.retrieval import check_fold5_protocol
+
+        check_fold5_protocol(layout[2], layout[3], f"{data0} split {args.split!r}")
     note = coco_split_note(data0, args.split, layout[2] if layout else 0)
     if note:
         logging.getLogger(__name__).warning(note)
@@ -207,6 +211,10 @@ def run_eval(args: argparse.Namespace) -> int:
     from vsekit.runs import load_run
     from vsekit.utils.runtime import resolve_device
 
+    if args.probe:  # a compositional probe instead of recall (vsekit.commands.probes, docs/probes.md)
+        from vsekit.commands.probes import run_probe
+
+        return run_probe(args, eval_preflight, check_result_files)
     device = resolve_device(args.device)
     data = eval_preflight(args)
     check_result_files(args, data)  # before the encoding, which takes minutes: nothing to lose at the end
@@ -290,6 +298,9 @@ def register(sub) -> None:
     )
     p.add_argument("--cs-protocol", choices=CS_PROTOCOLS, default="paper", help=CS_PROTOCOL_HELP)
     p.add_argument("--eccv", action="store_true", help=ECCV_HELP + " (--split testall)")
+    from vsekit.commands.probes import add_probe_args
+
+    add_probe_args(p)
     p.set_defaults(func=run_eval)
     s = sub.add_parser("eval-sims", help="evaluate similarity matrices (rows = images, columns = captions)")
     s.add_argument("sims", nargs="+", metavar="SIMS.npy", help="several files are averaged (an ensemble)")

@@ -67,7 +67,9 @@ def run_own_folder(args: argparse.Namespace) -> int:
     from vsekit.datasets.own_sources import read_folder
 
     _own_options(args)  # option conflicts before the folder is walked
-    collected = read_folder(args.folder, split_by_folder=args.split_by_folder, exclude=[args.out])
+    collected = read_folder(
+        args.folder, split_by_folder=args.split_by_folder, exclude=[args.out], trust_links=args.trust_links
+    )
     return _build_own(args, collected, input_root=args.folder)
 
 
@@ -84,6 +86,7 @@ def run_own_table(args: argparse.Namespace) -> int:
         split_col=args.split_col,
         images_root=args.images_root,
         fmt=args.format,
+        trust_links=args.trust_links,
     )
     return _build_own(args, collected, input_root=args.images_root or Path(args.table).parent)
 
@@ -144,6 +147,12 @@ def _add_own_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
+TRUST_LINKS_HELP = (
+    "read files that have several names (hard links); refused by default, since a hard link in a folder "
+    "from elsewhere can be a second name of any file of yours (docs/security.md)"
+)
+
+
 def register_own(dsub) -> None:
     """Add `folder`, `table` and `webdataset` to the `vse data` subparsers."""
     of = dsub.add_parser(
@@ -157,6 +166,7 @@ def register_own(dsub) -> None:
         action="store_true",
         help="top-level train/, dev/ (or val/), test/ folders give the split instead of --dev / --test",
     )
+    of.add_argument("--trust-links", action="store_true", help=TRUST_LINKS_HELP)
     _add_own_args(of)
     of.set_defaults(func=run_own_folder)
     ot = dsub.add_parser(
@@ -172,6 +182,7 @@ def register_own(dsub) -> None:
     ot.add_argument("--split-col", help="column giving each row's split (train / dev or val / test)")
     ot.add_argument("--images-root", help="folder relative picture paths start from (default: the table's)")
     ot.add_argument("--format", choices=["auto", "csv", "tsv", "parquet"], default="auto")
+    ot.add_argument("--trust-links", action="store_true", help=TRUST_LINKS_HELP)
     _add_own_args(ot)
     ot.set_defaults(func=run_own_table)
     ow = dsub.add_parser(

@@ -56,12 +56,15 @@ def run_index(args: argparse.Namespace) -> int:
             run_dir=args.run,
             checkpoint=args.checkpoint,
             log=lambda msg: print(msg, file=sys.stderr),
+            images_root=args.images_root,
         )
         c = meta["counts"]
         print(
             f"index {args.out}: {c['pictures']} pictures, {c['captions']} captions ({meta['faiss']['kind']})"
         )
         return 0
+    if args.images_root is not None:
+        raise VseInputError("--images-root goes with --from-embeddings DIR (a SOURCE names its own pictures)")
     if args.run is None or args.source is None:
         raise VseInputError("give RUN_DIR and SOURCE (or --from-embeddings DIR)")
     try:
@@ -79,8 +82,9 @@ def run_index(args: argparse.Namespace) -> int:
                 chunk_size=args.chunk_size,
                 strict=args.strict,
                 captions_file=args.captions,
-                progress=not args.quiet,
+                progress=not args.no_progress,
                 log=lambda msg: print(msg, file=sys.stderr),
+                trust_links=args.trust_links,
             )
         else:
             meta = build_index(
@@ -95,8 +99,9 @@ def run_index(args: argparse.Namespace) -> int:
                 pixels=args.pixels,
                 strict=args.strict,
                 captions_file=args.captions,
-                progress=not args.quiet,
+                progress=not args.no_progress,
                 log=lambda msg: print(msg, file=sys.stderr),
+                trust_links=args.trust_links,
             )
     except KeyboardInterrupt:
         raise KeyboardInterrupt(_index_interrupt_hint(args)) from None
@@ -143,7 +148,8 @@ def index_command(args: argparse.Namespace) -> str:
         ("--pixels", "pixels"),
         ("--refresh", "refresh"),
         ("--strict", "strict"),
-        ("--quiet", "quiet"),
+        ("--trust-links", "trust_links"),
+        ("--no-progress", "no_progress"),
     ):
         parts += [flag] if getattr(args, attr, False) else []
     return shlex.join(parts)
@@ -267,6 +273,8 @@ def run_serve(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             head_timeout_s=limits.head_timeout_s,
             logger=logger,
+            body_timeout_s=limits.body_timeout_s,
+            body_min_rate=limits.body_min_rate,
         )
         uvicorn.Server(config).run(sockets=[sock])
     finally:
@@ -311,6 +319,12 @@ def register(sub) -> None:
         "--from-embeddings",
         metavar="DIR",
         help="build from a `vse embed` folder (img_emb/, text_emb/, metadata/) instead: no model forward",
+    )
+    p.add_argument(
+        "--images-root",
+        metavar="DIR",
+        help="with --from-embeddings: the folder its pictures may be read from (the root its embed.json "
+        "records must lie inside it; default: the embeddings folder itself)",
     )
     p.add_argument(
         "--index",
@@ -362,6 +376,12 @@ def register(sub) -> None:
     p.add_argument(
         "--strict", action="store_true", help="stop at the first unreadable picture instead of skipping it"
     )
+    p.add_argument(
+        "--trust-links",
+        action="store_true",
+        help="index files of the folder SOURCE that have several names (hard links); refused by default "
+        "(docs/security.md)",
+    )
     p.add_argument("--batch-size", type=int, action=POSITIVE, default=16)
     p.add_argument(
         "--chunk-size",
@@ -371,7 +391,13 @@ def register(sub) -> None:
         help="pictures per saved chunk (the resume granularity)",
     )
     p.add_argument("--device", default="auto")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(  # the verbs' one name for it; --quiet: its older name here (`vse -q` is the log level)
+        "--no-progress",
+        "--quiet",
+        dest="no_progress",
+        action="store_true",
+        help="no progress bar (alias: --quiet)",
+    )
     p.set_defaults(func=run_index)
 
     s = sub.add_parser(

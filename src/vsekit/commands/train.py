@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 from pathlib import Path
 
@@ -151,44 +152,61 @@ def run_train(args: argparse.Namespace) -> int:
     from vsekit.training.reporting import check_report_to  # no torch: a missing wandb fails before any work
 
     report_to = check_report_to([args.report_to] if getattr(args, "report_to", None) else [])
+    run_dir = Path(args.resume or args.out)
     try:
-        from vsekit.config import apply_overrides, recipe_from_dict, validate_recipe
-        from vsekit.runs import read_run_config
-        from vsekit.training.trainer import Trainer
+        from vsekit.distributed import writes_run_files
+        from vsekit.runs import run_writer_lock
+        from vsekit.utils.io import storage_full_errno, storage_full_error
 
-        if args.resume:
-            recipe, _, cfg = read_run_config(args.resume)
-            # a new lr schedule (or graph switch) for the epochs still to train; config.json records it
-            if args.set:
-                recipe = recipe_from_dict(apply_overrides(to_dict(recipe), args.set))
-            if args.epochs is not None:  # train on to N epochs in all; the lr schedule stays the recipe's
-                recipe.train.epochs = args.epochs
-            if args.device is not None:
-                recipe.train.device = args.device
-            validate_recipe(recipe)
-            trainer = Trainer(
-                recipe,
-                args.data or cfg["data_dir"],
-                args.resume,
-                resume=True,
-                progress=not args.no_progress,
-                report_to=report_to,
-            )
-        else:
-            recipe = recipe_from_args(args)
-            trainer = Trainer(
-                recipe,
-                args.data,
-                args.out,
-                overwrite=args.overwrite,
-                progress=not args.no_progress,
-                report_to=report_to,
-            )
-        result = trainer.fit()
+        # one writer per run, for the whole run: a second `vse train` of this folder stops here, writing nothing
+        with run_writer_lock(run_dir) if writes_run_files() else contextlib.nullcontext():
+            try:
+                trainer, result = _train(args, report_to)
+            except OSError as e:  # a write no checkpoint function named (metrics.jsonl, TensorBoard events)
+                if storage_full_errno(e) is None:
+                    raise
+                raise storage_full_error(e.filename or run_dir, e, "the run keeps its last checkpoint") from e
     except KeyboardInterrupt:
         raise KeyboardInterrupt(_interrupt_hint(args, before)) from None
     print(f"best dev rsum {result['best_rsum']:.2f} at epoch {result['best_epoch']}; run: {trainer.run_dir}")
     return 0
+
+
+def _train(args: argparse.Namespace, report_to: tuple[str, ...]):
+    """Build the trainer of a new or resumed run and train it: (trainer, its result)."""
+    from vsekit.config import apply_overrides, recipe_from_dict, validate_recipe
+    from vsekit.runs import read_run_config
+    from vsekit.training.trainer import Trainer
+
+    if args.resume:
+        recipe, _, cfg = read_run_config(args.resume)
+        # a new lr schedule (or graph switch) for the epochs still to train; config.json records it
+        if args.set:
+            recipe = recipe_from_dict(apply_overrides(to_dict(recipe), args.set))
+        if args.epochs is not None:  # train on to N epochs in all; the lr schedule stays the recipe's
+            recipe.train.epochs = args.epochs
+        if args.device is not None:
+            recipe.train.device = args.device
+        validate_recipe(recipe)
+        trainer = Trainer(
+            recipe,
+            args.data or cfg["data_dir"],
+            args.resume,
+            resume=True,
+            progress=not args.no_progress,
+            report_to=report_to,
+        )
+    else:
+        recipe = recipe_from_args(args)
+        trainer = Trainer(
+            recipe,
+            args.data,
+            args.out,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+            report_to=report_to,
+        )
+    return trainer, trainer.fit()
 
 
 def run_recipes(args: argparse.Namespace) -> int:

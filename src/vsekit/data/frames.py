@@ -65,10 +65,6 @@ def frames_files(root: Path, split: str) -> tuple[Path, Path]:
     return root / f"{split}{FRAMES_SUFFIX}", root / f"{split}{OFFSETS_SUFFIX}"
 
 
-def has_frames(root: Path, split: str) -> bool:
-    return frames_files(root, split)[0].is_file()
-
-
 def frame_array(path: Path, found: Findings) -> np.ndarray | None:
     """`{split}_frames.npy` opened memory-mapped: a non-empty (frames, dim) float16/float32 array, else None
     with the problem reported to `found`."""
@@ -163,25 +159,3 @@ def load_frames(root: Path, split: str, error: type[Exception] = VseInputError) 
     frames = frame_array(frames_path, found)
     offsets, _ = frame_offsets(offsets_path, frames_path, int(frames.shape[0]), found)
     return RaggedFrames(frames, offsets, frames_path)
-
-
-def write_frames(root: str | Path, split: str, clips: list[np.ndarray], dtype: type = np.float32) -> None:
-    """Write clips (each `(T_i, D)`) as `{split}_frames.npy` + `{split}_frame_offsets.npy`, crash-safely."""
-    from vsekit.utils.io import atomic_save_npy
-
-    if not clips:
-        raise VseInputError(f"{split}: no clips to write")
-    dims = {int(c.shape[1]) if c.ndim == 2 else -1 for c in clips}
-    if len(dims) != 1 or -1 in dims:
-        raise VseInputError(
-            f"{split}: every clip must be (frames, dim) with one dim; got dims {sorted(dims)}"
-        )
-    empty = [i for i, c in enumerate(clips) if c.shape[0] == 0]
-    if empty:
-        raise VseInputError(f"{split}: clip {empty[0]} has no frames")
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    offsets = np.concatenate([[0], np.cumsum([c.shape[0] for c in clips])]).astype(np.int64)
-    frames_path, offsets_path = frames_files(root, split)
-    atomic_save_npy(frames_path, np.concatenate(clips).astype(dtype, copy=False))
-    atomic_save_npy(offsets_path, offsets)

@@ -11,14 +11,21 @@ reported and skipped (the rule of `vsekit.data.untrusted`), as `vse data check` 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
 
-from vsekit.data.precomp import MANIFEST, DataFormatError, load_precomp_split
+from vsekit.data.manifest import read_manifest, write_manifest
+from vsekit.data.precomp import (
+    IDS,
+    IMAGES,
+    DataFormatError,
+    load_precomp_split,
+    split_path,
+    splits_with,
+    write_precomp_split,
+)
 from vsekit.data.untrusted import UntrustedFileError, check_regular, resolve_inside
-from vsekit.utils.io import atomic_write_json, atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +50,7 @@ def link_images(
         what = "is a file, expected a folder of pictures" if pics.exists() else "no such folder"
         raise DataFormatError(f"{pics}: {what} (--images)")
     if splits is None:
-        splits = sorted(p.name[: -len("_ids.txt")] for p in root.glob("*_ids.txt"))
+        splits = splits_with(root, IDS)
     if not splits:
         raise DataFormatError(
             f"{root}: no {{split}}_ids.txt files: the image ids are what the pictures are found by"
@@ -73,7 +80,7 @@ def link_images(
 
     linked: dict[str, list[str]] = {}
     for split in splits:
-        ids_file = root / f"{split}_ids.txt"
+        ids_file = split_path(root, split, IDS)
         if not ids_file.is_file():
             raise DataFormatError(f"{ids_file}: missing; it names the split's images")
         data = load_precomp_split(root, split, captions_per_image)
@@ -97,22 +104,15 @@ def link_images(
         declared = base.relative_to(root.resolve()).as_posix() or "."
     except ValueError:
         declared = str(base)
-    manifest: dict = {}
-    if (root / MANIFEST).is_file():
-        try:
-            manifest = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise DataFormatError(f"{root / MANIFEST}: not valid JSON ({e})") from e
-        if not isinstance(manifest, dict):
-            raise DataFormatError(f"{root / MANIFEST}: expected a JSON object")
-    others = [p.name for p in root.glob("*_images.txt") if p.name[: -len("_images.txt")] not in linked]
+    manifest = read_manifest(root)  # a broken one stops here (ManifestError), before anything is written
+    others = [split_path(root, s, IMAGES).name for s in splits_with(root, IMAGES) if s not in linked]
     if others and manifest.get("images_root", declared) != declared:
         raise DataFormatError(
             f"{root}: {', '.join(others)} lists pictures under {manifest['images_root']!r}, not "
             f"{declared!r}: link every split in one command (--splits)"
         )
     manifest["images_root"] = declared
-    atomic_write_json(root / MANIFEST, manifest)  # first: split files never point into an undeclared root
+    write_manifest(root, manifest)  # first: split files never point into an undeclared root
     for split, rows in linked.items():
-        atomic_write_text(root / f"{split}_images.txt", "".join(r + "\n" for r in rows))
+        write_precomp_split(root, split, image_paths=rows)
     return {s: len(r) for s, r in linked.items()}

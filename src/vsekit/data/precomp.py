@@ -1,4 +1,6 @@
-"""Reader for the SCAN "precomp" layout and vsekit's variable-captions extension.
+"""Reader and the one writer of the SCAN "precomp" layout and vsekit's variable-captions extension: every
+builder, library and lab, writes split files through `writing_split` / `write_precomp_split` / `write_frames`
+and names them by the suffixes defined here (`SPLIT_FILES`).
 
 Files of one split in a dataset directory:
 - `{split}_ims.npy`   (N, R, D) float16/float32 features, opened memory-mapped (COCO train is 33 GB);
@@ -21,17 +23,55 @@ truncated to 1,000 images for validation by the trainer.
 
 from __future__ import annotations
 
-import json
+import logging
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from vsekit.data.findings import Findings
-from vsekit.data.frames import RaggedFrames, frame_array, frame_offsets, frames_files
+from vsekit.data.frames import (
+    FRAMES_SUFFIX,
+    OFFSETS_SUFFIX,
+    RaggedFrames,
+    frame_array,
+    frame_offsets,
+    frames_files,
+)
+from vsekit.data.manifest import ManifestError, manifest_path, read_manifest
 from vsekit.data.untrusted import UntrustedFileError, resolve_inside
 from vsekit.errors import VseInputError
 from vsekit.utils.io import open_npy
+
+log = logging.getLogger(__name__)
+
+# the files of one split, `{split}{suffix}`: named here once, for every reader, writer, cleaner and check
+IMS = "_ims.npy"
+IMS_LENGTHS = "_ims_lengths.txt"
+CAPS = "_caps.txt"
+CAP2IMG = "_cap2img.txt"
+IDS = "_ids.txt"
+IMAGES = "_images.txt"
+FRAMES = FRAMES_SUFFIX  # the frames layout (`vsekit.data.frames`)
+OFFSETS = OFFSETS_SUFFIX
+TEXT_FILES = (CAPS, CAP2IMG, IDS, IMAGES, IMS_LENGTHS)
+ARRAY_FILES = (IMS, FRAMES, OFFSETS)
+IMAGE_SPLIT_FILES = (IMS, CAPS, CAP2IMG, IDS, IMAGES)  # an image split, as the builders write it
+CLIP_SPLIT_FILES = (FRAMES, OFFSETS, CAPS, CAP2IMG, IDS)  # a clip split (frames layout)
+SPLIT_FILES = (IMS, IMS_LENGTHS, FRAMES, OFFSETS, CAPS, CAP2IMG, IDS, IMAGES)  # every file a split may hold
+SPLIT_MARKERS = (CAPS, IMS, FRAMES, IMAGES)  # a file of one of these says a split exists (`splits_in`)
+
+
+def split_path(root: str | Path, split: str, suffix: str) -> Path:
+    """The path of `split`'s `suffix` file (one of SPLIT_FILES) in dataset folder `root`."""
+    return Path(root) / f"{split}{suffix}"
+
+
+def splits_with(root: str | Path, suffix: str) -> list[str]:
+    """The sorted names of the splits in `root` that have a `suffix` file."""
+    return sorted(p.name[: -len(suffix)] for p in Path(root).glob(f"*{suffix}") if len(p.name) > len(suffix))
 
 
 class DataFormatError(VseInputError):
@@ -224,24 +264,20 @@ class PrecompSplit:
         )
 
 
-MANIFEST = "manifest.json"
-
-
 def dataset_image_root(root: str | Path) -> Path:
     """The folder the paths of a dataset's `{split}_images.txt` are relative to: `manifest.json`'s
     `images_root` (absolute, or relative to the dataset directory), else the dataset directory itself.
     An unreadable manifest declares nothing (`vse data check` warns about it)."""
     root = Path(root)
-    path = root / MANIFEST
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        meta = read_manifest(root)
+    except ManifestError:
         return root
-    value = meta.get("images_root") if isinstance(meta, dict) else None
+    value = meta.get("images_root")
     if value is None:
         return root
     if not isinstance(value, str) or not value.strip() or "\0" in value:
-        raise DataFormatError(f"{path}: images_root must be a folder path, got {value!r}")
+        raise DataFormatError(f"{manifest_path(root)}: images_root must be a folder path, got {value!r}")
     return root / value
 
 
@@ -512,35 +548,136 @@ def load_precomp_split(root: str | Path, split: str, captions_per_image: int = 5
     )
 
 
+class SplitWriter:
+    """The one writer of a split's files (`writing_split`): each file is staged in a temp file beside its
+    target and all of them are renamed into place when the `writing_split` block ends without an error (none
+    otherwise), so a reader never sees captions of one build beside features of another. The bytes are the
+    layout's: one `str(value)` and `\\n` per line, `.npy` as numpy saves it."""
+
+    def __init__(self, root: Path, split: str, stack: ExitStack) -> None:
+        self.root, self.split, self._stack = root, split, stack
+
+    def path(self, suffix: str) -> Path:
+        """The final path of this split's `suffix` file (for messages; write through the methods)."""
+        return split_path(self.root, self.split, suffix)
+
+    def _staged(self, suffix: str) -> Path:
+        from vsekit.utils.io import atomic_path
+
+        return self._stack.enter_context(atomic_path(self.path(suffix)))
+
+    def lines(self, suffix: str, values: Iterable[object]) -> None:
+        """A text file of the layout: one value a line (captions, rows, ids, picture paths, set sizes)."""
+        if suffix not in TEXT_FILES:
+            raise ValueError(f"{suffix!r} is not a line file of the precomp layout ({', '.join(TEXT_FILES)})")
+        self._staged(suffix).write_bytes("".join(f"{v}\n" for v in values).encode("utf-8"))
+
+    def array(self, suffix: str, array: np.ndarray) -> None:
+        """A whole `.npy` of the layout (features, frames or offsets), without a second copy in memory."""
+        if suffix not in ARRAY_FILES:
+            raise ValueError(
+                f"{suffix!r} is not an array file of the precomp layout ({', '.join(ARRAY_FILES)})"
+            )
+        with open(self._staged(suffix), "wb") as f:
+            np.save(f, np.asarray(array), allow_pickle=False)
+
+    def memmap(self, suffix: str, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
+        """A new `.npy` of `shape` to fill in place (a split can be many GB), flushed when the block ends."""
+        if suffix not in ARRAY_FILES:
+            raise ValueError(
+                f"{suffix!r} is not an array file of the precomp layout ({', '.join(ARRAY_FILES)})"
+            )
+        tmp = self._staged(suffix)  # entered first, so its rename runs after the flush below
+        mm = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=tuple(int(n) for n in shape))
+        self._stack.callback(mm.flush)
+        return mm
+
+    def features(self, features: np.ndarray) -> None:
+        self.array(IMS, features)
+
+    def captions(self, captions: Iterable[str]) -> None:
+        self.lines(CAPS, captions)
+
+    def cap2img(self, rows: Iterable[int]) -> None:
+        self.lines(CAP2IMG, (int(r) for r in rows))
+
+    def ids(self, ids: Iterable[str]) -> None:
+        self.lines(IDS, ids)
+
+    def image_paths(self, paths: Iterable[str]) -> None:
+        self.lines(IMAGES, paths)
+
+    def offsets(self, lengths: Iterable[int]) -> None:
+        """`{split}_frame_offsets.npy` from each clip's frame count (int64, 0 first)."""
+        self.array(OFFSETS, np.concatenate([[0], np.cumsum(np.asarray(list(lengths)))]).astype(np.int64))
+
+    def frames(self, clips: list[np.ndarray], dtype: type = np.float32) -> None:
+        """Clips (each `(T_i, D)`) as `{split}_frames.npy` + `{split}_frame_offsets.npy`."""
+        if not clips:
+            raise VseInputError(f"{self.split}: no clips to write")
+        dims = {int(c.shape[1]) if c.ndim == 2 else -1 for c in clips}
+        if len(dims) != 1 or -1 in dims:
+            raise VseInputError(
+                f"{self.split}: every clip must be (frames, dim) with one dim; got dims {sorted(dims)}"
+            )
+        empty = [i for i, c in enumerate(clips) if c.shape[0] == 0]
+        if empty:
+            raise VseInputError(f"{self.split}: clip {empty[0]} has no frames")
+        self.array(FRAMES_SUFFIX, np.concatenate(clips).astype(dtype, copy=False))
+        self.offsets(c.shape[0] for c in clips)
+
+
+@contextmanager
+def writing_split(root: str | Path, split: str, stack: ExitStack | None = None) -> Iterator[SplitWriter]:
+    """A `SplitWriter` for `split` in `root` (created): its files appear when the block ends without an error.
+    With `stack`, they appear when that stack closes instead (several splits published together)."""
+    root = Path(root)  # made by the first file staged (`atomic_path`)
+    if stack is not None:
+        yield SplitWriter(root, split, stack)
+        return
+    with ExitStack() as own:
+        yield SplitWriter(root, split, own)
+    log.debug("wrote split %s of %s", split, root)
+
+
+def write_frames(root: str | Path, split: str, clips: list[np.ndarray], dtype: type = np.float32) -> None:
+    """Write clips (each `(T_i, D)`) as `{split}_frames.npy` + `{split}_frame_offsets.npy`, crash-safely."""
+    with writing_split(root, split) as w:
+        w.frames(clips, dtype)
+
+
 def write_precomp_split(
     root: str | Path,
     split: str,
-    features: np.ndarray,
-    captions: list[str],
+    features: np.ndarray | None = None,
+    captions: list[str] | None = None,
     cap2img: np.ndarray | None = None,
     image_ids: list[str] | None = None,
     ids_per_caption: bool = False,
     image_paths: list[str] | None = None,
+    clips: list[np.ndarray] | None = None,
+    clip_dtype: type = np.float32,
 ) -> None:
-    """Write a split in the same layout (used by dataset builders and the tests)."""
-    from vsekit.utils.io import atomic_save_npy, atomic_write_text
-
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    atomic_save_npy(root / f"{split}_ims.npy", features)
-    atomic_write_text(root / f"{split}_caps.txt", "".join(c + "\n" for c in captions))
-    if cap2img is not None:
-        atomic_write_text(root / f"{split}_cap2img.txt", "".join(f"{int(i)}\n" for i in cap2img))
-    if image_ids is not None:
-        if ids_per_caption:
-            c2i = (
-                cap2img
-                if cap2img is not None
-                else np.arange(len(captions)) // (len(captions) // len(image_ids))
-            )
-            lines = [image_ids[int(i)] for i in c2i]
-        else:
-            lines = list(image_ids)
-        atomic_write_text(root / f"{split}_ids.txt", "".join(f"{s}\n" for s in lines))
-    if image_paths is not None:
-        atomic_write_text(root / f"{split}_images.txt", "".join(f"{p}\n" for p in image_paths))
+    """Write the given files of a split in the layout (used by every dataset builder and the tests): features
+    or `clips` (frames layout), captions, caption -> row, ids (per image, or repeated per caption), paths."""
+    with writing_split(root, split) as w:
+        if features is not None:
+            w.features(features)
+        if clips is not None:
+            w.frames(clips, clip_dtype)
+        if captions is not None:
+            w.captions(captions)
+        if cap2img is not None:
+            w.cap2img(cap2img)
+        if image_ids is not None:
+            if ids_per_caption:
+                c2i = (
+                    cap2img
+                    if cap2img is not None
+                    else np.arange(len(captions)) // (len(captions) // len(image_ids))
+                )
+                w.ids(image_ids[int(i)] for i in c2i)
+            else:
+                w.ids(image_ids)
+        if image_paths is not None:
+            w.image_paths(image_paths)

@@ -14,6 +14,8 @@ bilinear resizing by default.
 from __future__ import annotations
 
 import json
+import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,11 +25,47 @@ from PIL import Image
 
 from vsekit.data.pictures import on_white, open_image, to_pixels
 from vsekit.data.precomp import DataFormatError
+from vsekit.data.text import caption_problem
 from vsekit.features.backbones import IMAGENET_TRANSFORM, PixelTransform
+from vsekit.utils.printable import printable
+
+log = logging.getLogger(__name__)
 
 IMAGENET_MEAN = np.array(IMAGENET_TRANSFORM.mean, dtype=np.float32)
 IMAGENET_STD = np.array(IMAGENET_TRANSFORM.std, dtype=np.float32)
 _SPLIT_ALIASES = {"train": ("train", "restval"), "dev": ("val",), "val": ("val",), "test": ("test",)}
+# line breaks and tabs in a sentence: spaces of one caption line
+_LAYOUT_SPACE_RE = re.compile(r"[\t\n\r\v\f]")
+
+
+def _sentence_text(sentence: object) -> tuple[str | None, str | None]:
+    """(caption, None) of one Karpathy sentence ({"raw": ..., "tokens": [...]}), or (None, why it is not
+    usable): not an object, `raw` / `tokens` not text, a lone surrogate (not valid Unicode, so not writable
+    as UTF-8), or what `vsekit.data.text.caption_problem` refuses (a control character: a terminal escape in
+    `{split}_caps.txt` and in whatever prints it; an over-long caption), the rule of the own builders."""
+    if not isinstance(sentence, dict):
+        return None, f"is {type(sentence).__name__}, not an object with 'raw' or 'tokens'"
+    raw, tokens = sentence.get("raw"), sentence.get("tokens")
+    if raw is not None and not isinstance(raw, str):
+        return None, f"its 'raw' is {type(raw).__name__}, not text"
+    if not raw:
+        if tokens is None:
+            tokens = []
+        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+            return None, "its 'tokens' is not a list of text"
+        raw = " ".join(tokens)
+    text = _LAYOUT_SPACE_RE.sub(" ", raw).strip()
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (
+            None,
+            f"a lone surrogate \\u{ord(text[e.start]):04x} at character {e.start + 1} (not valid Unicode)",
+        )
+    problem = caption_problem(text)
+    if problem is not None:
+        return None, f"{problem[0]}: {problem[1]}"
+    return text, None
 
 
 @dataclass
@@ -70,8 +108,10 @@ def load_karpathy_split(json_path: str | Path, split: str, image_root: str | Pat
         raise DataFormatError(f"{json_path}: missing (expected a Karpathy-style dataset JSON)")
     try:
         data = json.loads(json_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise DataFormatError(f"{json_path}: not valid JSON ({e})") from e
+    except UnicodeDecodeError as e:
+        raise DataFormatError(f"{json_path}: not UTF-8 text (byte {e.start})") from e
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, a number of thousands of digits, nesting
+        raise DataFormatError(f"{json_path}: not valid JSON ({printable(e)})") from e
     if not isinstance(data, dict) or not isinstance(data.get("images"), list):
         raise DataFormatError(f"{json_path}: expected a top-level object with an 'images' list")
     wanted = _SPLIT_ALIASES.get(split, (split,))
@@ -82,13 +122,34 @@ def load_karpathy_split(json_path: str | Path, split: str, image_root: str | Pat
             raise DataFormatError(f"{json_path}: images[{n}] needs 'filename' and 'sentences'")
         if entry.get("split") not in wanted:
             continue
-        sents = [s.get("raw") or " ".join(s.get("tokens", [])) for s in entry["sentences"]]
-        sents = [s.strip() for s in sents if s and s.strip()]
+        filename = entry["filename"]
+        ident = str(entry.get("cocoid", entry.get("imgid", len(paths))))
+        for field, value in (("filename", filename), ("filepath", entry.get("filepath", "")), ("id", ident)):
+            if not isinstance(value, str):
+                raise DataFormatError(f"{json_path}: images[{n}]: its {field} is not text")
+            if printable(value) != value:  # one line of {split}_images.txt / _ids.txt, valid UTF-8
+                raise DataFormatError(
+                    f"{json_path}: images[{n}]: its {field} '{printable(value)}' holds a control character "
+                    "or is not valid Unicode"
+                )
+        if not isinstance(entry["sentences"], list):
+            raise DataFormatError(
+                f"{json_path}: images[{n}] ({printable(filename)}): 'sentences' is not a list"
+            )
+        sents = []
+        for k, sentence in enumerate(entry["sentences"]):
+            text, why = _sentence_text(sentence)
+            if why is not None:  # reported and skipped, as the own builders skip a caption they refuse
+                log.warning(
+                    "%s: images[%d].sentences[%d] (%s) %s; skipped", json_path, n, k, printable(filename), why
+                )
+            elif text:
+                sents.append(text)
         if not sents:
-            raise DataFormatError(f"{json_path}: images[{n}] ({entry['filename']}) has no caption")
+            raise DataFormatError(f"{json_path}: images[{n}] ({printable(filename)}) has no caption")
         img = len(paths)
         paths.append(str(Path(entry.get("filepath", "")) / entry["filename"]))
-        ids.append(str(entry.get("cocoid", entry.get("imgid", img))))
+        ids.append(ident)
         captions.extend(sents)
         cap2img.extend([img] * len(sents))
     if not paths:
@@ -157,11 +218,10 @@ def convert_karpathy(
     `{split}_images.txt` lists each picture relative to it. Splits are checked (every picture exists, none
     resolves outside the images folder) before anything is written, so a bad JSON leaves no half layout.
     """
-    import json
     import os
 
-    from vsekit.data.precomp import MANIFEST, dataset_image_root
-    from vsekit.utils.io import atomic_write_json, atomic_write_text
+    from vsekit.data.manifest import ManifestError, read_manifest, write_manifest
+    from vsekit.data.precomp import IMAGES, dataset_image_root, splits_with, write_precomp_split
 
     out = Path(out_dir)
     loaded = {s: load_karpathy_split(json_path, s, image_root) for s in splits}
@@ -189,11 +249,7 @@ def convert_karpathy(
     out_abs = out.resolve()
     declared = os.path.relpath(base, out_abs) if base.is_relative_to(out_abs) else str(base)
     # other splits already in `out` keep their pictures' root: refuse one that would move it under them
-    others = sorted(
-        p.name[: -len("_images.txt")]
-        for p in out.glob("*_images.txt")
-        if p.name[: -len("_images.txt")] not in loaded
-    )
+    others = [s for s in splits_with(out, IMAGES) if s not in loaded]
     if others and dataset_image_root(out).resolve() != base:
         raise DataFormatError(
             f"{out}: split(s) {', '.join(others)} list pictures under {dataset_image_root(out).resolve()}; "
@@ -203,9 +259,8 @@ def convert_karpathy(
     out.mkdir(parents=True, exist_ok=True)
     manifest: dict = {}
     try:
-        previous = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
-        manifest = previous if isinstance(previous, dict) else {}
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        manifest = read_manifest(out)
+    except ManifestError:  # an unreadable one is replaced
         pass
     counts = {s: {"images": raw.n_images, "captions": raw.n_captions} for s, raw in loaded.items()}
     manifest.update(
@@ -215,10 +270,14 @@ def convert_karpathy(
         **(manifest.get("splits") if isinstance(manifest.get("splits"), dict) else {}),
         **counts,
     }
-    atomic_write_json(out / MANIFEST, manifest)  # first: split files never point into an undeclared root
+    write_manifest(out, manifest)  # first: split files never point into an undeclared root
     for s, raw in loaded.items():
-        atomic_write_text(out / f"{s}_caps.txt", "".join(c.replace("\n", " ") + "\n" for c in raw.captions))
-        atomic_write_text(out / f"{s}_cap2img.txt", "".join(f"{i}\n" for i in raw.cap2img.tolist()))
-        atomic_write_text(out / f"{s}_ids.txt", "".join(f"{i}\n" for i in raw.image_ids))
-        atomic_write_text(out / f"{s}_images.txt", "".join(f"{p}\n" for p in rel_paths[s]))
+        write_precomp_split(
+            out,
+            s,
+            captions=[c.replace("\n", " ") for c in raw.captions],
+            cap2img=raw.cap2img.tolist(),
+            image_ids=raw.image_ids,
+            image_paths=rel_paths[s],
+        )
     return counts

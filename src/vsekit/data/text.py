@@ -11,7 +11,6 @@ word is masked (50%), replaced by a random token (10%) or deleted (40%).
 
 from __future__ import annotations
 
-import json
 import re
 import warnings
 from array import array
@@ -19,10 +18,12 @@ from collections import Counter
 from functools import lru_cache
 from itertools import islice
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from vsekit.errors import MissingPackageError, VseInputError
+from vsekit.utils.safe_json import JsonBoundsError, loads_bounded
 
 PAD, START, END, UNK, MASK = "<pad>", "<start>", "<end>", "<unk>", "<mask>"
 SPECIALS = (PAD, START, END, UNK, MASK)
@@ -35,6 +36,11 @@ MAX_CAPTION_CHARS = (
     10_000  # characters of a caption read; the builders skip and `vse data check` reports longer
 )
 MAX_CAPTION_TOKENS = 256  # words and punctuation of a caption given to a vocabulary (without <start> / <end>)
+
+# A vocabulary JSON (a run's vocab.json, a recipe's vocab_path, a released model's SCAN vocabulary) may come from
+# elsewhere. COCO's SCAN vocabulary is ~0.5 MB and 11,000 words; a word-piece vocabulary ~30,000.
+MAX_VOCAB_BYTES = 64 << 20  # 64 MiB
+MAX_VOCAB_WORDS = 1 << 22  # 4,194,304 words: 100x the largest vocabulary in use
 
 # kinds of `caption_problem`
 CONTROL_CHARACTER = "control character"
@@ -129,6 +135,34 @@ def augment_words(
     return out
 
 
+def read_vocab_json(path: str | Path) -> Any:
+    """The JSON of a vocabulary file, read within `MAX_VOCAB_BYTES` and JSON's bounds (`loads_bounded`): a
+    problem is one VseInputError naming the file, never a RecursionError or a read of gigabytes."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_VOCAB_BYTES + 1)
+    except OSError as e:
+        raise VseInputError(f"{path}: cannot read vocabulary JSON ({e.strerror or e})") from None
+    if len(raw) > MAX_VOCAB_BYTES:
+        raise VseInputError(f"{path}: a vocabulary JSON of more than {MAX_VOCAB_BYTES:,} bytes")
+    try:
+        return loads_bounded(raw, str(path))
+    except JsonBoundsError as e:
+        raise VseInputError(f"cannot read vocabulary JSON: {e}") from None
+
+
+def vocab_words(words: Any, path: str | Path, key: str = "words") -> list[str]:
+    """`words` when it is a list of at most `MAX_VOCAB_WORDS` strings, else one VseInputError naming the file."""
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+        raise VseInputError(f"{path}: {key!r} must be a list of words (strings)")
+    if len(words) > MAX_VOCAB_WORDS:
+        raise VseInputError(
+            f"{path}: {len(words):,} words, more than a vocabulary may hold ({MAX_VOCAB_WORDS:,})"
+        )
+    return words
+
+
 class Vocabulary:
     """Word <-> index map for the BiGRU encoder; specials <pad>=0 <start>=1 <end>=2 <unk>=3, and <mask>
     (4 in vocabularies vsekit builds; after the last word in SCAN vocabularies, as the released code adds it)."""
@@ -161,18 +195,18 @@ class Vocabulary:
         tokenizer with one is a warning, and the returned vocabulary's `tokenizer` says what is used.
         """
         path = Path(path)
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as e:
-            raise VseInputError(f"{path}: cannot read vocabulary JSON ({e})") from e
+        data = read_vocab_json(path)
         if isinstance(data, dict) and "idx2word" in data:  # SCAN's vocab JSON
             i2w = data["idx2word"]
+            if not isinstance(i2w, (dict, list)):
+                raise VseInputError(f"{path}: 'idx2word' must be an object of id -> word or a list of words")
             try:
                 words = [i2w[str(i)] for i in range(len(i2w))] if isinstance(i2w, dict) else list(i2w)
             except KeyError as e:
                 raise VseInputError(
                     f"{path}: idx2word has no entry for id {e}; ids must be 0..{len(i2w) - 1}"
                 ) from e
+            words = vocab_words(words, path, "idx2word")
             # SCAN ids are kept as they are (a released model's embedding rows follow them); the released
             # training and evaluation code append <mask> after the last word, and so do we
             if MASK not in words:
@@ -185,7 +219,7 @@ class Vocabulary:
                 )
             return cls(words, "nltk")
         if isinstance(data, dict) and "words" in data:
-            return cls(data["words"], tokenizer or "regex")
+            return cls(vocab_words(data["words"], path), tokenizer or "regex")
         raise VseInputError(f"{path}: expected {{'words': [...]}} or SCAN's {{'idx2word': ...}}")
 
     def __len__(self) -> int:

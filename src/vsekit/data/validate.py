@@ -17,12 +17,26 @@ from pathlib import Path
 import numpy as np
 
 from vsekit.data.findings import Findings
-from vsekit.data.frames import FRAMES_SUFFIX, RaggedFrames
-from vsekit.data.precomp import MANIFEST, DataFormatError, dataset_image_root, read_split_files
+from vsekit.data.frames import RaggedFrames
+from vsekit.data.manifest import MANIFEST, ManifestError, read_manifest
+from vsekit.data.noise import check_noise_record, describe_noise, read_noise_record
+from vsekit.data.precomp import (
+    CAP2IMG,
+    CAPS,
+    FRAMES,
+    IDS,
+    IMAGES,
+    IMS,
+    SPLIT_MARKERS,
+    DataFormatError,
+    dataset_image_root,
+    read_split_files,
+    split_path,
+)
 from vsekit.data.text import CONTROL_CHARACTER, caption_problem
 from vsekit.data.untrusted import OUTSIDE, UntrustedFileError, resolve_inside
 
-FILE_KINDS = ("_caps.txt", "_ims.npy", FRAMES_SUFFIX, "_images.txt", "_cap2img.txt", "_ids.txt")
+FILE_KINDS = (CAPS, IMS, FRAMES, IMAGES, CAP2IMG, IDS)  # named when a folder holds no split
 MAX_PER_KIND = 5  # problems of one kind in one file listed one by one; the rest are counted
 
 
@@ -30,7 +44,7 @@ def check_split_features(split, chunk_rows: int = 2048) -> None:
     """NaN/inf scan of a split's features, chunk by chunk (memory-mapped files stay on disk)."""
     feats = split.features
     if isinstance(feats, RaggedFrames):
-        _check_frame_values(feats, split.root / f"{split.split}{FRAMES_SUFFIX}", chunk_rows)
+        _check_frame_values(feats, split_path(split.root, split.split, FRAMES), chunk_rows)
     else:
         _check_image_values(feats, split.root / f"{split.split}_ims.npy", chunk_rows)
     for i, cap in enumerate(split.captions):
@@ -86,6 +100,7 @@ class DatasetReport:
     root: Path
     splits: dict[str, dict] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # facts worth saying that are no problem (recorded noise)
 
     @property
     def errors(self) -> list[Problem]:
@@ -119,6 +134,7 @@ class DatasetReport:
                 lines.append(
                     f"  {name}: {s.get('images', '?')} images, {s.get('captions', '?')} captions, features {shape}"
                 )
+        lines += [f"  {n}" for n in self.notes]
         lines += [f"  {p}" for p in self.problems]
         verdict = "OK" if self.ok else "FAILED"
         lines.append(f"{verdict}: {len(self.errors)} error(s), {len(self.warnings)} warning(s)")
@@ -169,7 +185,7 @@ def discover_splits(root: Path) -> list[str]:
     """Split names that have a captions, features or pictures file in `root` (sorted, train first)."""
     names = set()
     for p in root.iterdir():
-        for suffix in ("_caps.txt", "_ims.npy", FRAMES_SUFFIX, "_images.txt"):
+        for suffix in SPLIT_MARKERS:
             if p.name.endswith(suffix) and len(p.name) > len(suffix):
                 names.add(p.name[: -len(suffix)])
     return sorted(names, key=lambda s: (s != "train", s))
@@ -252,7 +268,7 @@ def _check_split(
             lengths = np.diff(files.offsets)
             info["frames_per_clip"] = (int(lengths.min()), float(np.median(lengths)), int(lengths.max()))
         if files.frames is not None:
-            _scan_frames(root / f"{split}{FRAMES_SUFFIX}", files.frames, files.offsets, out, chunk_rows)
+            _scan_frames(split_path(root, split, FRAMES), files.frames, files.offsets, out, chunk_rows)
     elif files.features is not None and files.features.shape[1] > 0:
         info["feature_shape"] = tuple(int(v) for v in files.features.shape[1:])
         _scan_features(root / f"{split}_ims.npy", files.features, out, chunk_rows)
@@ -376,14 +392,10 @@ def check_dataset(
     names = list(splits) if splits else discover_splits(root)
     if not names:
         out.add("error", root, "", f"no split files ({', '.join('SPLIT' + s for s in FILE_KINDS)})")
-    manifest = root / "manifest.json"
-    if manifest.is_file():
-        import json
-
-        try:
-            json.loads(manifest.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            out.add("warning", manifest, "", f"not valid JSON ({e})")
+    try:
+        read_manifest(root)
+    except ManifestError as e:
+        out.add("warning", e.path, "", e.detail)
     for split in names:
         info = _check_split(root, split, captions_per_image, max_caption_words, chunk_rows, out, report)
         report.splits[split] = {**report.splits.get(split, {}), **info}
@@ -398,12 +410,24 @@ def check_dataset(
         desc = ", ".join(f"{s} {d[0]}" for s, d in regions.items())
         out.add("warning", root, "", f"regions per image differ between splits ({desc})")
     _check_overlap(report, out)
+    _note_noise(root, report, out)
     for s in report.splits.values():
         s.pop("_ids", None)
         s.pop("_paths", None)
         s.pop("_frames", None)
     out.finish()
     return report
+
+
+def _note_noise(root: Path, report: DatasetReport, out: _Collector) -> None:
+    """Name the noise a dataset records (`vse data noise`) and check its ground truth against the split."""
+    record = read_noise_record(root)
+    if record is None:
+        return
+    report.notes.append(describe_noise(record))
+    n_captions = report.splits.get(str(record.get("split")), {}).get("captions")
+    for message in check_noise_record(root, record, n_captions):
+        out.add("error", root / MANIFEST, "", message)
 
 
 def _check_overlap(report: DatasetReport, out: _Collector) -> None:

@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vsekit.data.pictures import PICTURE_SUFFIXES  # noqa: F401  (the builders read it from here)
 from vsekit.data.untrusted import MAX_PICTURE_BYTES, read_bounded
-
-PICTURE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
+from vsekit.utils.printable import printable
 
 # problem kinds (each reported with the name of the picture, caption file or table row)
 UNREADABLE = "unreadable picture"
@@ -24,6 +24,7 @@ NAME_CLASH = "name clash"
 BAD_NAME = "bad file name"
 SPLIT_CONFLICT = "split conflict"
 BROKEN_SHARD = "broken shard"
+NO_PICTURE = "no picture"  # a shard sample of captions only, or a member no sample can be made of
 # and the kinds of `vsekit.data.text.caption_problem` ("control character", "over-long caption"): a caption skipped
 # kinds that leave a picture out (the others: a duplicate merged, a split resolved, a caption line dropped)
 SKIPPING = (UNREADABLE, EMPTY_FILE, MISSING_FILE, NO_CAPTION, BAD_CAPTIONS, NAME_CLASH, BAD_NAME)
@@ -31,11 +32,13 @@ SKIPPING = (UNREADABLE, EMPTY_FILE, MISSING_FILE, NO_CAPTION, BAD_CAPTIONS, NAME
 
 @dataclass(frozen=True)
 class PictureRef:
-    """Where a picture's bytes are: a file, or `size` bytes at `offset` of an uncompressed tar."""
+    """Where a picture's bytes are: a file, or `size` bytes at `offset` of an uncompressed tar. A file with
+    several names (a hard link) is refused when read unless `trust_links` (`vsekit.data.untrusted`)."""
 
     path: Path
     offset: int | None = None
     size: int | None = None
+    trust_links: bool = False
 
     @property
     def is_file(self) -> bool:
@@ -43,7 +46,9 @@ class PictureRef:
 
     def read(self) -> bytes:
         if self.offset is None:  # a path the reader resolved inside its root: no link followed, capped
-            return read_bounded(self.path, MAX_PICTURE_BYTES, expected="a picture file")
+            return read_bounded(
+                self.path, MAX_PICTURE_BYTES, expected="a picture file", trust_links=self.trust_links
+            )
         with open(self.path, "rb") as f:
             f.seek(self.offset)
             data = f.read(self.size or 0)
@@ -54,9 +59,12 @@ class PictureRef:
         return data
 
     def stamp(self) -> str:
-        """Key of the check cache: the file (resolved), its size and mtime, and the member's place."""
+        """Key of the check cache: the file (resolved), its size, mtime and number of names, the member's
+        place, and whether hard links are trusted (a result checked under `--trust-links`, or before a second
+        name was made, is not reused without it)."""
         st = self.path.stat()
-        return f"{self.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{self.offset}|{self.size}"
+        links = f"{st.st_nlink}{'+trusted' if self.trust_links else ''}"
+        return f"{self.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{self.offset}|{self.size}|{links}"
 
 
 @dataclass
@@ -73,12 +81,15 @@ class Item:
 
 @dataclass(frozen=True)
 class Problem:
+    """One thing of the input that was skipped or changed; `str()` is how it is shown (warnings,
+    `problems.txt`, `--strict`): the name and detail come from elsewhere, so they are `printable`."""
+
     name: str
     kind: str
     detail: str
 
     def __str__(self) -> str:
-        return f"{self.name}: {self.kind}: {self.detail}"
+        return f"{printable(self.name)}: {self.kind}: {printable(self.detail)}"
 
 
 @dataclass

@@ -1,12 +1,19 @@
 """The output folder of a build of users' own pictures: whether OUT may be written (new, an earlier build of
 this builder, or refused), its marker, the pictures stored under OUT/images or referenced in place, the split
 files staged in OUT/.staging and published by renaming (the old manifest removed first, so a folder without
-`manifest.json` is an unfinished build), and JSON that stays valid UTF-8 whatever a path's bytes."""
+`manifest.json` is an unfinished build), and JSON that stays valid UTF-8 whatever a path's bytes.
+
+A stored picture's file name comes from its id, so from a shard member or a folder path: `output_name`
+maps it into what a file system takes (each component at most MAX_COMPONENT_BYTES, leaving room under
+NAME_MAX for the temporary name a crash-safe write uses; at most MAX_OUTPUT_DEPTH folders) and never lets a
+file take a folder's name (`a.png` beside `a.png/b.png`)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 from collections import Counter
 from collections.abc import Sequence
@@ -15,11 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from vsekit.datasets.own_items import Picture
+from vsekit.data.manifest import ManifestError, read_manifest, remove_manifest
+from vsekit.data.precomp import CAP2IMG, CAPS, IDS, IMAGES, IMS, IMS_LENGTHS, SplitWriter, writing_split
+from vsekit.datasets.own_items import PICTURE_SUFFIXES, Picture
 from vsekit.datasets.own_splits import SPLITS
 from vsekit.errors import VseInputError
 from vsekit.utils.io import (
-    atomic_path,
     atomic_write_bytes,
     atomic_write_json,
     atomic_write_text,
@@ -31,26 +39,51 @@ from vsekit.utils.progress import progress_bar
 
 FORMAT = "vsekit-precomp/1"
 NAME = "own"
-SPLIT_FILES = (
-    "_ims.npy",
-    "_caps.txt",
-    "_cap2img.txt",
-    "_ids.txt",
-    "_images.txt",
-    "_meta.jsonl",
-    "_ims_lengths.txt",
-)
-MANIFEST = "manifest.json"
+SPLIT_FILES = (IMS, CAPS, CAP2IMG, IDS, IMAGES, "_meta.jsonl", IMS_LENGTHS)  # in the order files_sha256 lists
 PROBLEMS_FILE = "problems.txt"
 MARKER = "own_build.json"  # in OUT/.cache: this folder holds a (maybe unfinished) build of this builder
+# one component of a stored picture's path: NAME_MAX (255 bytes) less what `atomic_path`'s temporary name adds
+# (".NAME.XXXXXXXX.tmp": 14 bytes), with room to spare
+MAX_COMPONENT_BYTES = 200
+MAX_OUTPUT_DEPTH = 8  # folders of a stored picture's path under OUT/images: 8 x 200 bytes, far below PATH_MAX
+_HASH_CHARS = 16
+# a folder component that a picture's file name could equal (it ends in a picture suffix, maybe followed by
+# '_'): it gains one more '_', so no file takes a folder's name and no two components map to one
+_FILE_LIKE_RE = re.compile("(?:" + "|".join(re.escape(s) for s in PICTURE_SUFFIXES) + ")_*$", re.IGNORECASE)
+
+
+def _fit(component: str, keep: str = "") -> str:
+    """`component` (+ `keep`, a suffix that stays whole) within MAX_COMPONENT_BYTES of UTF-8: a longer one
+    is cut at a character and ends with a hash of the whole, so two long names stay two."""
+    whole = component + keep
+    data = whole.encode("utf-8", "surrogateescape")
+    if len(data) <= MAX_COMPONENT_BYTES:
+        return whole
+    digest = hashlib.sha256(data).hexdigest()[:_HASH_CHARS]
+    room = MAX_COMPONENT_BYTES - len(keep.encode("utf-8")) - _HASH_CHARS - 1
+    head = component.encode("utf-8", "surrogateescape")[:room].decode("utf-8", "ignore")
+    return f"{head}-{digest}{keep}"
+
+
+def output_name(ident: str, suffix: str) -> str:
+    """The path under OUT/images of the picture with id `ident` (a `safe_id`: '/' between folders) and
+    `suffix`: every component within MAX_COMPONENT_BYTES (a longer one cut and hashed), folders below
+    MAX_OUTPUT_DEPTH joined with '+' into the file's name (a `safe_id` never holds '+'), and a folder whose name
+    ends like a picture file given one more '_'. Distinct ids give distinct paths, and no path is a folder
+    of another."""
+    parts = ident.split("/")
+    if len(parts) > MAX_OUTPUT_DEPTH + 1:
+        parts = parts[:MAX_OUTPUT_DEPTH] + ["+".join(parts[MAX_OUTPUT_DEPTH:])]
+    folders = [_fit(p + "_" if _FILE_LIKE_RE.search(p) else p) for p in parts[:-1]]
+    return "/".join([*folders, _fit(parts[-1], suffix)])
 
 
 def _is_ours(out: Path) -> bool:
     if (out / ".cache" / MARKER).is_file():
         return True
     try:
-        return json.loads((out / MANIFEST).read_text(encoding="utf-8")).get("name") == NAME
-    except (OSError, ValueError, AttributeError):
+        return read_manifest(out).get("name") == NAME
+    except ManifestError:
         return False
 
 
@@ -79,17 +112,23 @@ def start_out(out: Path, state: str) -> None:
         for split in SPLITS:
             for suffix in SPLIT_FILES:
                 (out / f"{split}{suffix}").unlink(missing_ok=True)
-        (out / MANIFEST).unlink(missing_ok=True)
+        remove_manifest(out)
     marker = out / ".cache" / MARKER
     if not marker.is_file():
         atomic_write_json(marker, {"builder": "vsekit.datasets.own_pairs", "format": FORMAT})
 
 
 def store_pictures(out: Path, pictures: Sequence[Picture], progress: bool) -> dict[str, str]:
-    """Copy each picture to OUT/images/<id><suffix> (kept when already there with the same bytes)."""
-    paths = {}
+    """Copy each picture to OUT/images/<id><suffix> (`output_name`; kept when already there with the same
+    bytes)."""
+    paths: dict[str, str] = {}
+    taken: set[str] = set()
     for p in progress_bar(pictures, desc="store pictures", unit="img", enabled=progress):
-        rel = f"images/{p.id}{p.item.suffix}"
+        rel, k = f"images/{output_name(p.id, p.item.suffix)}", 1
+        while rel in taken:  # two ids cut to one name (hashes made to match): never one file for both
+            k += 1
+            rel = f"images/{output_name(f'{p.id}-{k}', p.item.suffix)}"
+        taken.add(rel)
         dest = out / rel
         if not (dest.is_file() and sha256_file(dest) == p.sha256):
             atomic_write_bytes(dest, p.item.picture.read(), fsync=False)
@@ -116,16 +155,13 @@ def listable(rel: str) -> bool:
 
 
 def _write_features(
-    path: Path, ids: Sequence[str], sha_of: dict[str, str], where: dict, shape: tuple[int, int]
+    split: SplitWriter, ids: Sequence[str], sha_of: dict[str, str], where: dict, shape: tuple[int, int]
 ) -> None:
-    """Stream the rows of a split into a temp .npy beside `path`, fsync, rename (a split can be many GB)."""
-    with atomic_path(path) as tmp:
-        mm = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=(len(ids), *shape))
-        for row, ident in enumerate(ids):
-            arr, r = where[sha_of[ident]]
-            mm[row] = arr[r]
-        mm.flush()
-        del mm
+    """Stream the rows of a split into its features, filled in place (a split can be many GB)."""
+    mm = split.memmap(IMS, (len(ids), *shape), np.float16)
+    for row, ident in enumerate(ids):
+        arr, r = where[sha_of[ident]]
+        mm[row] = arr[r]
 
 
 def write_split(
@@ -153,12 +189,13 @@ def write_split(
                 "captions": len(p.captions),
             }
         )
-    if where is not None and shape is not None:
-        _write_features(stage / f"{split}_ims.npy", ids, {i: by_id[i].sha256 for i in ids}, where, shape)
-    atomic_write_text(stage / f"{split}_caps.txt", "".join(c + "\n" for c in caps))
-    atomic_write_text(stage / f"{split}_cap2img.txt", "".join(f"{r}\n" for r in cap2img))
-    atomic_write_text(stage / f"{split}_ids.txt", "".join(f"{i}\n" for i in ids))
-    atomic_write_text(stage / f"{split}_images.txt", "".join(f"{paths[i]}\n" for i in ids))
+    with writing_split(stage, split) as w:
+        if where is not None and shape is not None:
+            _write_features(w, ids, {i: by_id[i].sha256 for i in ids}, where, shape)
+        w.captions(caps)
+        w.cap2img(cap2img)
+        w.ids(ids)
+        w.image_paths(paths[i] for i in ids)
     atomic_write_text(
         stage / f"{split}_meta.jsonl", "".join(json.dumps(m, ensure_ascii=False) + "\n" for m in metas)
     )
@@ -172,7 +209,7 @@ def write_split(
 
 def publish(out: Path, stage: Path, extra: Sequence[str]) -> dict[str, str]:
     """Rename the staged files over OUT's (a split file not staged is removed); sha256 of each published."""
-    (out / MANIFEST).unlink(missing_ok=True)  # from here until the new one: an unfinished build
+    remove_manifest(out)  # from here until the new one: an unfinished build
     published = {}
     names = [f"{s}{suffix}" for s in SPLITS for suffix in SPLIT_FILES] + list(extra)
     for name in names:

@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vsekit.data.manifest import MANIFEST, write_manifest
 from vsekit.datasets.own_checks import (
     CHECK_CHUNK,
     CHECK_VERSION,
@@ -85,7 +86,6 @@ from vsekit.datasets.own_items import (
 )
 from vsekit.datasets.own_output import (
     FORMAT,
-    MANIFEST,
     MARKER,
     NAME,
     PROBLEMS_FILE,
@@ -109,7 +109,7 @@ from vsekit.datasets.own_splits import (
     split_name,
 )
 from vsekit.errors import VseInputError
-from vsekit.utils.io import atomic_write_json, atomic_write_text, utf8_text
+from vsekit.utils.io import atomic_write_text, utf8_text
 from vsekit.utils.locks import LOCK_NAME, folder_lock
 
 log = logging.getLogger(__name__)
@@ -346,7 +346,7 @@ def _build(collected: Collected, out: Path, opts: BuildOptions, input_root: str 
     timings["write"] = time.perf_counter() - t3
     timings["total"] = time.perf_counter() - t0
     manifest["timings_s"] = {k: round(v, 2) for k, v in timings.items()}
-    atomic_write_json(out / MANIFEST, manifest, ensure_ascii=False)
+    write_manifest(out, manifest, ensure_ascii=False)
     return manifest
 
 

@@ -11,19 +11,22 @@ Shards made by someone else are not trusted, so every read is bounded before it 
 - at most MAX_SHARD_MEMBERS members of a shard are read; no single read tarfile makes (a header, a pax or
   GNU long-name record) may exceed TAR_READ_LIMIT bytes, whatever size the header declares;
 - a member is used only when it is a regular file (no link, device or sparse file) whose name is UTF-8
-  without control characters, and whose declared size fits in the shard and under the cap of its kind
+  without control characters, at most MAX_MEMBER_DEPTH folders deep and MAX_MEMBER_NAME_BYTES long, not
+  also a folder of another member's name (`a.png` beside `a.png/b.png`), and whose declared size fits in the shard and under the cap of its kind
   (`vsekit.data.untrusted`: MAX_PICTURE_BYTES; MAX_CAPTION_FILE_BYTES for key.txt / key.json), checked from
   its header before any of its bytes are read; a picture's pixel count is checked from its own header
   (`vsekit.data.pictures.check_pixels`: MAX_IMAGE_PIXELS) before its pixels are;
+- a .json caption is parsed by `vsekit.utils.safe_json.loads_bounded` (depth, number length, lone
+  surrogates bounded);
 - a shard that ends without the end-of-archive block (cut short, or a damaged header) is reported.
-Each refusal is a `Problem` naming the shard and member (`--strict` stops on it), never a crash.
+Each refusal is a `Problem` naming the shard and member (`--strict` stops on it), never a crash, and so is
+every sample left out: a member without a key (`..png`, a name with no dot) and a sample without a picture.
 """
 
 from __future__ import annotations
 
 import glob
 import itertools
-import json
 import logging
 import os
 import re
@@ -40,6 +43,7 @@ from vsekit.datasets.own_items import (
     BROKEN_SHARD,
     NAME_CLASH,
     NO_CAPTION,
+    NO_PICTURE,
     PICTURE_SUFFIXES,
     UNREADABLE,
     Collected,
@@ -49,12 +53,16 @@ from vsekit.datasets.own_items import (
 )
 from vsekit.datasets.own_sources import caption_cell, caption_lines
 from vsekit.errors import VseInputError
+from vsekit.utils.printable import printable
+from vsekit.utils.safe_json import JsonBoundsError, loads_bounded
 
 log = logging.getLogger(__name__)
 
 MAX_SHARD_NAMES = 1_000_000  # shard names all patterns may expand to, counted before expanding
 MAX_SHARD_MEMBERS = 200_000  # members read per shard (img2dataset writes 3 x 10,000)
 TAR_READ_LIMIT = 8 << 20  # the largest single read tarfile may make (headers, pax / GNU long-name records)
+MAX_MEMBER_DEPTH = 64  # folders in a member's name (img2dataset writes none)
+MAX_MEMBER_NAME_BYTES = 4096  # a member's whole name, PATH_MAX (each component is shortened when stored)
 PICTURE_EXTS = tuple(s.lstrip(".") for s in PICTURE_SUFFIXES)
 
 _GROUP_RE = re.compile(r"\{([^{}]*)\}")
@@ -216,12 +224,39 @@ def _name_problem(name: str) -> str | None:
         return "the member name is not valid UTF-8; skipped (rename it)"
     if _CONTROL_RE.search(name):
         return "the member name holds a control character; skipped (rename it)"
+    if name.count("/") > MAX_MEMBER_DEPTH:
+        return f"the member name is more than {MAX_MEMBER_DEPTH} folders deep; skipped (rename it)"
+    if len(name.encode("utf-8")) > MAX_MEMBER_NAME_BYTES:
+        return f"the member name is longer than {MAX_MEMBER_NAME_BYTES} bytes; skipped (rename it)"
     return None
 
 
-def _shown(name: str) -> str:
-    """A member name as it can be printed: bytes that are not UTF-8 shown as \\xNN."""
-    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+def _shown(name: str, limit: int = 200) -> str:
+    """A member name as a report shows it: `printable`, and a name longer than `limit` characters (a name
+    thousands of folders deep) cut in the middle, so one report stays one readable line."""
+    shown = printable(name)
+    if len(shown) <= limit:
+        return shown
+    return f"{shown[: limit // 2]}…[{len(shown) - limit + limit // 4} characters]…{shown[-(limit // 4) :]}"
+
+
+def _folder_clashes(
+    shard: Path, samples: dict[str, dict[str, tarfile.TarInfo]], problems: list[Problem]
+) -> None:
+    """Drop (with a NAME_CLASH problem) every member one of whose folders is another member's name: `a.png`
+    and `a.png/b.png` cannot both be files; the nested one is dropped, whichever comes first in the shard."""
+    files = {m.name for members in samples.values() for m in members.values()}
+    for key in list(samples):
+        members = samples[key]
+        for ext, m in list(members.items()):
+            cuts = [i for i, ch in enumerate(m.name) if ch == "/"]
+            clash = next((m.name[:i] for i in cuts if m.name[:i] in files), None)
+            if clash is not None:
+                why = f"{clash} is a member (a file) of this shard too, so it cannot be a folder; skipped"
+                problems.append(Problem(f"{shard}:{m.name}", NAME_CLASH, why))
+                del members[ext]
+        if not members:
+            del samples[key]
 
 
 def _shard_members(
@@ -266,6 +301,13 @@ def _shard_members(
                 continue
             parts = split_key(m.name)
             if parts is None:
+                why = (
+                    "the file name starts with a dot, so it has no key (webdataset keys run up to the first "
+                    "dot); skipped"
+                    if m.name.rsplit("/", 1)[-1].startswith(".")
+                    else "the file name has no extension, so it belongs to no sample; skipped"
+                )
+                problems.append(Problem(where, BAD_NAME, why))
                 continue
             key, ext = parts
             members = samples.setdefault(key, {})
@@ -283,7 +325,9 @@ def _shard_members(
     except (tarfile.TarError, OSError, EOFError, RecursionError) as e:
         why = f"unreadable after {n} member(s) ({e}); the samples read before it are used"
         problems.append(Problem(str(shard), BROKEN_SHARD, why))
+        _folder_clashes(shard, samples, problems)
         return samples, tf
+    _folder_clashes(shard, samples, problems)
     if ended:
         end = tf.offset  # where tarfile stopped: a whole zero block here is the end-of-archive marker
         f.seek(end)
@@ -333,14 +377,12 @@ def _member_bytes(
 
 
 def _json_captions(data: bytes, name: str) -> tuple[list[str], Problem | None]:
-    """The "caption" of an img2dataset .json (a string or a list of strings); a file nested too deeply for
-    the parser is refused like invalid JSON."""
+    """The "caption" of an img2dataset .json (a string or a list of strings), parsed within the bounds of
+    `loads_bounded` (nesting, a number's digits, lone surrogates): a file outside them is a problem naming it."""
     try:
-        meta = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        return [], Problem(name, BAD_CAPTIONS, f"not valid JSON ({e})")
-    except RecursionError:
-        return [], Problem(name, BAD_CAPTIONS, "JSON nested too deeply to read")
+        meta = loads_bounded(data, name)
+    except JsonBoundsError as e:
+        return [], Problem(name, BAD_CAPTIONS, str(e).removeprefix(f"{name}: "))
     value = meta.get("caption") if isinstance(meta, dict) else None
     if value is None:
         return [], None
@@ -441,12 +483,16 @@ def read_webdataset(patterns: Sequence[str]) -> Collected:
                 n_samples += 1
                 if not any(e in PICTURE_EXTS for e in members):
                     orphans += 1
+                    said = ", ".join(sorted(m.name for m in members.values()))
+                    problems.append(
+                        Problem(f"{shard}:{key}", NO_PICTURE, f"no picture member ({said}); sample skipped")
+                    )
                     continue
                 n_pictures += 1
                 item = _sample(shard, tf, shard_size, key, members, problems)
                 items += [item] if item else []
     if orphans:
-        log.info("%d sample(s) without a picture were ignored", orphans)
+        log.info("%d sample(s) without a picture were skipped (listed among the problems)", orphans)
     source = {"kind": "webdataset", "input": " ".join(patterns), "shards": [str(s) for s in shards]}
     notes = {"shards": len(shards), "samples": n_samples, "pictures_found": n_pictures}
     return Collected(items, problems, source, notes=notes)

@@ -13,6 +13,7 @@ from vsekit.data.precomp import load_precomp_split
 from vsekit.data.raw_images import PixelSource
 from vsekit.features.backbones import pixel_transform_of
 from vsekit.metrics import evaluate_sims
+from vsekit.models.image_parts import reads_pixels
 from vsekit.models.tokenizers import pad_id_for, text_processor_for  # noqa: F401  (public here too)
 from vsekit.models.vse import VSEModel
 from vsekit.similarity import all_pairs
@@ -20,10 +21,7 @@ from vsekit.utils.progress import progress_bar
 
 
 def image_source_for(model: VSEModel, split):
-    if model.recipe.model.image.kind in (
-        "backbone",
-        "vit",
-    ):  # pixels: a CNN backbone or the ViT of imported AVSE
+    if reads_pixels(model.recipe.model.image.kind):  # pixels: a CNN backbone or the ViT of imported AVSE
         return PixelSource(
             split, model.recipe.model.image.image_size, augment=False, transform=pixel_transform_of(model)
         )

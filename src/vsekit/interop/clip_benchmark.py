@@ -104,6 +104,7 @@ class ClipBenchmarkModel(nn.Module):
         self, model: VSEModel, run_config: dict, device: str | torch.device = "cpu", autocast: bool = False
     ) -> None:
         super().__init__()
+        from vsekit.models.image_parts import reads_pixels
         from vsekit.search.encode import ImageEmbedder, needs_rerank, run_extractor_spec
 
         if needs_rerank(model):
@@ -113,7 +114,7 @@ class ClipBenchmarkModel(nn.Module):
                 "use `vse eval` for it"
             )
         kind = model.recipe.model.image.kind
-        if kind not in ("backbone", "vit") and run_extractor_spec(run_config) is None:
+        if not reads_pixels(kind) and run_extractor_spec(run_config) is None:
             raise VseInputError(
                 "this run was trained on precomputed features and records no feature extractor (no 'extractor' in "
                 "its config.json nor in its dataset's manifest.json), so it cannot take pictures, and CLIP_benchmark "

@@ -414,7 +414,7 @@ def import_avse(
     block_dim: int | None,
 ) -> ImportedModel:
     """liuyyy111/AVSE: ViT (2 views) + BERT with a residual-MLP head and LayerNorm, AEOM similarity."""
-    from vsekit.models.vit_views import convert_released_image_state
+    from vsekit.interop.avse import convert_released_image_state
 
     options = options_dict(ckpt, "opt", path)
     state = ckpt["model"]

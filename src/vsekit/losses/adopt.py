@@ -222,12 +222,11 @@ class ADOPTLoss(InBatchLoss):
         return loss, diag
 
 
-def create_adopt_loss(cfg: LossConfig) -> ADOPTLoss:
-    """`adopt` = adaptive-K objective; `infonce` = InfoNCE over every in-batch negative (same temperature)."""
-    if cfg.name == "infonce":
+def create_adopt_loss(cfg: LossConfig, adaptive: bool = True) -> ADOPTLoss:
+    """The adaptive-K objective (`adopt`); `adaptive=False`: InfoNCE over every in-batch negative with the same
+    temperature (`infonce`). Each loss's registration (losses/parts.py) says which it builds."""
+    if not adaptive:
         return ADOPTLoss(cfg.temperature, "paper", mask_same_image=cfg.mask_same_image, adaptive=False)
-    if cfg.name != "adopt":
-        raise ValueError(f"create_adopt_loss builds 'adopt' or 'infonce', not {cfg.name!r}")
     return ADOPTLoss(
         cfg.temperature,
         cfg.adopt_variant,

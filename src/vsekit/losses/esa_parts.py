@@ -8,14 +8,14 @@ from typing import Any
 
 from vsekit.config import ConfigError
 from vsekit.losses.parts import TripletSettings
-from vsekit.registry import register
+from vsekit.registry import has_fact, register
 
 
 @dataclass
 class SELSettings(TripletSettings):
     def check(self, where: str, recipe: Any) -> None:
         m = recipe.model
-        if m.image.pooling.name != "esa" or m.text.pooling.name != "esa":
+        if not all(has_fact("pooling", side.pooling.name, "makes_views") for side in (m.image, m.text)):
             raise ConfigError(
                 f"{where}.name=sel scores groups of views: it needs encoders that make them "
                 "(model.image.pooling.name=esa and model.text.pooling.name=esa, recipe esa)"
@@ -35,4 +35,5 @@ register(
     build=_sel,
     help="ESA's SEL loss: hinge over groups of views, the hardest positive of each group against the hardest "
     "negative",
+    facts={"scores_views": True},
 )

@@ -8,7 +8,7 @@ from typing import Any
 
 from vsekit.config import ConfigError
 from vsekit.losses.parts import MarginSettings
-from vsekit.registry import register, setting
+from vsekit.registry import MAX_COUNT, MAX_WIDTH, register, setting
 
 
 @dataclass
@@ -17,8 +17,11 @@ class HREMSettings(MarginSettings):
         1024,
         "hrem: width of the graph layer; must equal model.embed_dim (the loss never sees the model)",
         rule=">= 1",
+        max=MAX_WIDTH,
     )
-    hrem_heads: int = setting(16, "hrem: attention heads of the instance graph layer", rule=">= 1")
+    hrem_heads: int = setting(
+        16, "hrem: attention heads of the instance graph layer", rule=">= 1", max=MAX_COUNT
+    )
     hrem_cutoff: float = setting(
         1.7,
         "hrem: negatives farther than this distance are never drawn (the release: 1.7 for f30k, 1.9 for coco)",
@@ -27,7 +30,9 @@ class HREMSettings(MarginSettings):
     hrem_threshold: float = setting(
         0.5, "hrem: share of each row's strongest entries connected in the graph", rule="in (0, 1]"
     )
-    hrem_topk: int = setting(10, "hrem: K, the region-word maxima the relation MLPs read", rule=">= 1")
+    hrem_topk: int = setting(
+        10, "hrem: K, the region-word maxima the relation MLPs read", rule=">= 1", max=MAX_WIDTH
+    )
     hrem_mask_weight: float = setting(
         1.0, "hrem: weight of the relevance bias in the graph's attention", rule=">= 0 and finite"
     )

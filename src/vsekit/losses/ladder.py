@@ -608,15 +608,15 @@ class LadderLoss(InBatchLoss):
         return loss + extra, diag
 
 
-def create_ladder_loss(cfg: LossConfig) -> LadderLoss:
-    """`ladder` (fixed thresholds, or per-row percentile ones with `ladder_percentile`) or `ladder_auto`
-    (silhouette-chosen k-means levels) from a LossConfig."""
+def create_ladder_loss(cfg: LossConfig, adaptive: bool = False) -> LadderLoss:
+    """`ladder` (fixed thresholds, or per-row percentile ones with `ladder_percentile`) or, `adaptive`,
+    `ladder_auto` (silhouette-chosen k-means levels) from a LossConfig (each registration says which)."""
     return LadderLoss(
         margins=cfg.ladder_margins,
         weights=cfg.ladder_weights,
         thresholds=cfg.ladder_thresholds,
         cumulative=cfg.ladder_cumulative,
-        adaptive=cfg.name == "ladder_auto",
+        adaptive=adaptive,
         levels_min=cfg.ladder_levels_min,
         levels_max=cfg.ladder_levels_max,
         max_violation=cfg.max_violation,

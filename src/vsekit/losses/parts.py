@@ -4,11 +4,12 @@ around the named loss). Torch-free (the builders import their module when called
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from vsekit.config import ConfigError
-from vsekit.registry import Settings, register, register_shared, setting
+from vsekit.registry import MAX_COUNT, Settings, register, register_shared, setting
 
 # keys several losses read, each declared once
 
@@ -132,8 +133,8 @@ class LadderSettings(_Negatives, _Hardest):
         "a level-l candidate is pushed from the positive by the summed "
         "margins α_1 + … + α_l (the paper's text, the reference `cumulative`)",
     )
-    ladder_levels_min: int = setting(2, "fewest levels the per-query k-means may choose")
-    ladder_levels_max: int = setting(4, "most levels the per-query k-means may choose")
+    ladder_levels_min: int = setting(2, "fewest levels the per-query k-means may choose", max=MAX_COUNT)
+    ladder_levels_max: int = setting(4, "most levels the per-query k-means may choose", max=MAX_COUNT)
     ladder_variant: str = setting(
         "paper",
         "paper | reference (the released code's hard-contrastive sets: losses/ladder.py, docs/coherent.md)",
@@ -163,16 +164,60 @@ def _triplet(cfg: Any) -> Any:
     return TripletLoss(cfg.margin, cfg.max_violation, cfg.mask_same_image)
 
 
-def _adopt(cfg: Any) -> Any:  # adopt and infonce
+def _adopt(cfg: Any) -> Any:
     from vsekit.losses.adopt import create_adopt_loss
 
     return create_adopt_loss(cfg)
 
 
-def _ladder(cfg: Any) -> Any:  # ladder and ladder_auto
+def _infonce(cfg: Any) -> Any:
+    from vsekit.losses.adopt import create_adopt_loss
+
+    return create_adopt_loss(cfg, adaptive=False)
+
+
+def _ladder(cfg: Any) -> Any:
     from vsekit.losses.ladder import create_ladder_loss
 
     return create_ladder_loss(cfg)
+
+
+def _ladder_auto(cfg: Any) -> Any:
+    from vsekit.losses.ladder import create_ladder_loss
+
+    return create_ladder_loss(cfg, adaptive=True)
+
+
+# Each loss's value on a batch whose similarities are all equal (the collapse alarm, vsekit.training.collapse,
+# whose docstring derives them): `negatives` [B] holds each query's in-batch negatives n_i, on the loss's device;
+# `k` is the K ADOPT used in the step (on the same device when a tensor). Tensor methods only: torch-free here.
+def _triplet_equal_score(cfg: Any, negatives: Any, hardest: bool, k: Any = None) -> tuple[str, Any]:
+    n = negatives
+    if cfg.max_violation and hardest:  # each query with a negative pays m in each direction
+        return "hardest-negative triplet", 2 * cfg.margin * (n > 0).sum().to(n.dtype)
+    return "triplet over all negatives", 2 * cfg.margin * n.sum()  # m per negative pair and direction
+
+
+def _infonce_equal_score(cfg: Any, negatives: Any, hardest: bool, k: Any = None) -> tuple[str, Any]:
+    return "InfoNCE", 2 * negatives.log1p().mean()  # log(1 + n_i) per query and direction
+
+
+def _adopt_equal_score(cfg: Any, negatives: Any, hardest: bool, k: Any = None) -> tuple[str, Any]:
+    if k is None:
+        raise ValueError("the ADOPT collapse value needs the K of the step (the loss's K_i2t)")
+    n = negatives
+    kept = n.minimum(k.to(n.dtype)) if hasattr(k, "to") else n.clamp(max=float(k))
+    if cfg.adopt_variant == "reference":
+        return "ADOPT", (kept * math.exp(cfg.margin / cfg.temperature)).log1p().mean()
+    return "ADOPT", 2 * kept.log1p().mean()
+
+
+def _adopt_graph_blockers(cfg: Any) -> list[str]:
+    if cfg.adopt_zero_fill_negatives:
+        return [
+            "loss.adopt_zero_fill_negatives=true (the released selection reads K back to the host every step)"
+        ]
+    return []
 
 
 register(
@@ -181,6 +226,7 @@ register(
     TripletSettings,
     build=_triplet,
     help="VSE++'s hinge triplet loss, both directions, on the hardest negative or the sum over all",
+    facts={"cuda_graph": True, "equal_score": _triplet_equal_score},
 )
 register_shared("loss", WarmupSettings, help="the trainer's all-negatives warm-up")
 register(
@@ -189,9 +235,19 @@ register(
     ADOPTSettings,
     build=_adopt,
     help="VSE+2AD's ADOPT: InfoNCE over the K hardest in-batch negatives, K from alignment and uniformity",
+    facts={
+        "cuda_graph": True,
+        "cuda_graph_blockers": _adopt_graph_blockers,
+        "equal_score": _adopt_equal_score,
+    },
 )
 register(
-    "loss", "infonce", InfoNCESettings, build=_adopt, help="symmetric InfoNCE over every in-batch negative"
+    "loss",
+    "infonce",
+    InfoNCESettings,
+    build=_infonce,
+    help="symmetric InfoNCE over every in-batch negative",
+    facts={"cuda_graph": True, "equal_score": _infonce_equal_score},
 )
 register_shared(
     "loss", ViewRegSettings, help="AVSE's view regulariser, added to any loss when its weight is > 0"
@@ -207,6 +263,6 @@ register(
     "loss",
     "ladder_auto",
     LadderSettings,
-    build=_ladder,
+    build=_ladder_auto,
     help="CVSE++ (Auto)'s adaptive ladder loss: per-query levels by 1-D k-means and the silhouette",
 )

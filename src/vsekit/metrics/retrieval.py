@@ -129,8 +129,37 @@ def retrieval_metrics(sims: np.ndarray, cap2img: np.ndarray) -> dict[str, float]
     return {k: out[k] for k in METRIC_KEYS}
 
 
+# COCO 1K (`--fold5`): the 5,000 COCO test images (Karpathy split) in five folds of 1,000, 5 captions each
+FOLD5_IMAGES = 5000
+FOLD5_FOLDS = 5
+FOLD5_CAPTIONS_PER_IMAGE = 5
+
+
+def check_fold5_protocol(n_images: int, cap2img: np.ndarray, where: str = "--fold5") -> None:
+    """Refuse `--fold5` (COCO 1K) where the protocol does not apply: it means the mean over five folds of
+    1,000 of COCO's 5,000 test images with their 5 captions each; on other sizes ("folds" of one image on a
+    5 x 25 matrix: rsum 600) the number would read as a COCO 1K score and compare with nothing. A
+    `MetricsInputError` (a ValueError) naming the sizes."""
+    ids = np.asarray(cap2img).ravel()
+    if ids.dtype.kind not in "iu" or (ids.size and (ids.min() < 0 or ids.max() >= n_images)):
+        return  # not a caption->image map at all: `check_inputs` names that, before any metric
+    counts = np.bincount(ids.astype(np.int64), minlength=int(n_images))
+    per_image = sorted({int(c) for c in counts})
+    if int(n_images) == FOLD5_IMAGES and per_image == [FOLD5_CAPTIONS_PER_IMAGE]:
+        return
+    shown = "/".join(str(c) for c in per_image[:3]) + ("/…" if len(per_image) > 3 else "")
+    raise MetricsInputError(
+        f"{where}: COCO 1K (--fold5) needs exactly {FOLD5_IMAGES:,} images with "
+        f"{FOLD5_CAPTIONS_PER_IMAGE} captions each ({FOLD5_FOLDS} folds of {FOLD5_IMAGES // FOLD5_FOLDS:,}); "
+        f"this one has {int(n_images):,} images and {len(cap2img):,} captions ({shown} per image): "
+        "score it without --fold5"
+    )
+
+
 def retrieval_metrics_fold5(sims: np.ndarray, cap2img: np.ndarray, n_folds: int = 5) -> dict:
-    """COCO 1K protocol: metrics on each of the five 1K-image folds, every key averaged over folds."""
+    """Metrics on each of `n_folds` consecutive image blocks with their captions, every key averaged over
+    the blocks: the mechanism of the COCO 1K protocol; `evaluate_sims(fold5=True)` (what `vse eval --fold5`
+    and `vse eval-sims --fold5` call) first checks the protocol's sizes (`check_fold5_protocol`)."""
     sims, cap2img = check_inputs(sims, cap2img)
     folds = []
     for rows, cols in fold_slices(cap2img, sims.shape[0], n_folds):
@@ -154,8 +183,11 @@ def evaluate_sims(
     With a caption x caption `relevance` matrix (array or .npy path) the coherence keys of the ladder-loss
     paper are added: CS@K for K in `cs_k` (`cs_protocol` "paper": `i2t_cs@K`, `t2i_cs@K`, one caption per
     image; "all_captions": `i2t_cs_allcap@K`, …) and `i2t_map`. With `fold5` they are, like the recalls,
-    means over the five 1K-image folds (and each fold's values are in `folds`).
+    means over the five 1K-image folds (and each fold's values are in `folds`); `fold5` is refused
+    (`check_fold5_protocol`, a ValueError) unless the matrix is COCO's 5,000 test images x 5 captions each.
     """
+    if fold5:
+        check_fold5_protocol(np.shape(sims)[0], cap2img)
     out = retrieval_metrics_fold5(sims, cap2img) if fold5 else retrieval_metrics(sims, cap2img)
     if relevance is not None:
         add_coherence(out, sims, cap2img, relevance, cs_k, cs_protocol, fold5)

@@ -7,18 +7,20 @@ module when called). The caption side is the `bigru` text encoder with the `none
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import vsekit.models.image_parts  # noqa: F401  (the built-in parts register first: listings keep them first)
 import vsekit.pooling.parts  # noqa: F401
 from vsekit.config import ConfigError
-from vsekit.registry import Settings, register, setting
+from vsekit.registry import MAX_COUNT, Settings, has_fact, register, setting
 from vsekit.similarity.parts import scores_sets
 
 
 @dataclass
 class SelfAttentionSettings(Settings):
-    selfattn_heads: int = setting(8, "selfattention: attention heads (the release hard-codes 8)", rule=">= 1")
+    selfattn_heads: int = setting(
+        8, "selfattention: attention heads (the release hard-codes 8)", rule=">= 1", max=MAX_COUNT
+    )
     selfattn_mask_padding: bool = setting(
         False,
         "selfattention: mask the padded regions as attention keys; false = the released CHAN "
@@ -49,7 +51,6 @@ class KeepSetSettings(Settings):
 
 @dataclass
 class ChanSettings(Settings):
-    takes_sets: ClassVar[bool] = True  # scores sets of vectors: both encoders' poolings must be `none`
     word_pooling: str = setting(
         "lse",
         "chan: how the per-word best-region cosines (VHA coding) become a score: lse (the BiGRU "
@@ -66,7 +67,7 @@ class ChanSettings(Settings):
     def check(self, where: str, recipe: Any) -> None:
         for side in ("image", "text"):
             pooling = getattr(recipe.model, side).pooling.name
-            if pooling != "none":
+            if not has_fact("pooling", pooling, "keeps_sets"):
                 raise ConfigError(
                     f"{where}.name=chan scores sets: model.{side}.pooling.name must be none, got {pooling}"
                 )
@@ -106,6 +107,7 @@ register(
     KeepSetSettings,
     build=_keep_set,
     help="no pooling: the set itself (padded rows zero), for a similarity of sets (chan)",
+    facts={"keeps_sets": True},
 )
 register(
     "similarity",
@@ -113,4 +115,5 @@ register(
     ChanSettings,
     build=_chan,
     help="CHAN's late interaction: per caption word its best region (VHA coding), pooled over the words (LSE)",
+    facts={"takes_sets": True},  # scores sets of vectors: both encoders' poolings must be `none`
 )

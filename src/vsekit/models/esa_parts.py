@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import vsekit.pooling.parts  # noqa: F401  (the built-in poolings register first: listings keep their order)
+from vsekit import registry
 from vsekit.config import ConfigError
-from vsekit.registry import Settings, register, setting
+from vsekit.registry import Settings, has_fact, register, setting
 
 
 @dataclass
@@ -43,16 +44,16 @@ class ESAPoolSettings(Settings):
         for key in ("esa_region_drop", "esa_word_dropout"):
             if getattr(self, key) >= 1:
                 raise ConfigError(f"{where}.{key} must be below 1 (it is a probability of leaving out)")
-        if makes_views(where, recipe) and recipe.loss.name != "sel":
+        scores_views = has_fact("loss", recipe.loss.name, "scores_views")
+        if makes_views(where, recipe) and not scores_views:
             raise ConfigError(
                 f"{where}.name=esa makes two views of each item in training, which only loss.name=sel scores "
                 "(recipe esa)"
             )
-        if makes_views(where, recipe) and recipe.loss.name == "sel":
+        if makes_views(where, recipe) and scores_views:
             image_side = where.startswith("model.image")
             other = "model.text.pooling" if image_side else "model.image.pooling"
-            other_pool = recipe.model.text.pooling if image_side else recipe.model.image.pooling
-            if other_pool.name != "esa" or not makes_views(other, recipe):
+            if not makes_views(other, recipe):
                 raise ConfigError(
                     f"{where}.name=esa makes two views of each item in training but {other} makes one: the SEL "
                     "loss needs two on both sides (esa pooling on region features, model.image.kind=precomp "
@@ -71,12 +72,16 @@ class ESAPoolSettings(Settings):
 
 
 def makes_views(where: str, recipe: Any) -> bool:
-    """Whether the encoder of section `where` (with esa pooling) is ESA's, which trains on two views: region
-    features (one view at test time) on the image side, the BiGRU on the caption side."""
+    """Whether the encoder of section `where` trains on two views: its pooling declares `makes_views` and
+    brings its own encoder for the section's encoder kind (ESA's: region features, one view at test time, on
+    the image side; the BiGRU on the caption side)."""
     m = recipe.model
-    if where.startswith("model.image"):
-        return m.image.kind == "precomp" and m.image.feature_type == "region" and m.image.views == 1
-    return m.text.kind == "bigru"
+    side = m.image if where.startswith("model.image") else m.text
+    name = "image" if side is m.image else "text"
+    own = registry.get("pooling", side.pooling.name).encoders
+    if not has_fact("pooling", side.pooling.name, "makes_views") or f"{name}:{side.kind}" not in own:
+        return False
+    return side is m.text or (m.image.feature_type == "region" and m.image.views == 1)
 
 
 def _esa_pool(cfg: Any, dim: int) -> Any:
@@ -109,6 +114,7 @@ register(
     ESAPoolSettings,
     build=_esa_pool,
     encoders={"image:precomp": _esa_image_encoder, "text:bigru": _esa_text_encoder},
+    facts={"makes_views": True},
     help="ESA's aggregator: a per-channel softmax of linear scores over the set (two views in training "
     "on region features and BiGRU captions: loss sel)",
 )

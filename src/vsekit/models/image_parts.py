@@ -8,7 +8,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vsekit.registry import Settings, pooling_encoder, register, setting
+from vsekit.registry import (
+    MAX_COUNT,
+    MAX_IMAGE_SIDE,
+    MAX_WIDTH,
+    Settings,
+    pooling_encoder,
+    register,
+    setting,
+)
 
 
 @dataclass
@@ -18,7 +26,9 @@ class _Projection(Settings):
         "region = linear + 2-layer residual MLP (BUTD regions); grid = one linear layer (VSE∞ supp.)",
         choices=("region", "grid"),
     )
-    mlp_hidden: int = setting(512, "hidden size of the residual MLP of region features", rule=">= 1")
+    mlp_hidden: int = setting(
+        512, "hidden size of the residual MLP of region features", rule=">= 1", max=MAX_WIDTH
+    )
     mlp_on_padding: bool = setting(
         False,
         "regions: padded rows go through the residual MLP too, as the released code computes them (a loss "
@@ -33,6 +43,7 @@ class _Views(Settings):
         "multi-view (AVSE): number of views of each image; 1 = an ordinary single embedding "
         "(more need model.similarity.name=aeom)",
         rule=">= 1",
+        max=MAX_COUNT,
     )
     view_keep_train: float = setting(
         0.75, "multi-view: share of the image's vectors each view keeps in training", rule="in (0, 1]"
@@ -45,7 +56,7 @@ class _Views(Settings):
 @dataclass
 class _Pixels(Settings):
     image_size: int = setting(
-        224, "pictures are resized to this side (the whole picture, no crop)", rule=">= 1"
+        224, "pictures are resized to this side (the whole picture, no crop)", rule=">= 1", max=MAX_IMAGE_SIDE
     )
 
 
@@ -82,6 +93,7 @@ class BackboneSettings(_Pixels, _Projection):
         -1,
         "-1 = every stage once unfrozen; N = only the last N stages (head included)",
         rule=">= -1 (-1: every stage)",
+        max=MAX_COUNT,
     )
     backbone_lr_mult: float = setting(
         0.1, "learning-rate multiplier of the CNN's parameters", rule=">= 0 and finite"
@@ -100,12 +112,15 @@ class ViTSettings(_Pixels, _Views):
     pass
 
 
+PixelSettings = _Pixels  # the picture side (`image_size`): a pixel encoder of your own inherits it
+
+
 def reads_pixels(kind: str) -> bool:
-    """Whether the image encoder `kind` takes pictures (its settings hold the picture size) rather than
-    precomputed features (`encode_image` and `vse eval` ask it)."""
+    """Whether the image encoder `kind` takes pictures rather than precomputed features: its registered fact
+    `reads_pixels` (`encode_image`, the trainer, `vse eval`, search and CLIP_benchmark ask it)."""
     from vsekit import registry
 
-    return issubclass(registry.get("image_encoder", kind).settings, _Pixels)
+    return registry.has_fact("image_encoder", kind, "reads_pixels")
 
 
 def _precomp(recipe: Any, spec: Any) -> Any:
@@ -159,6 +174,7 @@ register(
     PrecompSettings,
     build=_precomp,
     help="precomputed features from {split}_ims.npy (regions, grid cells or video frames)",
+    facts={"cuda_graph": True},
 )
 register(
     "image_encoder",
@@ -166,6 +182,7 @@ register(
     BackboneSettings,
     build=_backbone,
     help="a CNN on raw pixels ({split}_images.txt), trained end to end",
+    facts={"reads_pixels": True},
 )
 register(
     "image_encoder",
@@ -173,4 +190,5 @@ register(
     ViTSettings,
     build=_vit,
     help="a ViT patch encoder on raw pixels with AVSE's multi-view token sampling (imported AVSE runs)",
+    facts={"reads_pixels": True, "encode_kwargs": ("view_indices",)},
 )

@@ -21,11 +21,18 @@ also a TypeError). Valid input is used exactly as given: the checks never change
   rows are padding), every value finite (checked in eval mode, the mode `vsekit.load`
   gives; the train step's calls stay free of host syncs).
 - `preprocess`: a PIL image or a path to a picture, of any size and mode.
+
+In eval mode (what `vsekit.load` gives) `encode_text` and `encode_image` encode in chunks of `ENCODE_CHUNK`
+items without autograd (`torch.no_grad`) and concatenate them, so memory grows with the chunk, not with the
+list, and the result carries no graph (unless `encode_image` is given features or pixels that require grad:
+then gradients reach them); its rows equal one batch's (every encoder is row-independent in eval mode). `torch.no_grad` rather than `inference_mode`: the result stays an ordinary tensor, which a caller may
+change in place or use in a later graph. In train mode a call stays one batch with gradients.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +40,16 @@ import numpy as np
 import torch
 from torch import nn
 
+from vsekit import registry
 from vsekit.errors import VseInputError
 from vsekit.models.image_parts import reads_pixels
 
 VSEModel = nn.Module  # the model these rules serve (`vsekit.models.vse.VSEModel`, which calls them)
+
+
+ENCODE_CHUNK = 256
+"""Items `encode_text` / `encode_image` put through the encoder at once in eval mode: memory grows with the
+chunk, not with the list (10^5 captions at once held +2.27 GB of activations before an allocator error)."""
 
 
 class ModelInputError(VseInputError):
@@ -209,7 +222,17 @@ def encode_text(model: VSEModel, text: Any, lengths: Any = None) -> torch.Tensor
         or (isinstance(text, (list, tuple)) and any(isinstance(t, str) for t in text))
         or (isinstance(text, np.ndarray) and text.dtype.kind == "U")
     ):
-        tokens, lengths = _tokenize(model, text, "encode_text")
+        texts = _check_strings(text, "encode_text")
+        if model.training:  # one batch, as before (`_encode_in_chunks`)
+            tokens, lengths = _tokenize(model, texts, "encode_text")
+        else:  # tokenised chunk by chunk too: the padded ids of 10^5 captions are not built at once
+
+            def strings(rows: slice) -> torch.Tensor:
+                ids, sizes = _tokenize(model, texts[rows], "encode_text")
+                sizes = _check_lengths(sizes, ids.shape[0], ids.shape[1], device, "encode_text: lengths")
+                return model.encode_texts(ids.to(device), sizes)
+
+            return _encode_in_chunks(model, len(texts), strings)
     elif isinstance(text, (list, tuple)) and not text:
         raise ModelInputError("encode_text: the list of texts is empty")
     else:
@@ -217,7 +240,35 @@ def encode_text(model: VSEModel, text: Any, lengths: Any = None) -> torch.Tensor
         if lengths is None:
             lengths = (tokens != 0).sum(1).clamp(min=1)
     lengths = _check_lengths(lengths, tokens.shape[0], tokens.shape[1], device, "encode_text: lengths")
-    return model.encode_texts(tokens.to(device), lengths)
+    tokens = tokens.to(device)
+    return _encode_in_chunks(
+        model, tokens.shape[0], lambda rows: model.encode_texts(tokens[rows], lengths[rows])
+    )
+
+
+def _concat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The chunks' embeddings as one batch; sets of different sizes ([n, set, D], late-interaction runs) are
+    padded with zero rows, the padding such sets already use."""
+    if len(parts) == 1:
+        return parts[0]
+    if parts[0].ndim >= 3 and len({p.shape[1] for p in parts}) > 1:
+        longest = max(p.shape[1] for p in parts)
+        parts = [torch.nn.functional.pad(p, (0, 0, 0, longest - p.shape[1])) for p in parts]
+    return torch.cat(parts)
+
+
+def _encode_in_chunks(
+    model: VSEModel, n: int, encode: Callable[[slice], torch.Tensor], graph: bool = False
+) -> torch.Tensor:
+    """`encode(rows)` over chunks of `ENCODE_CHUNK` rows, concatenated, without autograd: for a model in eval
+    mode (what `vsekit.load` gives), so memory grows with the chunk and the result holds no graph. `graph`
+    (an input that requires grad: the caller asks for gradients through the encoder) keeps the graph, still
+    in chunks. In train mode the call is one batch with gradients, as before (BatchNorm's batch statistics
+    would change with the chunks)."""
+    if model.training:
+        return encode(slice(0, n))
+    with torch.enable_grad() if graph else torch.no_grad():
+        return _concat([encode(slice(i, min(i + ENCODE_CHUNK, n))) for i in range(0, n, ENCODE_CHUNK)])
 
 
 def _pictures(model: VSEModel, images: Any) -> torch.Tensor | None:
@@ -344,7 +395,7 @@ def encode_image(model: VSEModel, images: Any, lengths: Any = None, **kwargs: An
     a `ModelInputError` naming the argument."""
     device = model_device(model)
     kind = model.recipe.model.image.kind
-    allowed = {"generator", "view_indices"} if kind == "vit" else {"generator"}
+    allowed = {"generator", *registry.fact("image_encoder", kind, "encode_kwargs", ())}
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
         raise ModelInputTypeError(
@@ -353,9 +404,31 @@ def encode_image(model: VSEModel, images: Any, lengths: Any = None, **kwargs: An
     if not reads_pixels(kind):
         x, lengths = _features(model, images, lengths, device)
     else:
+        from PIL import Image
+
+        if isinstance(images, (list, tuple)) and len(images) > ENCODE_CHUNK and not model.training:
+            if all(isinstance(im, (Image.Image, str, Path)) for im in images):
+                # pictures: each chunk preprocessed when it is encoded, never all their pixels at once
+                return _encode_in_chunks(
+                    model,
+                    len(images),
+                    lambda rows: encode_image(model, list(images[rows]), None, **_rows_of(kwargs, rows)),
+                )
         x = _pixels(model, images, device)
         lengths = torch.full((x.shape[0],), -1, dtype=torch.long, device=device)  # the grid is the set
-    return model.image_encoder(x, lengths, **kwargs)
+    return _encode_in_chunks(
+        model,
+        x.shape[0],
+        lambda rows: model.image_encoder(x[rows], lengths[rows], **_rows_of(kwargs, rows)),
+        graph=x.requires_grad and torch.is_grad_enabled(),
+    )
+
+
+def _rows_of(kwargs: dict[str, Any], rows: slice) -> dict[str, Any]:
+    """The keyword arguments of one chunk: per-picture tensors (`view_indices` [B, V, n]) cut to its rows."""
+    return {
+        k: v[rows] if isinstance(v, torch.Tensor) and k == "view_indices" else v for k, v in kwargs.items()
+    }
 
 
 def _preprocess(model: VSEModel, image: Any, what: str) -> torch.Tensor:
@@ -398,9 +471,7 @@ def check_similarity_inputs(
     img = _as_tensor(image_emb, "similarity: image embeddings")
     txt = _as_tensor(text_emb, "similarity: caption embeddings")
     views = int(model.recipe.model.image.views)
-    sets = bool(
-        getattr(model.sim, "takes_sets", False)
-    )  # late interaction (CHAN): each item a set of vectors
+    sets = registry.has_fact("similarity", model.recipe.model.similarity.name, "takes_sets")  # CHAN: sets
     for name, t, w in (("image", img, width), ("caption", txt, d)):
         if sets:
             if t.ndim != 3 or t.shape[2] != d or 0 in t.shape[:2]:

@@ -8,12 +8,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vsekit.registry import Settings, pooling_encoder, register, setting
+from vsekit.registry import (
+    MAX_BATCH,
+    MAX_CACHE_MB,
+    MAX_COUNT,
+    MAX_WIDTH,
+    Settings,
+    pooling_encoder,
+    register,
+    setting,
+)
 
 
 @dataclass
 class WordSettings(Settings):
-    word_dim: int = setting(300, "size of the learned word embeddings", rule=">= 1")
+    word_dim: int = setting(300, "size of the learned word embeddings", rule=">= 1", max=MAX_WIDTH)
     vocab_min_count: int = setting(
         1,
         "words seen fewer times in the train captions are <unk> (the BiGRU "
@@ -31,7 +40,7 @@ class WordSettings(Settings):
 
 @dataclass
 class BiGRUSettings(WordSettings):
-    num_layers: int = setting(1, "number of GRU layers", rule=">= 1")
+    num_layers: int = setting(1, "number of GRU layers", rule=">= 1", max=MAX_COUNT)
 
 
 @dataclass
@@ -50,21 +59,25 @@ class TransformerSettings(Settings):
         "change) up to this many MB, so every epoch after the first skips the body "
         "for captions it has seen; 0 = run the body every step",
         rule=">= 0",
+        max=MAX_CACHE_MB,
     )
-    max_tokens: int = setting(64, "captions are cut to this many tokens", rule=">= 1")
+    max_tokens: int = setting(64, "captions are cut to this many tokens", rule=">= 1", max=MAX_WIDTH)
     length_sorted_chunk: int = setting(
         32,
         "run the body on length-sorted chunks of this many captions, "
         "each padded only to its own longest (same states up to float rounding; "
         "2-3x faster on short captions); 0 = one padded batch",
         rule=">= 0",
+        max=MAX_BATCH,
     )
     head: str = setting(
         "linear",
         "linear (hidden -> embed) | residual_mlp (linear + the region encoder's residual MLP, AVSE)",
         choices=("linear", "residual_mlp"),
     )
-    head_mlp_hidden: int = setting(512, "residual_mlp head: hidden size of the MLP", rule=">= 1")
+    head_mlp_hidden: int = setting(
+        512, "residual_mlp head: hidden size of the MLP", rule=">= 1", max=MAX_WIDTH
+    )
     final_layernorm: bool = setting(
         False, "LayerNorm on the pooled caption instead of L2 normalisation (AVSE's released text encoder)"
     )
@@ -116,6 +129,7 @@ register(
     BiGRUSettings,
     build=_bigru,
     help="a bidirectional GRU over learned word embeddings (directions averaged)",
+    facts={"word_vocabulary": True, "cuda_graph": True},
 )
 register(
     "text_encoder",
@@ -123,6 +137,7 @@ register(
     WordSettings,
     build=_bow,
     help="the mean of learned word embeddings: the linear floor every results table carries",
+    facts={"word_vocabulary": True, "cuda_graph": True},
 )
 register(
     "text_encoder",

@@ -7,11 +7,12 @@ from torch import nn
 
 from vsekit.data.text import HFTextProcessor, Vocabulary
 from vsekit.models.text import load_tokenizer
+from vsekit.registry import has_fact
 
 
 def text_processor_for(model: nn.Module):
     """The tokeniser a model was trained with (BiGRU vocabulary or the transformer's tokenizer)."""
-    if model.recipe.model.text.kind in ("bigru", "bow"):
+    if has_fact("text_encoder", model.recipe.model.text.kind, "word_vocabulary"):
         return Vocabulary(model.spec.vocab_words, model.recipe.model.text.tokenizer)
     return HFTextProcessor(load_tokenizer(model.spec.text_model_path), model.recipe.model.text.max_tokens)
 

@@ -8,12 +8,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from vsekit.pooling.parts import KMaxSettings
-from vsekit.registry import register, setting
+from vsekit.registry import MAX_COUNT, register, setting
 
 
 @dataclass
 class HREMPoolSettings(KMaxSettings):
-    hrem_heads: int = setting(16, "hrem: attention heads of the aggregating transformer layer", rule=">= 1")
+    hrem_heads: int = setting(
+        16, "hrem: attention heads of the aggregating transformer layer", rule=">= 1", max=MAX_COUNT
+    )
     hrem_residual_weight: float = setting(
         0.8, "hrem: weight of the k-max pooling; the transformer layer's mean gets the rest", rule="in [0, 1]"
     )

@@ -9,18 +9,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from vsekit.config import ConfigError
-from vsekit.registry import Settings, register, setting
+from vsekit.registry import MAX_WIDTH, Settings, register, setting
 
 
 @dataclass
 class KMaxSettings(Settings):
-    k: int = setting(1, "number of largest values averaged per dimension", rule=">= 1")
+    k: int = setting(1, "number of largest values averaged per dimension", rule=">= 1", max=MAX_WIDTH)
 
 
 @dataclass
 class GPOSettings(Settings):
-    d_pe: int = setting(32, "size of the sin/cos positional encoding of the ranks (even)")
-    d_hidden: int = setting(32, "size of the BiGRU over the positional encodings")
+    d_pe: int = setting(32, "size of the sin/cos positional encoding of the ranks (even)", max=MAX_WIDTH)
+    d_hidden: int = setting(32, "size of the BiGRU over the positional encodings", max=MAX_WIDTH)
     temperature: float = setting(
         0.1, "softmax temperature of the weights over the ranks", rule="a positive finite number"
     )

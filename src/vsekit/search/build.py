@@ -15,7 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vsekit.data.manifest import read_manifest_extractor
 from vsekit.data.precomp import DataFormatError
+from vsekit.data.untrusted import UntrustedFileError, resolve_inside
 from vsekit.errors import VseInputError
 from vsekit.models.image_parts import reads_pixels
 from vsekit.runs import load_run, weights_path
@@ -27,7 +29,6 @@ from vsekit.search.encode import (
     needs_rerank,
     pad_set_width,
     proxy_vectors,
-    read_manifest_extractor,
     run_extractor_spec,
     same_extractor,
     scores_sets,
@@ -44,6 +45,7 @@ from vsekit.search.store import (
     writing,
 )
 from vsekit.utils.io import sha256_file
+from vsekit.utils.printable import printable
 
 
 def build_index(
@@ -61,11 +63,13 @@ def build_index(
     captions_file: str | Path | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    trust_links: bool = False,
 ) -> dict:
     """Embed the pictures of `source` with a trained run and write (or extend) the index in `out_dir`.
 
     Pictures already in the index are skipped, so rerunning after new files arrive only adds those. A run
     that is interrupted resumes from its last finished chunk. Returns the new index.json contents.
+    `trust_links`: a folder's files with several names (hard links) are indexed, not refused.
     """
     with writing(Path(out_dir), log):
         return build_under_lock(
@@ -82,6 +86,7 @@ def build_index(
             captions_file=captions_file,
             progress=progress,
             log=log,
+            trust_links=trust_links,
         )
 
 
@@ -100,6 +105,7 @@ def build_under_lock(
     captions_file: str | Path | None,
     progress: bool,
     log: Callable[[str], None],
+    trust_links: bool = False,
 ) -> dict:
     """`build_index`'s work, for a caller that already holds `out_dir` (`store.writing`): `vse index --refresh`
     of a folder that holds no index yet."""
@@ -119,7 +125,7 @@ def build_under_lock(
     if old is None:
         check_new_out(out_dir, log)
 
-    src = resolve_source(source, model.recipe.data.captions_per_image)
+    src = resolve_source(source, model.recipe.data.captions_per_image, trust_links=trust_links)
     roots = [str(r) for r in (old.roots if old else [])]
     if str(src.root) not in roots:
         roots.append(str(src.root))
@@ -183,7 +189,7 @@ def build_under_lock(
     )
     problems = src.problems + unread + problems
     for msg in problems[:10]:
-        log(f"warning: skipped {msg}")
+        log(f"warning: skipped {printable(msg)}")
     if len(problems) > 10:
         log(f"warning: … and {len(problems) - 10} more unreadable pictures skipped")
     kept = [todo[j] for j in kept_local]
@@ -262,6 +268,7 @@ def build_index_from_embeddings(
     run_dir: str | Path | None = None,
     checkpoint: str = "best",
     log: Callable[[str], None] = print,
+    images_root: str | Path | None = None,
 ) -> dict:
     """`vse index --from-embeddings DIR`: an index from a `vse embed` folder, with no model forward.
 
@@ -270,9 +277,44 @@ def build_index_from_embeddings(
     folder written by another tool (clip-retrieval's layout, no embed.json) needs `run_dir`: the run whose
     embeddings these are (only the dimension can be checked; that they come from it is the caller's word).
     Adding to an existing index follows `vse index`: same model, same dimension, pictures already present skipped.
+    The pictures' root the folder records must lie inside DIR or inside `images_root` (`--images-root`, the
+    caller's word for where the pictures may be read from), else the build is refused
+    (`embeddings_picture_root`).
     """
     with writing(Path(out_dir), log):
-        return _build_from_embeddings(Path(emb_dir), Path(out_dir), params, run_dir, checkpoint, log)
+        return _build_from_embeddings(
+            Path(emb_dir), Path(out_dir), params, run_dir, checkpoint, log, images_root
+        )
+
+
+def embeddings_picture_root(info: dict, emb_dir: Path, images_root: str | Path | None = None) -> str:
+    """The pictures' root of an embeddings folder: embed.json's `root`, which the folder's author wrote, so
+    it is taken only when it resolves inside the folder the user named (`images_root`, else the embeddings
+    folder itself) by the rule every root follows (`untrusted.resolve_inside`); a relative one is read from
+    there. Without a recorded root: that folder. `vse serve` then reads thumbnails only under it."""
+    named = Path(images_root) if images_root is not None else emb_dir
+    label = "--images-root" if images_root is not None else "the embeddings folder"
+    if images_root is not None and not named.is_dir():
+        what = "no such folder" if not named.exists() else "is not a folder"
+        raise VseInputError(f"--images-root {images_root}: {what}")
+    recorded = info.get("root")
+    if recorded is None or recorded == "":
+        return str(named.resolve())
+    where = f"{emb_dir / 'embed.json'}"
+    if not isinstance(recorded, str):
+        raise VseInputError(f"{where}: root is a JSON {type(recorded).__name__}, expected a folder path")
+    try:
+        return str(resolve_inside(named, recorded, label=label, absolute_ok=True))
+    except UntrustedFileError as e:
+        hint = (
+            "name a folder that holds it with --images-root DIR"
+            if images_root is None
+            else "give an --images-root that holds it"
+        )
+        raise VseInputError(
+            f"{where}: the pictures' root {e.detail}; an embeddings folder may name a root only inside the "
+            f"folder you named: {hint}"
+        ) from None
 
 
 def _build_from_embeddings(
@@ -282,6 +324,7 @@ def _build_from_embeddings(
     run_dir: str | Path | None,
     checkpoint: str,
     log: Callable[[str], None],
+    images_root: str | Path | None = None,
 ) -> dict:
     from vsekit.search.embedding_folder import open_embedding_folder
 
@@ -336,7 +379,7 @@ def _build_from_embeddings(
         check_new_out(out_dir, log)
         check_trainable(params, folder.n, shape[-1])  # the proxies: the embedding, or the mean of its views
 
-    root = info.get("root") or str(emb_dir.resolve())
+    root = embeddings_picture_root(info, emb_dir, images_root)
     roots = [str(r) for r in (old.roots if old else [])]
     if root not in roots:
         roots.append(root)
@@ -346,6 +389,7 @@ def _build_from_embeddings(
     pictures: list[dict] = []
     captions: list[dict] = []
     embs, caps = [], []
+    outside = 0
     for i in range(len(folder.img)):
         cols = folder.metadata(i)
         n = folder.rows[i]
@@ -353,6 +397,10 @@ def _build_from_embeddings(
         texts = cols.get("caption") or [None] * n
         ids = cols.get("id") or [Path(str(p)).stem for p in paths]
         rel = [_relative(str(p), root) for p in paths]
+        for r, q in enumerate(rel):  # a path outside the root is never stored: the row keeps a label
+            if q.startswith("/") or ".." in Path(q).parts:
+                rel[r] = f"{folder.img[i].stem}:{r}"
+                outside += 1
         keep = [r for r in range(n) if (root_id, rel[r]) not in present]
         if not keep:
             continue
@@ -367,6 +415,11 @@ def _build_from_embeddings(
             caps.append(t[[r for r in keep if texts[r] is not None]])
         pictures += [{"root": root_id, "path": rel[r], "caption": texts[r], "id": str(ids[r])} for r in keep]
         present.update((root_id, rel[r]) for r in keep)
+    if outside:
+        log(
+            f"warning: {outside} image_path value(s) of {emb_dir} lie outside the pictures' root {root}: "
+            "stored as CHUNK:ROW labels, never as paths"
+        )
     if not pictures:
         if old is None:
             raise VseInputError(f"{emb_dir}: no rows to index")

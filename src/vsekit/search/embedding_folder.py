@@ -1,19 +1,30 @@
 """Reading the clip-retrieval embeddings layout that `vse embed` writes (img_emb_N.npy, text_emb_N.npy,
 metadata_N.parquet, embed.json): what `vse index --from-embeddings` builds from. Below both the writer
-(`search.embed`) and the index (`search.index`), so neither imports the other."""
+(`search.embed`) and the index (`search.index`), so neither imports the other.
+
+The folder may come from elsewhere (clip-retrieval's output, a download), so every file in it is untrusted:
+each is checked to be a regular file first (`vsekit.data.untrusted.check_regular`: a FIFO never blocks, a
+link to `/dev/zero` is refused), `.npy` files are read by `vsekit.utils.io.open_npy` (no pickles, the header's
+shape checked against the file's size, memory-mapped), `embed.json` and the parquet metadata are read with a
+byte cap, and a parquet file's decoded size is checked from its footer before its rows are decoded."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from vsekit.data.untrusted import UntrustedFileError, check_regular, read_bounded
 from vsekit.errors import MissingPackageError, VseInputError
+from vsekit.utils.io import open_npy
+from vsekit.utils.safe_json import JsonBoundsError, loads_bounded
 
 EMBED_FORMAT = "vsekit-embeddings/1"
 MANIFEST_DIR = ".manifest"
+MAX_EMBED_JSON_BYTES = 1 << 20  # embed.json: a model record and a few counts (plus its skipped list)
+MAX_METADATA_FILE_BYTES = 256 << 20  # one metadata_N.parquet: paths, captions and ids of one chunk
+MAX_METADATA_DECODED_BYTES = 1 << 30  # what its rows may take once decoded (from the parquet footer)
 
 
 def pyarrow_modules():
@@ -57,12 +68,59 @@ class EmbeddingFolder:
         return None if path is None else _checked(path, self.rows[i], None)
 
     def metadata(self, i: int) -> dict[str, list]:
-        _, pq = pyarrow_modules()
-        return pq.read_table(str(self.meta[i])).to_pydict()
+        """Chunk i's metadata columns (image_path, caption, id: the ones an index reads)."""
+        pf = _parquet(self.meta[i])
+        names = [c for c in ("image_path", "caption", "id") if c in pf.schema_arrow.names]
+        try:
+            return pf.read(columns=names).to_pydict()
+        except Exception as e:  # pyarrow raises its own error types for a corrupt file
+            raise VseInputError(f"{self.meta[i]}: not a readable parquet file ({e})") from e
+
+
+def _regular(path: Path, what: str) -> None:
+    """`path` must be a regular file (a FIFO, device, folder or link to one is named and refused)."""
+    try:
+        check_regular(path, expected=what, trust_links=True)
+    except UntrustedFileError as e:
+        raise VseInputError(str(e)) from None
+    except OSError as e:
+        raise VseInputError(f"{path}: cannot be read ({e.strerror or e})") from None
+
+
+def _npy(path: Path) -> np.ndarray:
+    """A .npy of the folder: a regular file, read by `open_npy`, holding floating-point numbers."""
+    _regular(path, "a .npy file")
+    a = open_npy(path)
+    if a.dtype.kind != "f":
+        raise VseInputError(f"{path}: holds {a.dtype} values, expected floating-point embeddings")
+    return a
+
+
+def _parquet(path: Path):
+    """A metadata parquet file read with a byte cap, its decoded size checked from its footer."""
+    pa, pq = pyarrow_modules()
+    try:
+        data = read_bounded(
+            path, MAX_METADATA_FILE_BYTES, expected="a parquet file", follow_symlinks=True, trust_links=True
+        )
+    except UntrustedFileError as e:
+        raise VseInputError(str(e)) from None
+    except OSError as e:
+        raise VseInputError(f"{path}: cannot be read ({e.strerror or e})") from None
+    try:
+        pf = pq.ParquetFile(pa.BufferReader(data))
+        decoded = sum(pf.metadata.row_group(g).total_byte_size for g in range(pf.metadata.num_row_groups))
+    except Exception as e:  # pyarrow raises its own error types for a truncated or foreign file
+        raise VseInputError(f"{path}: not a readable parquet file ({e})") from e
+    if decoded > MAX_METADATA_DECODED_BYTES:
+        raise VseInputError(
+            f"{path}: its rows take {decoded} bytes decoded, more than the {MAX_METADATA_DECODED_BYTES} byte limit"
+        )
+    return pf
 
 
 def _checked(path: Path, rows: int, dim: int | None) -> np.ndarray:
-    a = np.load(path, mmap_mode="r", allow_pickle=False)
+    a = _npy(path)
     if a.ndim != 2 or a.shape[0] != rows or (dim is not None and a.shape[1] != dim):
         raise VseInputError(f"{path}: expected [{rows}, {dim or 'dim'}] vectors, got shape {list(a.shape)}")
     x = np.ascontiguousarray(a, dtype=np.float32)
@@ -84,11 +142,24 @@ def open_embedding_folder(path: str | Path) -> EmbeddingFolder:
         raise VseInputError(f"{root}: {what} (give the --out folder of `vse embed`)")
     info_path = root / "embed.json"
     info: dict = {}
-    if info_path.is_file():
+    if info_path.exists() or info_path.is_symlink():
         try:
-            info = json.loads(info_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise VseInputError(f"{info_path}: not valid JSON ({e})") from e
+            text = read_bounded(
+                info_path,
+                MAX_EMBED_JSON_BYTES,
+                expected="a JSON file",
+                follow_symlinks=True,
+                trust_links=True,
+            )
+            info = loads_bounded(text, str(info_path))
+        except UntrustedFileError as e:
+            raise VseInputError(str(e)) from None
+        except JsonBoundsError as e:
+            raise VseInputError(f"{e} (not the embed.json `vse embed` writes)") from None
+        except OSError as e:
+            raise VseInputError(f"{info_path}: cannot be read ({e.strerror or e})") from None
+        if not isinstance(info, dict):
+            raise VseInputError(f"{info_path}: holds a JSON {type(info).__name__}, expected an object")
     elif (root / MANIFEST_DIR / "job.json").is_file():
         raise VseInputError(
             f"{info_path}: missing — `vse embed` has not finished writing {root}; run it again to finish"
@@ -102,10 +173,10 @@ def open_embedding_folder(path: str | Path) -> EmbeddingFolder:
     for p in imgs:
         name = p.stem[len("img_emb_") :]
         m = root / "metadata" / f"metadata_{name}.parquet"
-        if not m.is_file():
-            what = "is a folder, expected a parquet file" if m.is_dir() else "missing"
-            raise VseInputError(f"{m}: {what} (img_emb_{name}.npy has no metadata)")
-        a = np.load(p, mmap_mode="r", allow_pickle=False)
+        if not (m.exists() or m.is_symlink()):
+            raise VseInputError(f"{m}: missing (img_emb_{name}.npy has no metadata)")
+        _regular(m, "a parquet file")
+        a = _npy(p)
         if a.ndim != 2:
             raise VseInputError(f"{p}: expected a 2-d [rows, dim] array, got shape {list(a.shape)}")
         if a.shape[0] == 0:  # a chunk whose pictures were all unreadable
@@ -114,20 +185,18 @@ def open_embedding_folder(path: str | Path) -> EmbeddingFolder:
             dim = int(a.shape[1])
         elif a.shape[1] != dim:
             raise VseInputError(f"{p}: {a.shape[1]}-d vectors, but {imgs[0]} holds {dim}-d ones")
-        try:
-            n_meta = pq.ParquetFile(str(m)).metadata.num_rows
-        except Exception as e:  # pyarrow raises its own error types for a truncated or foreign file
-            raise VseInputError(f"{m}: not a readable parquet file ({e})") from e
+        n_meta = _parquet(m).metadata.num_rows
         if n_meta != a.shape[0]:
             raise VseInputError(f"{m}: {n_meta} metadata rows, but {p.name} holds {a.shape[0]} embeddings")
         t = root / "text_emb" / f"text_emb_{name}.npy"
-        if t.is_file():
-            ta = np.load(t, mmap_mode="r", allow_pickle=False)
+        has_text = t.exists() or t.is_symlink()
+        if has_text:
+            ta = _npy(t)
             if ta.ndim != 2 or ta.shape[0] != a.shape[0]:
                 raise VseInputError(f"{t}: shape {list(ta.shape)}, but {p.name} holds {a.shape[0]} rows")
         img.append(p)
         meta.append(m)
-        text.append(t if t.is_file() else None)
+        text.append(t if has_text else None)
         rows.append(int(a.shape[0]))
     if dim is None:
         raise VseInputError(f"{root / 'img_emb'}: every img_emb file is empty (no picture could be embedded)")

@@ -10,7 +10,6 @@ takes the pictures directly.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -19,29 +18,32 @@ import torch
 from PIL import Image
 
 from vsekit.data.datasets import pad_tokens
+from vsekit.data.manifest import read_manifest_extractor
 from vsekit.data.pictures import (  # noqa: F401  (public here too: the search page and tests use them)
     MAX_IMAGE_PIXELS,
+    PICTURE_SUFFIXES,
     backbone_pixels,
     open_bounded,
     open_image,
 )
-from vsekit.data.precomp import DataFormatError
 from vsekit.errors import VseInputError
 from vsekit.models.vse import VSEModel
+from vsekit.registry import has_fact
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
+IMAGE_SUFFIXES = PICTURE_SUFFIXES  # what `vse index FOLDER` takes as pictures
 SUPPORTED_EXTRACTORS = ("efficientnet_lite0_grid",)
 
 
 def needs_rerank(model: VSEModel) -> bool:
-    """True when the model's similarity is not a plain inner product (AEOM), so an index can only shortlist."""
-    return model.recipe.model.similarity.name != "cosine"
+    """True when the model's similarity is not a plain inner product (AEOM, CHAN: it does not declare the fact
+    `inner_product`), so an index can only shortlist."""
+    return not has_fact("similarity", model.recipe.model.similarity.name, "inner_product")
 
 
 def scores_sets(model: VSEModel) -> bool:
     """True when the model embeds a picture as a set of region vectors and a caption as a set of word vectors
-    (late interaction, e.g. CHAN): its similarity declares `takes_sets`."""
-    return bool(getattr(model.sim, "takes_sets", False))
+    (late interaction, e.g. CHAN): its similarity declares the fact `takes_sets`."""
+    return has_fact("similarity", model.recipe.model.similarity.name, "takes_sets")
 
 
 def pad_set_width(sets: torch.Tensor, width: int) -> torch.Tensor:
@@ -62,22 +64,6 @@ def proxy_vectors(model: VSEModel, image_emb: torch.Tensor) -> torch.Tensor:
 
     views_of = model.recipe.model.embed_dim if needs_rerank(model) else None
     return torch.from_numpy(picture_proxies(image_emb, views_of))
-
-
-def read_manifest_extractor(data_dir: str | Path) -> dict | None:
-    """The extractor spec of a dataset's manifest.json, under whichever key its builder used."""
-    path = Path(data_dir) / "manifest.json"
-    if not path.is_file():
-        return None
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise DataFormatError(f"{path}: not valid JSON ({e})") from e
-    for key in ("extractor", "feature_extractor", "features"):
-        spec = manifest.get(key) if isinstance(manifest, dict) else None
-        if isinstance(spec, dict) and spec.get("name"):
-            return spec
-    return None
 
 
 def run_extractor_spec(run_cfg: dict) -> dict | None:
@@ -108,10 +94,7 @@ class ImageEmbedder:
         img_cfg = model.recipe.model.image
         self.extractor = None
         self.spec: dict[str, Any] | None = None
-        if img_cfg.kind in (
-            "backbone",
-            "vit",
-        ):  # pixels in: a CNN backbone, or the ViT of an imported AVSE run
+        if has_fact("image_encoder", img_cfg.kind, "reads_pixels"):  # pixels in: a backbone, or AVSE's ViT
             from vsekit.features.backbones import pixel_transform_of
 
             self.mode = "backbone"

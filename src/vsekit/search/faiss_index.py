@@ -208,12 +208,14 @@ class RefinedIndex:
 
 
 def write_faiss(index, path: Path) -> None:
-    """Temp file + fsync + rename (FAISS writes large indexes straight to disk, not through memory)."""
+    """Temp file + fsync + rename, streamed in blocks through a Python file (not through memory): FAISS's own
+    file writer ignores an error when it closes the file, so a disk that fills at the last flush would leave
+    a truncated index; Python's `write` and `close` raise instead, and the old index stays."""
     faiss = import_faiss()
     if isinstance(index, RefinedIndex):
         index = index.base
-    with atomic_path(path) as tmp:
-        faiss.write_index(index, str(tmp))
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        faiss.write_index(index, faiss.PyCallbackIOWriter(f.write))
 
 
 def build_caption_faiss(caption_emb: np.ndarray, params: FaissParams):

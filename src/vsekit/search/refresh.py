@@ -60,6 +60,7 @@ from vsekit.search.store import (
     write_segment,
     writing,
 )
+from vsekit.utils.printable import printable
 
 
 def refresh_index(
@@ -76,9 +77,11 @@ def refresh_index(
     captions_file: str | Path | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    trust_links: bool = False,
 ) -> dict:
     """Make the index in `out_dir` hold what a fresh `vse index run_dir source` would: re-embed the pictures of
-    the folder `source` whose bytes changed, add the new ones, drop the deleted ones, keep the rest.
+    the folder `source` whose bytes changed, add the new ones, drop the deleted ones, keep the rest
+    (`trust_links`: the folder's hard links are read, as `vse index --trust-links` reads them).
 
     Without an index in `out_dir` yet, this is a first build. Returns the new index.json contents (the old ones
     when nothing changed: then nothing is embedded or written)."""
@@ -101,6 +104,7 @@ def refresh_index(
                 captions_file=captions_file,
                 progress=progress,
                 log=log,
+                trust_links=trust_links,
             )
         return _refresh(
             Path(run_dir),
@@ -115,6 +119,7 @@ def refresh_index(
             captions_file,
             progress,
             log,
+            trust_links=trust_links,
         )
 
 
@@ -135,10 +140,10 @@ def check_refresh_source(source: str | Path) -> None:
         )
 
 
-def refresh_source(source: str, captions_per_image: int) -> Source:
+def refresh_source(source: str, captions_per_image: int, *, trust_links: bool = False) -> Source:
     """The folder a refresh re-reads, as `vse index` reads it (`check_refresh_source` says what is refused)."""
     check_refresh_source(source)
-    return resolve_source(source, captions_per_image)
+    return resolve_source(source, captions_per_image, trust_links=trust_links)
 
 
 def _refresh(
@@ -154,6 +159,7 @@ def _refresh(
     captions_file: str | Path | None,
     progress: bool,
     log: Callable[[str], None],
+    trust_links: bool = False,
 ) -> dict:
     model, run_cfg = load_run(run_dir, checkpoint, device)
     fingerprint = model_fingerprint(run_dir, checkpoint, model)
@@ -162,7 +168,7 @@ def _refresh(
     if params is not None and params.kind != old.params.kind:
         log(f"note: {out_dir} is a {old.params.kind} index; it is refreshed as such")
     params = replace(old.params)
-    src = refresh_source(source, model.recipe.data.captions_per_image)
+    src = refresh_source(source, model.recipe.data.captions_per_image, trust_links=trust_links)
     if strict and src.problems:
         raise DataFormatError(src.problems[0])
     extra = read_extra_captions(captions_file)
@@ -311,7 +317,7 @@ def _refresh(
 def _warn(problems: list[str], log: Callable[[str], None]) -> None:
     """One warning per skipped file (ten at most, then a count), as `vse index` says them."""
     for msg in problems[:10]:
-        log(f"warning: skipped {msg}")
+        log(f"warning: skipped {printable(msg)}")
     if len(problems) > 10:
         log(f"warning: … and {len(problems) - 10} more unreadable pictures skipped")
 

@@ -1,12 +1,14 @@
 """`vse serve`: a FastAPI app over one index — JSON API, thumbnails and a small web page.
 
 Safety basics: the CLI binds to 127.0.0.1; Host headers are checked (DNS
-rebinding); a request whose Origin is another site's is refused (403) unless named with --cors-origin, so
-no web page open in the user's browser can query the server; request bodies are capped (413); k and the
+rebinding); a request whose Origin is another site's, or whose browser says it comes from another site
+(Sec-Fetch-Site: cross-site / same-site, as an `<img src>` of a foreign page does without an Origin), is
+refused (403) unless its Origin is named with --cors-origin, so no web page open in the user's browser can
+query the server; request bodies are capped (413); k and the
 query length are bounded (422 with a message that says the bound); CORS is off unless origins are named;
 picture uploads must be sent as image/* (415 otherwise) and are decoded within a memory budget, at most
-`decode_slots` at a time (`uploads.py`); request heads have a deadline and silent connections cannot hold
-the connection slots (`connections.py`); thumbnails are served by picture id only, and a picture's file
+`decode_slots` at a time (`uploads.py`); request heads and bodies have deadlines, silent or slow
+connections cannot hold the connection slots and a request framed twice is refused (`connections.py`); thumbnails are served by picture id only, and a picture's file
 must resolve inside the root it was indexed from, so no request can name a path; static files come from a
 fixed in-memory set; every response carries nosniff / frame / CSP headers; each request is logged as one
 JSON line (method, path, status, ms — never the query text).
@@ -36,9 +38,10 @@ from PIL import Image
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from vsekit.data.precomp import DataFormatError
-from vsekit.search.connections import HEAD_TIMEOUT_S
+from vsekit.search.connections import BODY_MIN_RATE, BODY_TIMEOUT_S, HEAD_TIMEOUT_S
 from vsekit.search.engine import SearchEngine
 from vsekit.search.uploads import UPLOAD_DECODE_BYTES, UploadRefused, content_type_problem, decode_reduced
 
@@ -71,6 +74,8 @@ class ServerLimits:
     rate_burst: int = 200  # requests a client may send at once before the rate applies
     timeout_s: float = 30.0  # a request that takes longer is answered 504 (0 = no timeout)
     head_timeout_s: float = HEAD_TIMEOUT_S  # a connection without a whole request head by then is closed
+    body_timeout_s: float = BODY_TIMEOUT_S  # a body may take this long; beyond it, it must keep up ...
+    body_min_rate: float = BODY_MIN_RATE  # ... this many bytes a second since its head, else it is closed
     decode_slots: int = 2  # picture uploads decoded at once (each may take up to upload_decode_bytes)
     decode_wait_s: float = 10.0  # an upload that waits longer for a decode slot is answered 503
     upload_decode_bytes: int = UPLOAD_DECODE_BYTES
@@ -114,11 +119,25 @@ def _origin_key(scheme: str, netloc: str) -> str:
     return netloc[: -len(default)] if default and netloc.endswith(default) else netloc
 
 
-def foreign_origin(origin: str | None, host: str | None, allowed: frozenset[str] = frozenset()) -> bool:
+OWN_FETCH_SITES = ("same-origin", "none")  # Sec-Fetch-Site of the server's own page, and of a typed URL
+
+
+def foreign_origin(
+    origin: str | None,
+    host: str | None,
+    allowed: frozenset[str] = frozenset(),
+    fetch_site: str | None = None,
+) -> bool:
     """True when a request comes from a web page of another site: it has an Origin header (browsers send one
     with every cross-origin request and every POST) that is neither this server's own (scheme://Host) nor
-    one of `allowed`. Clients that send no Origin (curl, scripts) are not browsers' pages: False."""
-    if origin is None or "*" in allowed or origin.strip() in allowed:
+    one of `allowed`, or the browser's `Sec-Fetch-Site` says another site sent it (anything but same-origin
+    or none: a foreign page's `<img src>` sends no Origin; same-site is another port of this host, another
+    program's page). Clients that send neither header (curl, scripts) are not browsers' pages: False."""
+    if "*" in allowed or (origin is not None and origin.strip() in allowed):
+        return False
+    if fetch_site is not None and fetch_site.strip().lower() not in OWN_FETCH_SITES:
+        return True
+    if origin is None:
         return False
     try:
         parts = urlsplit(origin.strip())
@@ -191,9 +210,16 @@ class Guard:
                     429,
                     headers={"retry-after": retry},
                 )(scope, receive, send_wrapper)
-            elif foreign_origin(origin, headers.get("host"), self.allowed_origins):
+            elif foreign_origin(
+                origin, headers.get("host"), self.allowed_origins, headers.get("sec-fetch-site")
+            ):
+                sender = (
+                    repr(origin[:80])
+                    if origin is not None
+                    else f"another site (Sec-Fetch-Site: {headers['sec-fetch-site'][:20]!r})"
+                )
                 why = (
-                    f"cross-origin request from {origin[:80]!r} refused: this server answers its own page "
+                    f"cross-origin request from {sender} refused: this server answers its own page "
                     "and clients that send no Origin (vse serve --cors-origin ORIGIN allows "
                     "a site)"
                 )
@@ -209,6 +235,8 @@ class Guard:
         except _BodyTooLarge:
             if not state["started"]:
                 await too_large(scope, receive, send_wrapper)
+        except ClientDisconnect:  # the client left, or its connection was closed at its body deadline
+            state["status"] = 499
         except asyncio.TimeoutError:
             if not state["started"]:
                 await JSONResponse(
@@ -351,9 +379,10 @@ def create_app(
             raise HTTPException(e.status, str(e)) from None
 
     def thumbnail_png(path: Path) -> bytes:
-        """An indexed picture as a PNG of at most thumb_px a side, decoded like an upload (any format PIL
-        reads: the index took it), alpha on white."""
-        im = decode_reduced(path, limits.thumb_px, limits.upload_decode_bytes, formats=None).convert("RGBA")
+        """An indexed picture as a PNG of at most thumb_px a side, decoded like an upload (the formats of
+        `vsekit.data.pictures.PICTURE_FORMATS`: a file changed since it was indexed is not trusted), alpha on
+        white."""
+        im = decode_reduced(path, limits.thumb_px, limits.upload_decode_bytes).convert("RGBA")
         im.thumbnail((limits.thumb_px, limits.thumb_px))
         out = io.BytesIO()
         white = Image.new("RGBA", im.size, (255, 255, 255, 255))

@@ -24,6 +24,7 @@ from vsekit.data.untrusted import (
 )
 from vsekit.errors import VseInputError
 from vsekit.search.encode import IMAGE_SUFFIXES
+from vsekit.utils.printable import printable
 
 
 @dataclass
@@ -52,9 +53,10 @@ class Source:
 
 
 def display_path(path: str | Path) -> str:
-    """A path as text that can always be printed and stored: bytes of a name that are not valid UTF-8 (which
-    Python carries as surrogate escapes) are shown as \\xNN, e.g. `pics/caf\\xe9.png`."""
-    return os.fsencode(str(path)).decode("utf-8", "backslashreplace")
+    """A path as text that can always be printed and stored (`vsekit.utils.printable`): bytes of a name that
+    are not valid UTF-8 (which Python carries as surrogate escapes) and control characters are shown as
+    \\xNN, e.g. `pics/caf\\xe9.png`."""
+    return printable(str(path))
 
 
 def is_utf8_name(path: str | Path) -> bool:
@@ -81,7 +83,9 @@ def expect_file(path: Path, what: str, error: type[VseInputError] = VseInputErro
         raise error(f"{display_path(path)}: {path_kind(path)}, expected {what}")
 
 
-def _read_captions_beside(root: Path, name: str, i: int, problems: list[str]) -> list[tuple[str, int]]:
+def _read_captions_beside(
+    root: Path, name: str, i: int, problems: list[str], trust_links: bool = False
+) -> list[tuple[str, int]]:
     """The captions of `root / name` (x.txt beside picture i, one per line), or none with a problem recorded.
     Read by the rules of `untrusted.read_inside` (inside `root`, a regular file, at most MAX_CAPTION_FILE_BYTES):
     a caption file that links out of the folder, is a FIFO or a device, is too large, is not UTF-8 text or
@@ -91,7 +95,12 @@ def _read_captions_beside(root: Path, name: str, i: int, problems: list[str]) ->
         return []
     try:
         text = read_inside(
-            root, name, MAX_CAPTION_FILE_BYTES, label="the folder", expected="a caption file"
+            root,
+            name,
+            MAX_CAPTION_FILE_BYTES,
+            label="the folder",
+            expected="a caption file",
+            trust_links=trust_links,
         ).decode()
     except UntrustedFileError as e:
         problems.append(f"{display_path(side)}: {e.detail}; its captions were skipped")
@@ -135,8 +144,9 @@ def split_source(root: Path, split: str, captions_per_image: int) -> Source:
     )
 
 
-def folder_source(root: Path) -> Source:
-    """Every picture under `root` (sorted, hidden files skipped); `x.png` + `x.txt` gives x's caption.
+def folder_source(root: Path, trust_links: bool = False) -> Source:
+    """Every picture under `root` (sorted, hidden files skipped); `x.png` + `x.txt` gives x's caption; a file
+    with several names (a hard link) is left out unless `trust_links` (`untrusted.check_links`).
 
     Decided here, before anything is embedded: a picture whose name is not valid UTF-8 is left out (it could
     not be stored in pictures.jsonl / parquet), and a caption file that is not UTF-8 text is skipped; both
@@ -160,7 +170,12 @@ def folder_source(root: Path) -> Source:
         if not is_utf8_name(rel):
             continue
         try:  # a link out of the folder, a FIFO or a device is never read (`vsekit.data.untrusted`)
-            check_regular(resolve_inside(root, rel, label="the folder"), name=rel, expected="a picture file")
+            check_regular(
+                resolve_inside(root, rel, label="the folder"),
+                name=rel,
+                expected="a picture file",
+                trust_links=trust_links,
+            )
         except OSError as e:  # UntrustedFileError too
             why = e.detail if isinstance(e, UntrustedFileError) else f"cannot be read ({e.strerror or e})"
             problems.append(f"{display_path(root / rel)}: {why}; left out")
@@ -173,7 +188,9 @@ def folder_source(root: Path) -> Source:
         )
     caps = []
     for i, rel in enumerate(paths):
-        caps += _read_captions_beside(root, Path(rel).with_suffix(".txt").as_posix(), i, problems)
+        caps += _read_captions_beside(
+            root, Path(rel).with_suffix(".txt").as_posix(), i, problems, trust_links
+        )
     return Source(str(root), root.resolve(), paths, [Path(p).stem for p in paths], caps, problems=problems)
 
 
@@ -187,8 +204,9 @@ def _require_utf8(path: Path) -> None:
         )
 
 
-def resolve_source(spec: str, captions_per_image: int = 5) -> Source:
-    """`DATASET_DIR:SPLIT`, a dataset directory (its test split), a folder of pictures, or one picture."""
+def resolve_source(spec: str, captions_per_image: int = 5, *, trust_links: bool = False) -> Source:
+    """`DATASET_DIR:SPLIT`, a dataset directory (its test split), a folder of pictures, or one picture;
+    `trust_links`: a folder's files with several names are read (`folder_source`)."""
     path = Path(spec)
     if path.exists():
         _require_utf8(path)
@@ -200,7 +218,7 @@ def resolve_source(spec: str, captions_per_image: int = 5) -> Source:
                     f"{path}: a dataset directory; name a split as {path}:SPLIT ({', '.join(splits)})"
                 )
             return split_source(path, "test", captions_per_image)
-        return folder_source(path)
+        return folder_source(path, trust_links)
     if path.is_file():
         if path.suffix.lower() not in IMAGE_SUFFIXES:
             raise DataFormatError(f"{path}: not a picture ({', '.join(IMAGE_SUFFIXES)}) nor a directory")

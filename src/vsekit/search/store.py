@@ -56,7 +56,15 @@ from vsekit.search.faiss_index import (
 )
 from vsekit.search.proxies import picture_proxies, view_width
 from vsekit.search.sources import path_kind
-from vsekit.utils.io import atomic_save_npy, atomic_write_json, atomic_write_text, file_stamp
+from vsekit.utils.io import (
+    StorageFullError,
+    atomic_save_npy,
+    atomic_write_json,
+    atomic_write_text,
+    file_stamp,
+    storage_full_errno,
+    storage_full_error,
+)
 from vsekit.utils.locks import folder_lock
 
 INDEX_FORMAT = "vsekit-index/1"
@@ -400,9 +408,16 @@ def next_segment_number(meta: dict | None) -> int:
 @contextmanager
 def writing(out_dir: Path, log: Callable[[str], None] = print) -> Iterator[None]:
     """The one writer of `out_dir` (`writer_lock`), whose new files are removed when it fails before
-    `commit_generation` switched index.json over (`_undo_on_failure`)."""
-    with writer_lock(Path(out_dir), log), _undo_on_failure(Path(out_dir)):
-        yield
+    `commit_generation` switched index.json over (`_undo_on_failure`). A write stopped by a full disk, quota
+    or file-size limit is a `StorageFullError` naming the file and the free space (the index kept as it was)."""
+    try:
+        with writer_lock(Path(out_dir), log), _undo_on_failure(Path(out_dir)):
+            yield
+    except (OSError, RuntimeError, StorageFullError) as e:  # a full disk, quota or file-size limit: one line
+        if storage_full_errno(e) is None:
+            raise
+        kept = f"{out_dir} is as it was before this run" if (Path(out_dir) / "index.json").is_file() else ""
+        raise storage_full_error(getattr(e, "filename", None) or out_dir, e, kept) from e
 
 
 def timestamp() -> str:

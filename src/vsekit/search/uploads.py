@@ -5,8 +5,11 @@ decoded only as large as it must be: a JPEG at 1/2, 1/4 or 1/8 scale when it is 
 side (libjpeg's DCT scaling: the full-size pixels never exist), any other format at its own size and then
 reduced, strip by strip, to no less than twice the input side. Before any pixel is decoded, the header
 says how many bytes decoding will take (per format and mode); more than UPLOAD_DECODE_BYTES is refused.
-The content type is checked too: a cross-site form post can only send text, form or multipart bodies
-without a CORS preflight, and a picture is none of them.
+The format is told from the header bytes before any PIL plugin reads them, and must be one of
+`vsekit.data.pictures.PICTURE_FORMATS` (the one list, shared with the builders and `vse index`); the
+metadata is bounded by the same scan as every picture's. The content type is checked too: a cross-site
+form post can only send text, form or multipart bodies without a CORS preflight, and a picture is none of
+them.
 """
 
 from __future__ import annotations
@@ -18,13 +21,20 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
-from vsekit.data.pictures import MAX_IMAGE_PIXELS, PixelLimitError, check_pixels, open_bounded
+from vsekit.data.pictures import (
+    MAX_IMAGE_PIXELS,
+    PICTURE_FORMATS,
+    PictureFormatError,
+    PixelLimitError,
+    check_pixels,
+    open_bounded,
+)
+from vsekit.data.untrusted import MAX_PICTURE_BYTES, UntrustedFileError, read_bounded
 from vsekit.errors import VseInputError
 
 logger = logging.getLogger(__name__)
 
 UPLOAD_DECODE_BYTES = 64 << 20  # what decoding one upload may allocate: a 4096x4096 RGBA PNG
-UPLOAD_FORMATS = {"PNG": "PNG", "JPEG": "JPEG", "MPO": "JPEG", "WEBP": "WebP", "GIF": "GIF", "BMP": "BMP"}
 UPLOAD_TYPES = ("image/", "application/octet-stream")  # and no Content-Type at all (a bare HTTP client)
 REDUCE_GAP = 2  # keep at least twice the model's input side, as PIL's own `reducing_gap=2` does
 STRIP_PIXELS = 1 << 20  # reduce this many pixels at a time: the converted copy stays small
@@ -128,17 +138,24 @@ def decode_reduced(
     source: bytes | str | Path,
     input_px: int = 224,
     max_bytes: int = UPLOAD_DECODE_BYTES,
-    formats: dict[str, str] | None = UPLOAD_FORMATS,
 ) -> Image.Image:
-    """A picture (an upload's bytes, or the file of an indexed picture) as a PIL image no smaller than
-    `REDUCE_GAP * input_px` per side where it was larger; `UploadRefused` before any pixel is decoded when
-    it is unreadable (400), not one of `formats` (415; None = any PIL reads) or too large to decode within
-    `max_bytes` (413)."""
+    """A picture (an upload's bytes, or the file of an indexed picture, read with the MAX_PICTURE_BYTES cap) as
+    a PIL image no smaller than `REDUCE_GAP * input_px` per side where it was larger; `UploadRefused` before
+    any pixel is decoded when it is unreadable (400), not one of PICTURE_FORMATS by its header bytes (415;
+    no other PIL plugin sees it) or too large to decode within `max_bytes`, by its pixels or its metadata
+    (413)."""
     min_side = REDUCE_GAP * input_px
+    if not isinstance(source, (bytes, bytearray)):
+        try:
+            source = read_bounded(
+                Path(source), MAX_PICTURE_BYTES, follow_symlinks=True, expected="a picture file"
+            )
+        except UntrustedFileError as e:
+            raise UploadRefused(400, e.detail) from None
+    kinds = ", ".join(sorted(set(PICTURE_FORMATS.values())))
     try:
-        with open_bounded(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source) as im:
-            if formats is not None and im.format not in formats:
-                kinds = ", ".join(sorted(set(formats.values())))
+        with open_bounded(io.BytesIO(source), "the upload") as im:
+            if im.format not in PICTURE_FORMATS:  # the reader of a sniffed format returned another
                 raise UploadRefused(415, f"the picture is {im.format}; uploads may be {kinds}")
             try:
                 w, h = check_pixels(im, "the upload")
@@ -162,7 +179,15 @@ def decode_reduced(
             return reduce_by_strips(im, reduce_factor(im.size, min_side))
     except UploadRefused:
         raise
+    except PictureFormatError as e:
+        if e.kind is None:
+            raise UploadRefused(400, f"the body is not a readable picture ({kinds})") from None
+        raise UploadRefused(
+            415, f"the picture is {e.kind.removesuffix(' file')}; uploads may be {kinds}"
+        ) from None
+    except PixelLimitError as e:  # its metadata is beyond the bounds every picture is read within
+        raise UploadRefused(413, f"the picture has {e.detail}") from None
     except Image.DecompressionBombError:  # beyond PIL's own limit: refused before decoding, no warning
         raise UploadRefused(413, f"the picture has more than {MAX_IMAGE_PIXELS} pixels") from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError):
-        raise UploadRefused(400, "the body is not a readable picture (PNG, JPEG, WebP, GIF, BMP)") from None
+        raise UploadRefused(400, f"the body is not a readable picture ({kinds})") from None

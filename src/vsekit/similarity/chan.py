@@ -59,8 +59,6 @@ def pool_codes(
 class ChanSimilarity(nn.Module):
     """`sim(image_sets[Ni, R, D], caption_sets[Nt, L, D]) -> [Ni, Nt]` (module docstring)."""
 
-    takes_sets = True  # embeddings are sets [N, S, D], not vectors (VSEModel.similarity's input rules)
-
     def __init__(self, pooling: str = "lse", temperature: float = 0.1) -> None:
         super().__init__()
         if pooling not in WORD_POOLINGS:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vsekit.config import ConfigError
-from vsekit.registry import Settings, register, setting
+from vsekit.registry import MAX_ITERATIONS, MAX_WIDTH, Settings, register, setting
 
 
 @dataclass
@@ -20,8 +20,10 @@ class CosineSettings(Settings):
 
 @dataclass
 class AEOMSettings(Settings):
-    block_dim: int = setting(512, "block size d2 (the embedding size is a multiple of it)", rule=">= 1")
-    sinkhorn_iters: int = setting(20, "dustbin-Sinkhorn iterations c", rule=">= 1")
+    block_dim: int = setting(
+        512, "block size d2 (the embedding size is a multiple of it)", rule=">= 1", max=MAX_WIDTH
+    )
+    sinkhorn_iters: int = setting(20, "dustbin-Sinkhorn iterations c", rule=">= 1", max=MAX_ITERATIONS)
     use_sinkhorn: bool = setting(True, "false = the released code's block max-sum (same as readout: maxsum)")
     dustbin_init: float = setting(1.0, "initial value of the learned dustbin score z", rule="a finite number")
     readout: str = setting(
@@ -47,10 +49,10 @@ class AEOMSettings(Settings):
 
 def scores_sets(similarity: str) -> bool:
     """Whether the similarity `similarity` scores sets of vectors (late interaction, e.g. chan) rather than one
-    vector per item: its settings declare `takes_sets`."""
+    vector per item: its registered fact `takes_sets`."""
     from vsekit import registry
 
-    return bool(getattr(registry.get("similarity", similarity).settings, "takes_sets", False))
+    return registry.has_fact("similarity", similarity, "takes_sets")
 
 
 def _cosine(cfg: Any, embed_dim: int, views: int) -> Any:
@@ -73,6 +75,7 @@ register(
     CosineSettings,
     build=_cosine,
     help="the inner product of the L2-normalised embeddings",
+    facts={"inner_product": True},
 )
 register(
     "similarity",

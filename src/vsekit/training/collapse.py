@@ -34,11 +34,11 @@ of collapsed steps. The counters restart with a resumed process.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+from vsekit import registry
 from vsekit.config import LossConfig
 from vsekit.models.image import to_device_async
 
@@ -57,9 +57,6 @@ REMEDIES = (
     "hardest ones (--set loss.warmup_epochs=1, or --set loss.max_violation=false); for pixel runs, a "
     "longer frozen-backbone phase (--set model.image.backbone_frozen_epochs=...)"
 )
-
-# the loss kinds the collapse value is known for (codes kept on the device with the alarm's snapshot)
-KINDS = ("hardest-negative triplet", "triplet over all negatives", "InfoNCE", "ADOPT")
 
 
 class TrainingCollapsed(FloatingPointError):
@@ -93,15 +90,19 @@ def negatives_per_row(
     return n
 
 
-def collapse_kind(cfg: LossConfig, hardest: bool) -> int | None:
-    """Index into `KINDS` of the loss `cfg` names in a step (hardest: past the warm-up), None without a known value."""
-    if cfg.name == "triplet":
-        return 0 if (cfg.max_violation and hardest) else 1
-    if cfg.name == "infonce":
-        return 2
-    if cfg.name == "adopt":
-        return 3
-    return None  # ladder, ladder_auto: relevance-dependent
+def equal_score(
+    cfg: LossConfig, negatives: torch.Tensor, hardest: bool = True, k: float | torch.Tensor | None = None
+) -> tuple[str, torch.Tensor] | None:
+    """(label, value): the loss `cfg` names, in a step (hardest: past the warm-up), when all similarities of the
+    batch are equal, from the loss's registered fact `equal_score` (module docstring); None for a loss without
+    one (the ladder losses: relevance-dependent). The value is on the device of `negatives`, or of `k` (ADOPT's
+    K when it is a device tensor: the counts go there, without a host sync)."""
+    value_of = registry.fact("loss", cfg.name, "equal_score")
+    if value_of is None:
+        return None
+    if torch.is_tensor(k):
+        negatives = to_device_async(negatives, k.device)
+    return value_of(cfg, negatives, hardest, k)
 
 
 def collapse_value(
@@ -109,28 +110,8 @@ def collapse_value(
 ) -> torch.Tensor | None:
     """The loss `cfg` takes when all similarities of the batch are equal (module docstring), as a 0-d tensor
     on the device of `negatives` (or of `k`, ADOPT's K when it is a device tensor); None for the ladder losses."""
-    kind = collapse_kind(cfg, hardest)
-    if kind is None:
-        return None
-    n = negatives
-    if kind == 0:
-        return 2 * cfg.margin * (n > 0).sum().to(n.dtype)
-    if kind == 1:
-        return 2 * cfg.margin * n.sum()
-    if kind == 2:
-        return 2 * torch.log1p(n).mean()
-    if k is None:
-        raise ValueError("the ADOPT collapse value needs the K of the step (the loss's K_i2t)")
-    if torch.is_tensor(
-        k
-    ):  # ADOPT's K on the device (host_diag off): the counts go there, without a host sync
-        n = to_device_async(n, k.device)
-        kept = torch.minimum(n, k.to(n.dtype))
-    else:
-        kept = n.clamp(max=float(k))
-    if cfg.adopt_variant == "reference":
-        return torch.log1p(kept * math.exp(cfg.margin / cfg.temperature)).mean()
-    return 2 * torch.log1p(kept).mean()
+    found = equal_score(cfg, negatives, hardest, k)
+    return None if found is None else found[1]
 
 
 @dataclass
@@ -175,6 +156,8 @@ class CollapseMonitor:
         self._fired: torch.Tensor | None = None  # global step (from 1) where the run reached `steps`, or -1
         self._snap: torch.Tensor | None = None  # [loss, value, spread, by_loss, by_spread, kind] at that step
         self._top: torch.Tensor | None = None  # highest spread so far
+        self._labels: list[str] = []  # the equal-score labels seen (their index is the snapshot's kind code)
+        self._valued = registry.fact("loss", cfg.name, "equal_score") is not None  # else: the spread alone
         self.reported = False
 
     def update(
@@ -204,13 +187,18 @@ class CollapseMonitor:
         base = loss
         if cfg.view_reg_weight > 0 and "view_reg" in out:  # AVSE: the ranking loss alone
             base = loss - scale * cfg.view_reg_weight * _on(out["view_reg"], dev)
-        kind = collapse_kind(cfg, hardest)
+        ids = image_ids if image_ids is not None and image_ids.numel() == batch else None
+        found = None
+        if self._valued:
+            n = negatives_per_row(ids, batch, cfg.mask_same_image)
+            found = equal_score(cfg, n, hardest, out.get("K_i2t"))
         nan = torch.full((), float("nan"), device=dev)
-        if kind is not None:
-            ids = image_ids if image_ids is not None and image_ids.numel() == batch else None
-            value = collapse_value(
-                cfg, negatives_per_row(ids, batch, cfg.mask_same_image), hardest, out.get("K_i2t")
-            )
+        kind = None
+        if found is not None:
+            label, value = found
+            if label not in self._labels:
+                self._labels.append(label)
+            kind = self._labels.index(label)
             v = _on(value, dev) * scale
             by_loss = ((base - v).abs() <= TOLERANCE * v) & (v > 0)
         else:
@@ -252,7 +240,7 @@ class CollapseMonitor:
             spread,
             bool(by_loss),
             bool(by_spread),
-            KINDS[int(kind)] if kind >= 0 else self.cfg.name,
+            self._labels[int(kind)] if kind >= 0 else self.cfg.name,
         )
 
 

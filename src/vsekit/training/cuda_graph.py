@@ -50,14 +50,13 @@ from vsekit.config import ConfigError, Recipe
 from vsekit.data.batch import Batch
 from vsekit.distributed import DistContext
 from vsekit.errors import SetupError
+from vsekit.registry import fact, has_fact, names_with
 
 logger = logging.getLogger(__name__)
 
 WARMUP_STEPS = 3  # eager steps before a capture (the notes' example uses 3; DDP needs 11, not supported here)
 # the optimizer flags the conversion sets; a checkpoint records the values the optimizer was built with
 _FLAGS = ("fused", "capturable", "foreach")
-# the losses whose forward was checked free of host syncs and data-dependent shapes (tests/test_fixed_shape.py)
-_CAPTURABLE_LOSSES = ("triplet", "adopt", "infonce")
 
 
 def cuda_graph_blockers(recipe: Recipe, device: torch.device, dist: DistContext | None = None) -> list[str]:
@@ -72,24 +71,22 @@ def cuda_graph_blockers(recipe: Recipe, device: torch.device, dist: DistContext 
         )
     if r.train.compile:
         out.append("train.compile=true (choose one of the two: the graph replays eager kernels)")
-    if r.model.image.kind != "precomp":
+    if not has_fact("image_encoder", r.model.image.kind, "cuda_graph"):
         out.append(
             f"model.image.kind={r.model.image.kind} (pixel encoders: the backbone unfreezes and its loss or lr "
             "warm-up changes the step from one step to the next)"
         )
-    if r.model.text.kind not in ("bigru", "bow"):
+    if not has_fact("text_encoder", r.model.text.kind, "cuda_graph"):
         out.append(
-            f"model.text.kind={r.model.text.kind} (only bigru and bow text encoders are checked free of host "
+            f"model.text.kind={r.model.text.kind} (only {' and '.join(names_with('text_encoder', 'cuda_graph'))} "
+            "text encoders are checked free of host "
             "syncs; the transformer's length-sorted chunks and frozen-state cache read lengths back)"
         )
-    if r.loss.name not in _CAPTURABLE_LOSSES:
-        out.append(
-            f"loss.name={r.loss.name} (only {', '.join(_CAPTURABLE_LOSSES)} are checked free of host syncs)"
-        )
-    if r.loss.name == "adopt" and r.loss.adopt_zero_fill_negatives:
-        out.append(
-            "loss.adopt_zero_fill_negatives=true (the released selection reads K back to the host every step)"
-        )
+    # the losses whose forward was checked free of host syncs and data-dependent shapes (tests/test_fixed_shape.py)
+    if not has_fact("loss", r.loss.name, "cuda_graph"):
+        capturable = ", ".join(names_with("loss", "cuda_graph"))
+        out.append(f"loss.name={r.loss.name} (only {capturable} are checked free of host syncs)")
+    out += fact("loss", r.loss.name, "cuda_graph_blockers", lambda cfg: [])(r.loss)
     if r.model.image.views > 1 and not hasattr(torch.cuda.CUDAGraph, "register_generator_state"):
         out.append(
             f"model.image.views={r.model.image.views} (random views need graph-safe generators, "

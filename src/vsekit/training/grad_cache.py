@@ -263,9 +263,6 @@ class FullBatchNorm:
             self.first[key], self.second[key] = firsts, seconds
         self._collected = {}
 
-    def calls_per_chunk(self) -> int:
-        return sum(2 * len(v) for v in self.first.values())
-
     def take_leaf_grads(self) -> None:
         """Add the grads of this chunk's leaves to the running sums (first chunk: start them)."""
         for key, leaves in self._leaves.items():

@@ -22,6 +22,7 @@ import torch
 from vsekit.config import Recipe, to_dict
 from vsekit.data.batch import Batch
 from vsekit.data.datasets import FeatureSource
+from vsekit.data.manifest import ManifestError, manifest_extractor, read_manifest
 from vsekit.data.precomp import DataFormatError, load_precomp_split
 from vsekit.data.raw_images import PixelSource
 from vsekit.data.text import HFTextProcessor, Vocabulary
@@ -33,6 +34,7 @@ from vsekit.distributed import (
     main_first,
     rank_device,
     shard_sizes,
+    writes_run_files,
 )
 from vsekit.evaluation import pad_id_for, split_similarities
 from vsekit.features.backbones import pixel_transform_of
@@ -41,6 +43,7 @@ from vsekit.metrics import evaluate_sims, format_table
 from vsekit.models.image import BackboneImageEncoder
 from vsekit.models.text import default_transformer_path, load_tokenizer
 from vsekit.models.vse import DataSpec, VSEModel
+from vsekit.registry import has_fact
 from vsekit.runs import (
     CheckpointError,
     clear_run_dir,
@@ -51,6 +54,7 @@ from vsekit.runs import (
     optimizer_to_files,
     read_checkpoint_set,
     read_run_config,
+    run_writer_lock,
     split_run_dir,
     tensor_bytes,
     update_run_recipe,
@@ -82,7 +86,7 @@ LOSS_STATE = "__loss__."  # prefix of the loss's own state in the `last` checkpo
 
 def load_text_processor(recipe: Recipe, train_captions: list[str], spec: DataSpec):
     t = recipe.model.text
-    if t.kind in ("bigru", "bow"):
+    if has_fact("text_encoder", t.kind, "word_vocabulary"):
         if t.vocab_path:
             vocab = Vocabulary.load(t.vocab_path, t.tokenizer)
             t.tokenizer = vocab.tokenizer  # a SCAN vocabulary is read with nltk: the run records what it used
@@ -197,9 +201,7 @@ class Trainer:
                 spec,
                 {
                     "data_dir": str(self.data_dir.resolve()),
-                    "extractor": manifest.get("extractor")
-                    or manifest.get("feature_extractor")
-                    or (manifest.get("features") if isinstance(manifest.get("features"), dict) else None),
+                    "extractor": manifest_extractor(manifest),
                     "dataset_format": manifest.get("format"),
                 },
             )
@@ -251,13 +253,11 @@ class Trainer:
         )
 
     def _dataset_manifest(self) -> dict:
-        path = self.data_dir / "manifest.json"
-        if path.is_file():
-            try:
-                return json.loads(path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError:
-                self.log(f"warning: {path} is not valid JSON; ignored")
-        return {}
+        try:
+            return read_manifest(self.data_dir)
+        except ManifestError as e:
+            self.log(f"warning: {e}; ignored")
+            return {}
 
     def _prepare_run_dir(self, resume: bool, overwrite: bool) -> None:
         """Check the run directory; nothing is changed here (see `_start_run_dir`)."""
@@ -296,7 +296,7 @@ class Trainer:
 
     def _image_source(self, split, train: bool):
         img = self.recipe.model.image
-        if img.kind in ("backbone", "vit"):
+        if has_fact("image_encoder", img.kind, "reads_pixels"):
             return PixelSource(split, img.image_size, augment=train, transform=pixel_transform_of(self.model))
         split.require_width(
             self.model.spec.img_dim, f"the run in {self.run_dir}"
@@ -791,4 +791,8 @@ class Trainer:
 
 
 def train(recipe: Recipe, data_dir: str | Path, run_dir: str | Path, **kwargs) -> dict:
-    return Trainer(recipe, data_dir, run_dir, **kwargs).fit()
+    """Train a run to its last epoch, as its one writer (`vsekit.runs.run_writer_lock`, as `vse train`)."""
+    if not writes_run_files():  # torchrun's other ranks: rank 0 holds the run
+        return Trainer(recipe, data_dir, run_dir, **kwargs).fit()
+    with run_writer_lock(run_dir, log=logger.info):
+        return Trainer(recipe, data_dir, run_dir, **kwargs).fit()

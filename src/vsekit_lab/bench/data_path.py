@@ -31,7 +31,7 @@ import torch
 
 from vsekit.config import Recipe, load_recipe
 from vsekit.data.batch import Batch
-from vsekit.data.precomp import load_precomp_split
+from vsekit.data.precomp import IMS, load_precomp_split, split_path, writing_split
 from vsekit.data.text import SPECIALS, Vocabulary
 from vsekit.errors import VseInputError
 from vsekit.models.tokenizers import pad_id_for
@@ -80,29 +80,26 @@ def write_coco_like(
         raise VseInputError(f"need 1 <= min_words <= max_words, got {min_words}, {max_words}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    feats = np.lib.format.open_memmap(
-        out / f"{split}_ims.npy", mode="w+", dtype=np.float16, shape=(n, regions, img_dim)
-    )
     per = max(1, chunk_bytes // (regions * img_dim * 4))
+    with writing_split(out, split) as w:
+        feats = w.memmap(IMS, (n, regions, img_dim), np.float16)
 
-    def fill(i: int, dest: np.ndarray = feats) -> None:  # numpy's generators release the GIL while they fill
-        a, b = i * per, min(n, (i + 1) * per)
-        chunk = np.random.default_rng([seed, i]).standard_normal((b - a, regions, img_dim), dtype=np.float32)
-        dest[a:b] = chunk
+        def fill(i: int, dest: np.ndarray = feats) -> None:  # numpy's generators release the GIL
+            a, b = i * per, min(n, (i + 1) * per)
+            gen = np.random.default_rng([seed, i])
+            dest[a:b] = gen.standard_normal((b - a, regions, img_dim), dtype=np.float32)
 
-    workers = threads if threads > 0 else min(8, os.cpu_count() or 1)
-    with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(fill, range(-(-n // per))))
-    feats.flush()
-    del fill, feats  # closes the memory map
-    rng = np.random.default_rng(seed)
-    words = np.array(synthetic_words(vocab))
-    total = n * captions_per_image
-    lengths = rng.integers(min_words, max_words + 1, size=total)
-    ids = rng.integers(0, len(words), size=int(lengths.sum()))
-    bounds = np.concatenate([[0], np.cumsum(lengths)])
-    text = "".join(" ".join(words[ids[bounds[i] : bounds[i + 1]]]) + "\n" for i in range(total))
-    (out / f"{split}_caps.txt").write_text(text, encoding="utf-8")
+        workers = threads if threads > 0 else min(8, os.cpu_count() or 1)
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(fill, range(-(-n // per))))
+        del fill, feats  # the writer flushes the memory map when the block ends
+        rng = np.random.default_rng(seed)
+        words = np.array(synthetic_words(vocab))
+        total = n * captions_per_image
+        lengths = rng.integers(min_words, max_words + 1, size=total)
+        ids = rng.integers(0, len(words), size=int(lengths.sum()))
+        bounds = np.concatenate([[0], np.cumsum(lengths)])
+        w.captions(" ".join(words[ids[bounds[i] : bounds[i + 1]]]) for i in range(total))
     return out
 
 
@@ -159,7 +156,7 @@ def bare_gather_source(data_dir: str | Path, device: torch.device) -> torch.Tens
     """The split's stored features as one tensor [N, R, D] in the device's memory (no copy on the CPU)."""
     import warnings
 
-    feats = np.load(Path(data_dir) / "train_ims.npy", mmap_mode="r")
+    feats = np.load(split_path(data_dir, "train", IMS), mmap_mode="r")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only memory map: only read
         t = torch.from_numpy(feats)

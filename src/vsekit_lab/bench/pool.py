@@ -104,16 +104,3 @@ def bench_pool(
     for r in rows:
         r["vs_avg"] = r["ms_median"] / base if base else float("nan")
     return rows
-
-
-def format_rows(rows: list[dict]) -> str:
-    """Markdown table of `bench_pool` rows."""
-    head = "| pooling | params | device | threads | lengths | ms median | ms min | ± std | × avg |"
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        lines.append(
-            f"| {r['pooling']} | {r['params']} | {r['device']} | {r['threads']} | "
-            f"{'variable' if r['variable_lengths'] else 'full'} | {r['ms_median']:.3f} | {r['ms_min']:.3f} | "
-            f"{r['ms_std']:.3f} | {r['vs_avg']:.2f} |"
-        )
-    return "\n".join(lines)

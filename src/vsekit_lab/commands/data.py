@@ -49,12 +49,13 @@ def run_convert_video(args: argparse.Namespace) -> int:
 def run_synthetic(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from vsekit.data.manifest import MANIFEST
     from vsekit.utils.io import prepare_dataset_dir
     from vsekit_lab.datasets.synthetic import SPLIT_FILES, SPLITS, make_synthetic_precomp
 
     if args.n_train < 1:  # checked before an --overwrite clears anything
         raise VseInputError(f"--n-train must be at least 1 (training images to generate), got {args.n_train}")
-    prepare_dataset_dir(Path(args.out), args.overwrite, SPLITS, SPLIT_FILES, ("manifest.json",))
+    prepare_dataset_dir(Path(args.out), args.overwrite, SPLITS, SPLIT_FILES, (MANIFEST,))
     make_synthetic_precomp(
         args.out, n_train=args.n_train, seed=args.seed, variable_captions=args.variable_captions
     )

@@ -39,7 +39,7 @@ def run_gpo_synthetic(args: argparse.Namespace) -> int:
         seeds=tuple(range(args.seeds)),
         device=args.device,
         jobs=args.jobs,
-        log=None if args.quiet else print,
+        log=None if args.no_progress else print,
     )
     table = format_table(result)
     summary = ranking_summary(result)
@@ -95,5 +95,7 @@ def register(sub) -> None:
     from vsekit.commands.jsonout import add_json_args
 
     add_json_args(g, "the results", path_form=True)
-    g.add_argument("--quiet", action="store_true", help="no per-run progress lines")
+    g.add_argument(  # the verbs' one name for it; --quiet: its older name here
+        "--no-progress", "--quiet", dest="no_progress", action="store_true", help="no per-run progress lines"
+    )
     g.set_defaults(func=run_gpo_synthetic)

@@ -33,6 +33,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from vsekit.data.manifest import MANIFEST, write_manifest
+from vsekit.data.precomp import CLIP_SPLIT_FILES, write_precomp_split
 from vsekit.errors import VseInputError
 from vsekit.utils.io import prepare_dataset_dir
 
@@ -42,7 +44,7 @@ FORMAT = "vsekit-moving-shapes/1"
 SPLITS = ("train", "dev", "test")
 DEFAULT_CLIPS = {"train": 600, "dev": 150, "test": 150}
 FEATURE_KINDS = ("efficientnet", "random-projection")
-SPLIT_FILES = ("_frames.npy", "_frame_offsets.npy", "_caps.txt", "_cap2img.txt", "_ids.txt", "_clips.jsonl")
+SPLIT_FILES = (*CLIP_SPLIT_FILES, "_clips.jsonl")
 IMAGE_SIZE = 112
 RANDOM_PROJECTION_DIM = 256
 RANDOM_PROJECTION_SEED = 20240531  # fixed: every build's random-projection features live in one space
@@ -331,7 +333,7 @@ def _check_args(clips: dict[str, int], frames: tuple[int, int], captions: tuple[
 
 def prepare_out_dir(out: Path, overwrite: bool) -> None:
     """Refuse a non-empty folder unless `overwrite`; then remove only the files a moving-shapes build writes."""
-    prepare_dataset_dir(out, overwrite, SPLITS, SPLIT_FILES, ("manifest.json",), (".partial",))
+    prepare_dataset_dir(out, overwrite, SPLITS, SPLIT_FILES, (MANIFEST,), (".partial",))
 
 
 def build_moving_shapes(
@@ -350,8 +352,7 @@ def build_moving_shapes(
     Clip i of a split is the same script and captions in every build with the same seed, whatever `frames`,
     `clips` of the other splits or `features`: only its frame count comes from `frames`.
     """
-    from vsekit.data.frames import write_frames
-    from vsekit.utils.io import atomic_write_json, atomic_write_text
+    from vsekit.utils.io import atomic_write_text
     from vsekit.utils.progress import progress_bar
 
     clips = dict(DEFAULT_CLIPS if clips is None else clips)
@@ -390,10 +391,9 @@ def build_moving_shapes(
                 }
             )
             bar.update(1)
-        write_frames(out, split, feats, dtype=np.float16)
-        atomic_write_text(out / f"{split}_caps.txt", "".join(c + "\n" for c in caps))
-        atomic_write_text(out / f"{split}_cap2img.txt", "".join(f"{c}\n" for c in cap2img))
-        atomic_write_text(out / f"{split}_ids.txt", "".join(f"{s}\n" for s in ids))
+        write_precomp_split(
+            out, split, captions=caps, cap2img=cap2img, image_ids=ids, clips=feats, clip_dtype=np.float16
+        )
         atomic_write_text(
             out / f"{split}_clips.jsonl", "".join(json.dumps(s, sort_keys=True) + "\n" for s in scripts)
         )
@@ -410,5 +410,5 @@ def build_moving_shapes(
         "features": features,
         "extractor": extract.describe(),  # type: ignore[attr-defined]
     }
-    atomic_write_json(out / "manifest.json", manifest)
+    write_manifest(out, manifest)
     return manifest

@@ -46,13 +46,13 @@ def make_shapes_dataset(out_dir: str | Path, seed: int = 0, progress: bool = Fal
 
     Idempotent: a directory whose manifest is already written is returned as is.
     """
+    from vsekit.data.manifest import manifest_path, write_manifest
     from vsekit.data.pictures import open_image
     from vsekit.data.precomp import write_precomp_split
     from vsekit.features.extractor import LiteGridExtractor
-    from vsekit.utils.io import atomic_write_json
 
     out = Path(out_dir)
-    if (out / "manifest.json").is_file():
+    if manifest_path(out).is_file():
         return out
     rng = np.random.default_rng(seed)
     extractor = LiteGridExtractor()
@@ -76,9 +76,7 @@ def make_shapes_dataset(out_dir: str | Path, seed: int = 0, progress: bool = Fal
         )
         write_precomp_split(out, split, feats, captions, np.asarray(cap2img), ids, image_paths=paths)
         counts[split] = {"images": len(paths), "captions": len(captions)}
-    atomic_write_json(
-        out / "manifest.json", {"format": FORMAT, "splits": counts, "extractor": extractor.describe()}
-    )
+    write_manifest(out, {"format": FORMAT, "splits": counts, "extractor": extractor.describe()})
     return out
 
 

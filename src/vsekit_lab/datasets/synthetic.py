@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vsekit.data.precomp import write_precomp_split
+from vsekit.data.precomp import IMAGE_SPLIT_FILES, write_precomp_split
 from vsekit.errors import VseInputError
 
 ATTRIBUTES = [
@@ -48,13 +48,7 @@ ATTRIBUTES = [
 ]
 FILLERS = ["a", "the", "with", "on", "near", "and", "in", "of"]
 SPLITS = ("train", "dev", "test")
-SPLIT_FILES = (
-    "_ims.npy",
-    "_caps.txt",
-    "_cap2img.txt",
-    "_ids.txt",
-    "_images.txt",
-)  # per split, in the precomp layout
+SPLIT_FILES = IMAGE_SPLIT_FILES  # per split, in the precomp layout
 
 
 def make_synthetic_precomp(

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
-from vsekit.data.frames import FRAMES_SUFFIX, OFFSETS_SUFFIX
+from vsekit.data.precomp import CLIP_SPLIT_FILES, FRAMES, IMAGES, IMS, IMS_LENGTHS, SplitWriter, writing_split
 from vsekit.errors import MissingPackageError, VseInputError
-from vsekit.utils.io import NPY_MAGIC, atomic_path, open_npy
+from vsekit.utils.io import NPY_MAGIC, open_npy
 from vsekit.utils.progress import progress_bar
 
 logger = logging.getLogger(__name__)
@@ -48,9 +48,9 @@ HDF5_SUFFIXES = (".h5", ".hdf5", ".hdf", ".he5")
 HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 # the benchmarks' own split names -> vsekit's (the trainer validates on "dev")
 SPLIT_ALIASES = {"validate": "dev", "val": "dev", "validation": "dev", "training": "train", "testing": "test"}
-OUTPUT_SUFFIXES = (FRAMES_SUFFIX, OFFSETS_SUFFIX, "_caps.txt", "_cap2img.txt", "_ids.txt")
+OUTPUT_SUFFIXES = CLIP_SPLIT_FILES
 # files of the image layout that would contradict a frames split (removed by --overwrite once it is written)
-CONFLICT_SUFFIXES = ("_ims.npy", "_ims_lengths.txt", "_images.txt")
+CONFLICT_SUFFIXES = (IMS, IMS_LENGTHS, IMAGES)
 
 
 class VideoConvertError(VseInputError):
@@ -490,15 +490,10 @@ def _frame_counts(source: FrameSource, plans: list[SplitPlan]) -> tuple[dict[str
     return counts, int(dim)
 
 
-def _write_text(path: Path, lines: list[str]) -> None:
-    with open(path, "w", encoding="utf-8", newline="\n") as f:
-        f.writelines(f"{s}\n" for s in lines)
-
-
 def _copy_frames(
-    source: FrameSource, plan: SplitPlan, lengths: np.ndarray, tmp: Path, dtype: np.dtype, bar
+    source: FrameSource, plan: SplitPlan, lengths: np.ndarray, split: SplitWriter, dtype: np.dtype, bar
 ) -> None:
-    """Fill `tmp` (a new `(F, D)` .npy) clip by clip, refusing NaN/inf (also from a float16 overflow)."""
+    """Fill the split's `(F, D)` frames clip by clip, refusing NaN/inf (also from a float16 overflow)."""
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     out = None
     for i, vid in enumerate(plan.ids):
@@ -509,9 +504,7 @@ def _copy_frames(
                 f"{source.where(vid)}: {clip.shape[0]} frames read but its header said {lengths[i]}"
             )
         if out is None:
-            out = np.lib.format.open_memmap(
-                tmp, mode="w+", dtype=dtype, shape=(int(offsets[-1]), clip.shape[1])
-            )
+            out = split.memmap(FRAMES, (int(offsets[-1]), clip.shape[1]), dtype)
         with np.errstate(over="ignore"):  # an overflow to inf is reported below, with the video and frame
             block = clip.astype(dtype, copy=False)
         bad = ~np.isfinite(block).all(axis=1)
@@ -527,8 +520,6 @@ def _copy_frames(
             )
         out[offsets[i] : offsets[i + 1]] = block
         bar.update(1)
-    out.flush()
-    del out
 
 
 def convert_video(
@@ -594,13 +585,12 @@ def _write_splits(
         for plan in plans:
             lengths = counts[plan.name]
             caps = [(row, c) for row, vid in enumerate(plan.ids) for c in ann.captions[vid]]
-            staged = {s: stack.enter_context(atomic_path(out / f"{plan.name}{s}")) for s in OUTPUT_SUFFIXES}
-            _copy_frames(source, plan, lengths, staged[FRAMES_SUFFIX], dtype, bar)
-            with open(staged[OFFSETS_SUFFIX], "wb") as f:
-                np.save(f, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), allow_pickle=False)
-            _write_text(staged["_caps.txt"], [c for _, c in caps])
-            _write_text(staged["_cap2img.txt"], [str(row) for row, _ in caps])
-            _write_text(staged["_ids.txt"], plan.ids)
+            split = stack.enter_context(writing_split(out, plan.name, stack))
+            _copy_frames(source, plan, lengths, split, dtype, bar)
+            split.offsets(lengths)
+            split.captions(c for _, c in caps)
+            split.cap2img(row for row, _ in caps)
+            split.ids(plan.ids)
             summary[plan.name] = {
                 "clips": len(plan.ids),
                 "captions": len(caps),

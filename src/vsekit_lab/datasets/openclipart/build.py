@@ -10,8 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
+from vsekit.data.manifest import write_manifest
+from vsekit.data.precomp import IMAGE_SPLIT_FILES, writing_split
 from vsekit.errors import SetupError
-from vsekit.utils.io import atomic_save_npy, atomic_write_json, atomic_write_text, sha256_file
+from vsekit.utils.io import atomic_write_json, atomic_write_text, sha256_file
 from vsekit_lab.datasets.openclipart.features import compute_features, write_features
 from vsekit_lab.datasets.openclipart.labels import CAPTION_RULES, MAX_SHARE, assign_labels, merge_duplicates
 from vsekit_lab.datasets.openclipart.metadata import parse_all
@@ -173,14 +175,15 @@ def build_openclipart(
                     "captions": d.captions,
                 }
             )
-        if ids:
-            write_features(out / f"{split}_ims.npy", ids, where)
-        else:  # an empty split (tiny `limit` builds) still gets well-formed files
-            atomic_save_npy(out / f"{split}_ims.npy", np.zeros((0, spec["regions"], spec["dim"]), np.float16))
-        atomic_write_text(out / f"{split}_caps.txt", "".join(c + "\n" for c in caps))
-        atomic_write_text(out / f"{split}_cap2img.txt", "".join(f"{r}\n" for r in cap2img))
-        atomic_write_text(out / f"{split}_ids.txt", "".join(f"{i}\n" for i in ids))
-        atomic_write_text(out / f"{split}_images.txt", "".join(f"images/{i}.png\n" for i in ids))
+        with writing_split(out, split) as w:
+            if ids:
+                write_features(w, ids, where)
+            else:  # an empty split (tiny `limit` builds) still gets well-formed files
+                w.features(np.zeros((0, spec["regions"], spec["dim"]), np.float16))
+            w.captions(caps)
+            w.cap2img(cap2img)
+            w.ids(ids)
+            w.image_paths(f"images/{i}.png" for i in ids)
         atomic_write_text(
             out / f"{split}_meta.jsonl", "".join(json.dumps(m, ensure_ascii=False) + "\n" for m in metas)
         )
@@ -191,8 +194,8 @@ def build_openclipart(
             "captions_per_image": {str(k): per_image[k] for k in sorted(per_image)},
         }
     for split in SPLITS:
-        for suffix in ("ims.npy", "caps.txt", "cap2img.txt", "ids.txt", "images.txt", "meta.jsonl"):
-            name = f"{split}_{suffix}"
+        for suffix in (*IMAGE_SPLIT_FILES, "_meta.jsonl"):
+            name = f"{split}{suffix}"
             files[name] = sha256_file(out / name)
     timings["write"] = time.perf_counter() - t3
     timings["total"] = time.perf_counter() - t0
@@ -265,5 +268,5 @@ def build_openclipart(
         },
         "timings_s": {k: round(v, 2) for k, v in timings.items()},
     }
-    atomic_write_json(out / "manifest.json", manifest, ensure_ascii=False)
+    write_manifest(out, manifest, ensure_ascii=False)
     return manifest

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from vsekit.utils.io import atomic_path, atomic_save_npy, atomic_write_text
+from vsekit.data.precomp import IMS, SplitWriter
+from vsekit.utils.io import atomic_save_npy, atomic_write_text
 from vsekit.utils.progress import progress_bar
 from vsekit_lab.datasets.openclipart.render import RENDER_VERSION
 
@@ -87,14 +88,12 @@ def compute_features(
     return where, spec, stats
 
 
-def write_features(path: Path, ids: list[str], where: dict) -> None:
-    """Stream rows into a temp .npy next to the target, fsync, rename (the train file is ~300 MB)."""
+def write_features(split: SplitWriter, ids: list[str], where: dict) -> None:
+    """Stream rows into the split's features, filled in place (the train file is ~300 MB) and published with
+    the split's other files (`vsekit.data.precomp.writing_split`)."""
     first = where[ids[0]][0] if ids else None
     regions, dim = (first.shape[1], first.shape[2]) if first is not None else (49, 1280)
-    with atomic_path(path) as tmp:
-        mm = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=(len(ids), regions, dim))
-        for row, ident in enumerate(ids):
-            arr, r = where[ident]
-            mm[row] = arr[r]
-        mm.flush()
-        del mm
+    mm = split.memmap(IMS, (len(ids), regions, dim), np.float16)
+    for row, ident in enumerate(ids):
+        arr, r = where[ident]
+        mm[row] = arr[r]

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from vsekit.data.manifest import MANIFEST, write_manifest
+from vsekit.data.precomp import CLIP_SPLIT_FILES, write_precomp_split
 from vsekit.errors import VseInputError
 from vsekit.utils.io import prepare_dataset_dir
 from vsekit_lab.datasets.wesnoth.captions import CAPTION_RULES
@@ -37,8 +39,8 @@ log = logging.getLogger(__name__)
 
 FORMAT = "vsekit-wesnoth/1"
 LICENSE = "GPL-2.0-or-later"
-SPLIT_FILES = ("_frames.npy", "_frame_offsets.npy", "_caps.txt", "_cap2img.txt", "_ids.txt", "_clips.jsonl")
-EXTRA_FILES = ("manifest.json", "README.md", "COPYING.txt", "debian-copyright.txt")
+SPLIT_FILES = (*CLIP_SPLIT_FILES, "_clips.jsonl")
+EXTRA_FILES = (MANIFEST, "README.md", "COPYING.txt", "debian-copyright.txt")
 
 
 def prepare_out_dir(out: Path, overwrite: bool) -> None:
@@ -106,8 +108,7 @@ def build_wesnoth(
     `descriptions`: add the unit description as a second caption; `all_takes`: keep in dev/test the clips whose
     action caption repeats another clip's (dropped by default, see `drop_repeated_captions`).
     """
-    from vsekit.data.frames import write_frames
-    from vsekit.utils.io import atomic_write_json, atomic_write_text
+    from vsekit.utils.io import atomic_write_text
 
     out = Path(out_dir)
     prepare_out_dir(out, overwrite)  # before any heavy work: a refused --out costs nothing
@@ -132,11 +133,16 @@ def build_wesnoth(
                 f"{split}: no clips (only {len(clips)} clips in {len({c.family for c in clips})} "
                 "families); the split needs more unit families"
             )
-        write_frames(out, split, [feats[[row[f] for f in c.frames]] for c in members], dtype=np.float16)
         caps = [(cap, i) for i, c in enumerate(members) for cap in c.captions]
-        atomic_write_text(out / f"{split}_caps.txt", "".join(cap + "\n" for cap, _ in caps))
-        atomic_write_text(out / f"{split}_cap2img.txt", "".join(f"{i}\n" for _, i in caps))
-        atomic_write_text(out / f"{split}_ids.txt", "".join(c.id + "\n" for c in members))
+        write_precomp_split(
+            out,
+            split,
+            captions=[cap for cap, _ in caps],
+            cap2img=[i for _, i in caps],
+            image_ids=[c.id for c in members],
+            clips=[feats[[row[f] for f in c.frames]] for c in members],
+            clip_dtype=np.float16,
+        )
         atomic_write_text(
             out / f"{split}_clips.jsonl",
             "".join(json.dumps(asdict(c), ensure_ascii=False) + "\n" for c in members),
@@ -178,7 +184,7 @@ def build_wesnoth(
         "caption_rules": CAPTION_RULES,
         "features": extract.describe(),
     }
-    atomic_write_json(out / "manifest.json", manifest, ensure_ascii=False)
+    write_manifest(out, manifest, ensure_ascii=False)
     atomic_write_text(out / "README.md", _readme(manifest))
     copying = src.data_dir / "COPYING.txt"
     if copying.is_file():
