@@ -345,9 +345,9 @@ def test_resume_on_another_vocabulary_says_so_before_loading_weights(
     (other / "train_caps.txt").write_text("".join(c + " zebra xylophone\n" for c in caps))  # 2 new words
     run = shutil.copytree(run_a, tmp_path / "run")
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    import vsekit.training.trainer as trainer
+    import vsekit.training.checkpointing as checkpointing
 
-    monkeypatch.setattr(trainer, "load_weights", lambda *_a, **_k: pytest.fail("weights were loaded"))
+    monkeypatch.setattr(checkpointing, "load_weights", lambda *_a, **_k: pytest.fail("weights were loaded"))
     n_words = len(json.loads((run / "vocab.json").read_text())["words"])
     err = one_line_error(
         capsys,

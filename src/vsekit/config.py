@@ -160,6 +160,18 @@ class LossConfig(PartSection):
     )
 
 
+@dataclass(init=False, eq=False, repr=False)
+class SamplePolicyConfig(PartSection):
+    """Which pairs an epoch trains on, and how much each counts (`train.sample_policy`); see
+    vsekit.training.sample_policy."""
+
+    part_kind: ClassVar[str] = "sample_policy"
+    name: str = setting(
+        "uniform",
+        "the epoch plan: uniform = every pair, a fresh permutation each epoch (`vse recipes` lists the choices)",
+    )
+
+
 @dataclass
 class ModelConfig:
     embed_dim: int = setting(1024, "size of the joint embedding space", rule=">= 1", max=registry.MAX_WIDTH)
@@ -320,6 +332,7 @@ class TrainConfig:
         "as one CUDA graph per batch shape and replayed (vsekit.training.cuda_graph); "
         "refused on other devices and for parts that cannot be captured",
     )
+    sample_policy: SamplePolicyConfig = field(default_factory=SamplePolicyConfig)
 
 
 @dataclass

@@ -35,7 +35,17 @@ KIND_TITLES = {
     "pooling": "pooling",
     "similarity": "similarity",
     "loss": "loss",
+    "sample_policy": "sample policy",
 }
+
+# the built-in sample policy: no plan, so `EpochBatches` draws its permutation of every pair, as training always
+# has (the policy machinery is vsekit.training.sample_policy, a layer above; its builder returns None here)
+registry.register(
+    "sample_policy",
+    "uniform",
+    build=lambda cfg: None,
+    help="every training pair once per epoch, in a fresh permutation (no scoring pass)",
+)
 
 
 def _sections(cls: type = Recipe, path: str = "") -> list[tuple[str, type]]:

@@ -17,7 +17,8 @@ once (a base dataclass both settings inherit) or identically. Settings that ever
 loss's view regulariser) are registered with `register_shared`.
 
 What a builder is given, by kind: pooling `(cfg: PoolingConfig, dim)`; similarity `(cfg: SimilarityConfig,
-embed_dim, views)`; loss `(cfg: LossConfig)`; image_encoder and text_encoder `(recipe: Recipe, spec: DataSpec)`.
+embed_dim, views)`; loss `(cfg: LossConfig)`; sample_policy `(cfg: SamplePolicyConfig)`; image_encoder and
+text_encoder `(recipe: Recipe, spec: DataSpec)`.
 Each returns the `nn.Module`. `cfg` is the recipe's whole flat section, so the part reads its keys as attributes.
 
 What consumers need to know of a part beyond its settings is a **fact** it declares at registration
@@ -42,7 +43,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-KINDS = ("image_encoder", "text_encoder", "pooling", "similarity", "loss")
+KINDS = ("image_encoder", "text_encoder", "pooling", "similarity", "loss", "sample_policy")
 # the recipe's own keys in a part's section (the part's name, the encoder kind, the encoder's pooling section, the
 # section's store of settings): no part may declare a setting with one of these names
 RESERVED_KEYS = frozenset({"name", "kind", "pooling", "settings"})
@@ -128,6 +129,9 @@ FACTS: dict[str, dict[str, tuple[type | str, str]]] = {
         ),
         "scores_views": (bool, "scores groups of views of each item (a pooling with `makes_views`)"),
     },
+    # a sample policy (`train.sample_policy`, vsekit.training.sample_policy): its builder `(cfg)` returns the
+    # policy object, or None for every pair in a fresh permutation each epoch (`uniform`)
+    "sample_policy": {},
 }
 
 

@@ -1,4 +1,5 @@
-"""`vse data karpathy | link-images | folder | table | webdataset | show | check | noise | relevance | relevance-share`,
+"""`vse data karpathy | link-images | folder | table | webdataset | show | check | noise | audit | relevance |
+relevance-share`,
 and the sub-verbs other packages register in the entry-point group `vsekit.data_commands` (vsekit_lab's builders
 of particular sets: `openclipart | convert-video | synthetic | moving-shapes | wesnoth`)."""
 
@@ -50,6 +51,80 @@ def run_noise(args: argparse.Namespace) -> int:
         captions_per_image=args.captions_per_image,
     )
     print(f"wrote {args.out}: {describe_noise(record)}")
+    return 0
+
+
+def run_audit(args: argparse.Namespace) -> int:
+    """Every pair of a split scored by a run (vsekit.evaluation.audit): a ranked CSV, the AUC / AP where the
+    dataset records its noise, a montage of the least likely pairs. Every check runs before the encoding."""
+    import csv
+    import io
+    import logging
+
+    from vsekit.evaluation.audit import audit_split, prepare, scores_of
+    from vsekit.runs import load_run, read_run_config
+    from vsekit.utils.io import atomic_write_text, check_output_file
+    from vsekit.utils.runtime import resolve_device
+
+    inputs = [args.run, args.data]
+    check_output_file(args.out, "--out", inputs)
+    for option, path in (("--json-out", args.json_out), ("--png", args.png)):
+        if path:
+            check_output_file(path, option, inputs)
+    recipe, _, _ = read_run_config(args.run)
+    device = resolve_device(args.device)
+    model, _ = load_run(args.run, args.checkpoint, device)
+    prepared = prepare(model, args.run, args.data, args.split)  # the run fits the split: before any encoding
+    split = prepared[0]
+    png = args.png
+    if png and split.image_paths is None:
+        print(f"no montage: {args.data} split {args.split!r} has no {args.split}_images.txt (no pictures)")
+        png = None
+    elif png:
+        from vsekit.datasets.show import picture_format
+
+        picture_format(png)
+    quiet = args.no_progress or getattr(args, "vse_log_level", None) == logging.WARNING
+    audit = audit_split(
+        model,
+        args.run,
+        args.data,
+        args.split,
+        recipe.train.seed,
+        args.batch_size,
+        device,
+        progress=not quiet,
+        prepared=prepared,
+    )
+    ranked = audit.ranked()
+
+    def picture(c: int) -> str:
+        i = int(audit.cap2img[c])
+        if split.image_paths is not None:
+            return split.image_paths[i]
+        return split.image_ids[i] if split.image_ids else str(i)
+
+    if png:
+        from vsekit.datasets.show import show_pairs
+
+        show = [
+            (int(audit.cap2img[c]), split.captions[c], f"pair {c}  p={audit.prob[c]:.3g}")
+            for c in ranked[: args.n]
+        ]
+        show_pairs(split, show, png)
+        print(f"wrote {png}")
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["pair", "picture", "caption", "probability"])
+    for c in ranked:
+        w.writerow([int(c), picture(int(c)), split.captions[c], repr(float(audit.prob[c]))])
+    atomic_write_text(args.out, buf.getvalue())
+    scores = scores_of(audit) | {"split": args.split, "run": str(args.run), "data": str(args.data)}
+    found = f", AUC {scores['auc']:.4f}, AP {scores['average_precision']:.4f}" if "auc" in scores else ""
+    print(f"wrote {args.out}: {scores['pairs']} pairs ranked, least likely first ({audit.source}{found})")
+    from vsekit.commands.jsonout import emit_json
+
+    emit_json(args, scores)
     return 0
 
 
@@ -164,6 +239,25 @@ def register(sub) -> None:
     )
     nz.add_argument("--captions-per-image", type=int, action=at_least(1), default=5)
     nz.set_defaults(func=run_noise)
+    au = dsub.add_parser(
+        "audit",
+        help="score every pair of a split with a run (NCR's clean probability): a ranked CSV, AUC / AP where "
+        "the dataset records its noise, a montage of the least likely pairs",
+    )
+    au.add_argument("run", help="a trained run folder")
+    au.add_argument("--data", required=True, help="the dataset (a folder, table or shards built by vse data)")
+    au.add_argument("--split", default="train")
+    au.add_argument("--out", default="audit.csv", help="the ranked CSV (pair, picture, caption, probability)")
+    add_json_args(au, "counts, and auc / average_precision where the dataset records its noise")
+    au.add_argument(
+        "--png", metavar="FILE", help="a montage of the least likely pairs (a split with pictures)"
+    )
+    au.add_argument("--n", type=int, action=at_least(1), default=16, help="pairs in the montage")
+    au.add_argument("--checkpoint", default="best", choices=("best", "last"))
+    au.add_argument("--batch-size", type=int, action=at_least(1), default=256, help="encoding batch size")
+    au.add_argument("--device", default="auto")
+    au.add_argument("--no-progress", action="store_true")
+    au.set_defaults(func=run_audit)
     r = dsub.add_parser(
         "relevance", help="cache caption x caption relevance (MiniLM) for CS@K and the ladder loss"
     )

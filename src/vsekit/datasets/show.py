@@ -159,3 +159,49 @@ def show_dataset(
     with atomic_path(out) as tmp:
         sheet.save(tmp, format=fmt)
     return out
+
+
+def show_pairs(
+    split, pairs: list[tuple[int, str, str]], out_png: str | Path, option: str = "--png", cell: int = 224
+) -> Path:
+    """A montage of given pairs, one cell each: the picture of image `row`, a `header` line, the `caption`
+    (e.g. `vse data audit`'s least likely pairs, to check by eye). `split` is a loaded precomp split with
+    pictures (`{split}_images.txt`); `out_png` is checked as `show_dataset` checks it, written whole."""
+    fmt = picture_format(out_png)
+    out = check_output_file(out_png, option, [split.root])
+    if split.image_paths is None:
+        raise VseInputError(
+            f"{split.root} split {split.split!r}: no {split.split}_images.txt, no pictures to show"
+        )
+    if not pairs:
+        raise VseInputError(f"{option} {out_png}: no pairs to show")
+    images_file = split.root / f"{split.split}_images.txt"
+    cols = math.ceil(math.sqrt(len(pairs)))
+    nrows = math.ceil(len(pairs) / cols)
+    pad, line_h, max_lines = 8, 16, 8
+    font, small = _font(13), _font(11)
+    scratch = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    blocks = []
+    for _, caption, header in pairs:
+        lines = [(header, small, (110, 110, 110))]
+        lines += [(part, font, (0, 0, 0)) for part in _wrap(caption, font, cell, scratch)]
+        blocks.append(lines[:max_lines])
+    row_h = cell + 3 * pad + line_h * max(len(b) for b in blocks)
+    sheet = Image.new("RGB", (cols * (cell + 2 * pad), nrows * row_h), (255, 255, 255))
+    draw = ImageDraw.Draw(sheet)
+    for idx, (row, _, _) in enumerate(pairs):
+        x, y0 = (idx % cols) * (cell + 2 * pad) + pad, (idx // cols) * row_h
+        # a dataset's picture list is untrusted: inside the images root, a regular file, bounded bytes and pixels
+        path = resolve_image_path(split.images_root, split.image_paths[row], f"{images_file}:{row + 1}")
+        with open_image(path) as im:
+            im = im.convert("RGB")
+            scale = cell / max(im.size)  # small pictures up to the cell too, so a face reads by eye
+            im = im.resize((max(1, round(im.width * scale)), max(1, round(im.height * scale))))
+            sheet.paste(im, (x, y0 + pad))
+        y = y0 + 2 * pad + cell
+        for text, f, color in blocks[idx]:
+            draw.text((x, y), text, font=f, fill=color)
+            y += line_h
+    with atomic_path(out) as tmp:
+        sheet.save(tmp, format=fmt)
+    return out

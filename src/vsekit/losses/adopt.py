@@ -106,7 +106,7 @@ def zero_filled_topk(sims: torch.Tensor, negatives: torch.Tensor, k: int) -> tor
     return sims.gather(1, idx)
 
 
-def topk_infonce(
+def infonce_terms(
     sims: torch.Tensor,
     negatives: torch.Tensor,
     k: int | torch.Tensor | None,
@@ -114,7 +114,7 @@ def topk_infonce(
     margin: float = 0.0,
     zero_fill: bool = False,
 ) -> torch.Tensor:
-    """Mean over rows of -log softmax of the positive (diagonal) against the row's k hardest valid
+    """[B] per-row terms: -log softmax of the positive (diagonal) against the row's k hardest valid
     negatives (`k=None`: all of them); `negatives[i, j]` says whether column j may be a negative of row i.
     `k` may be a 0-d tensor (ADOPT's adaptive K, kept on the device). `zero_fill`: pick them as
     `zero_filled_topk` does (the released code; needs a k below the width)."""
@@ -134,7 +134,29 @@ def topk_infonce(
         if k is not None and k < sims.shape[1]:
             masked = masked.topk(k, dim=1).values
     logits = torch.cat([pos, masked + margin], dim=1) / temperature
-    return -torch.log_softmax(logits, dim=1)[:, 0].mean()
+    return -torch.log_softmax(logits, dim=1)[:, 0]
+
+
+def reduce_rows(terms: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The one reduction of per-query terms [B]: their mean over the B queries; `weights` [B] multiply each
+    query's term first (weight 0 removes it; the divisor stays B). None and all ones agree bit for bit."""
+    if weights is None:
+        return terms.mean()
+    return (terms * weights.to(terms.dtype)).mean()
+
+
+def topk_infonce(
+    sims: torch.Tensor,
+    negatives: torch.Tensor,
+    k: int | torch.Tensor | None,
+    temperature: float,
+    margin: float = 0.0,
+    zero_fill: bool = False,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Mean over rows of -log softmax of the positive (diagonal) against the row's k hardest valid
+    negatives: `infonce_terms` reduced by `reduce_rows` (`weights` [B]: per-query weights)."""
+    return reduce_rows(infonce_terms(sims, negatives, k, temperature, margin, zero_fill), weights)
 
 
 class ADOPTLoss(InBatchLoss):
@@ -149,6 +171,7 @@ class ADOPTLoss(InBatchLoss):
     # the logged K / gammas as Python floats (one host read per call); False: 0-d device tensors, so the
     # loss has no host sync at all (compiled whole / CUDA graphs; read them when logging)
     host_diag: bool = True
+    takes_weights = True
 
     def __init__(
         self,
@@ -180,8 +203,14 @@ class ADOPTLoss(InBatchLoss):
         self.zero_fill_negatives = zero_fill_negatives  # off by default: the positive is never a negative
 
     def forward(
-        self, sims: torch.Tensor, image_ids: torch.Tensor | None = None, *, warmup: bool = False, **_: object
+        self,
+        sims: torch.Tensor,
+        image_ids: torch.Tensor | None = None,
+        *,
+        weights: torch.Tensor | None = None,
+        **_: object,
     ) -> tuple[torch.Tensor, dict]:
+        """`weights` [B]: per-sample weights of both directions' terms (`reduce_rows`); no warm-up form."""
         if sims.ndim != 2 or sims.shape[0] != sims.shape[1]:
             raise ValueError(
                 f"ADOPT/InfoNCE needs a square in-batch similarity matrix, got {tuple(sims.shape)}"
@@ -200,8 +229,8 @@ class ADOPTLoss(InBatchLoss):
         else:
             k = None
         zf = self.zero_fill_negatives
-        loss_i2t = topk_infonce(sims, ~positives, k, self.temperature, self.margin, zf)
-        loss_t2i = topk_infonce(sims.t(), ~positives.t(), k, self.temperature, self.margin, zf)
+        loss_i2t = topk_infonce(sims, ~positives, k, self.temperature, self.margin, zf, weights)
+        loss_t2i = topk_infonce(sims.t(), ~positives.t(), k, self.temperature, self.margin, zf, weights)
         loss = loss_i2t + loss_t2i
         if self.variant == "reference":
             loss = loss / 2

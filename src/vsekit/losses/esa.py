@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from vsekit.losses.base import InBatchLoss
+from vsekit.losses.base import InBatchLoss, StepContext, warmup_of
 
 
 def group_positives(
@@ -65,7 +65,13 @@ class SELLoss(InBatchLoss):
         self.margin, self.max_violation, self.mask_same_image = margin, max_violation, mask_same_image
 
     def forward(
-        self, sims: torch.Tensor, image_ids: torch.Tensor | None = None, *, warmup: bool = False, **_: object
+        self,
+        sims: torch.Tensor,
+        image_ids: torch.Tensor | None = None,
+        *,
+        warmup: bool = False,
+        context: StepContext | None = None,
+        **_: object,
     ) -> tuple[torch.Tensor, dict]:
         if image_ids is None:
             raise ValueError(
@@ -80,7 +86,11 @@ class SELLoss(InBatchLoss):
         views = sims.shape[0] // samples
         ids = image_ids if self.mask_same_image else None
         loss, diag = sel_loss(
-            sims, views, self.margin, hardest=self.max_violation and not warmup, image_ids=ids
+            sims,
+            views,
+            self.margin,
+            hardest=self.max_violation and not warmup_of(context, warmup),
+            image_ids=ids,
         )
         if self.host_diag:
             diag = {k: float(v) for k, v in diag.items()}

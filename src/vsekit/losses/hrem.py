@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vsekit.losses.base import InBatchLoss
+from vsekit.losses.base import InBatchLoss, StepContext
 from vsekit.pooling.basic import length_mask
 
 WEIGHT_DIM = 512.0  # the release's `self.d`: a constant of the distance weighting, not the embedding width
@@ -236,11 +236,14 @@ class HREMLoss(InBatchLoss):
         generator: torch.Generator | None = None,
         drawn: torch.Tensor | None = None,
         record: dict | None = None,
+        context: StepContext | None = None,
+        weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict]:
         """`image_emb` / `text_emb`: the normalised embeddings [B, D]; `image_set` / `text_set`: (local features
         [B, N, D], lengths) the encoders pooled; `image_ids`: the image of each row (equal ids are positives).
         `drawn` [8, P]: replay these negatives instead of drawing them (parity with recorded draws); `record`:
-        a dict that receives the intermediate values. The trainer's `warmup` flag has no meaning here (the
+        a dict that receives the intermediate values. `context` (the step's) and `weights` are not read: the
+        sampled triplet has no per-sample reduction yet. The trainer's `warmup` flag has no meaning here (the
         release's triplet has no all-negatives form); the graph's own warm-up counts calls."""
         if image_emb is None or text_emb is None or image_set is None or text_set is None:
             raise ValueError("the HREM loss needs the embeddings and the encoders' local sets")

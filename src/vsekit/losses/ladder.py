@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vsekit.config import ConfigError, LossConfig
-from vsekit.losses.base import InBatchLoss
+from vsekit.losses.base import InBatchLoss, StepContext, warmup_of
 from vsekit.losses.triplet import positive_mask, triplet_loss
 
 VARIANTS = ("paper", "reference")
@@ -568,12 +568,13 @@ class LadderLoss(InBatchLoss):
         caption_ids: torch.Tensor | None = None,
         *,
         warmup: bool = False,
+        context: StepContext | None = None,
         relevance: torch.Tensor | None = None,
         **_: object,
     ):
         b = sims.shape[0]
         positives = positive_mask(image_ids if self.mask_same_image else None, b, sims.device)
-        hardest = self.max_violation and not warmup
+        hardest = self.max_violation and not warmup_of(context, warmup)
         loss, diag = triplet_loss(sims, self.margins[0], hardest=hardest, positives=positives)
         loss = self.weights[0] * loss
         if self.n_levels < 2 or all(w == 0 for w in self.weights[1:]):

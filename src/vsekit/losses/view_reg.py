@@ -101,6 +101,12 @@ class ViewRegularisedLoss(InBatchLoss):
     def needs_caption_embeddings(self) -> bool:
         return self.base.needs_caption_embeddings
 
+    @property
+    def takes_weights(self) -> bool:
+        """The base loss's: its terms take the per-sample weights (the regulariser is a statistic of the whole
+        batch's views, not a sum of per-pair terms, so it is not weighted)."""
+        return self.base.takes_weights
+
     def set_caption_embeddings(self, emb: torch.Tensor) -> None:
         self.base.set_caption_embeddings(emb)
 

@@ -240,9 +240,10 @@ class StepGraphs:
 
     @staticmethod
     def _copy(inputs: Batch, batch: Batch) -> None:
-        """The batch into the static buffers (device to device, asynchronous)."""
-        for buf, value in zip(inputs.values(), batch.values(), strict=True):
-            buf.copy_(value, non_blocking=True)
+        """The batch into the static buffers (device to device, asynchronous): every tensor field, the per-sample
+        `weights` too (a fixed-shape input: [B] like the ids, so the shape key need not name it)."""
+        for name in batch.tensor_names():
+            getattr(inputs, name).copy_(getattr(batch, name), non_blocking=True)
 
 
 class EagerCapture:

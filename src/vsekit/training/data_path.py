@@ -88,6 +88,9 @@ class EpochBatches(Sampler[list[int]]):
 
     `batches()` are global batches (the same on every rank); with `world_size > 1` iteration yields this
     rank's contiguous shard of each (see vsekit.distributed), so the gathered batch is the global one.
+    `plan`: the pair indices this epoch trains on (the sample policy's epoch plan, set at each epoch start by
+    vsekit.training.sample_policy); None is every pair, the draw of `uniform`. It is the one input of the draw
+    both data paths and the trainer read, so a plan reaches them all alike.
     """
 
     def __init__(
@@ -103,20 +106,24 @@ class EpochBatches(Sampler[list[int]]):
         self.lengths = lengths
         self.rank, self.world_size = rank, world_size
         self.epoch, self.skip = 0, 0
+        self.plan: np.ndarray | None = None
 
     def batches(self) -> list[list[int]]:
         g = torch.Generator().manual_seed(derived_seed(self.seed, self.epoch, 0xDA7A))
-        perm = torch.randperm(self.n, generator=g).numpy()
+        n = self.n if self.plan is None else len(self.plan)
+        perm = torch.randperm(n, generator=g).numpy()
+        if self.plan is not None:
+            perm = self.plan[perm]
         if self.lengths is not None:
             # length bucketing: sort within chunks of 50 batches so batches hold similar lengths
             chunk = self.batch_size * 50
             perm = np.concatenate(
                 [
                     c[np.argsort(self.lengths[c], kind="stable")]
-                    for c in np.array_split(perm, max(1, math.ceil(self.n / chunk)))
+                    for c in np.array_split(perm, max(1, math.ceil(n / chunk)))
                 ]
             )
-        batches = [perm[i : i + self.batch_size].tolist() for i in range(0, self.n, self.batch_size)]
+        batches = [perm[i : i + self.batch_size].tolist() for i in range(0, n, self.batch_size)]
         # a single-sample batch has no negatives; under torchrun every rank needs at least one sample
         batches = [b for b in batches if len(b) >= max(2, self.world_size)]
         if self.lengths is not None and len(batches) > 1:

@@ -63,6 +63,7 @@ from torch import nn
 from vsekit.config import ConfigError, Recipe
 from vsekit.data.batch import Batch
 from vsekit.distributed import DistContext
+from vsekit.losses.base import StepContext
 from vsekit.models.norm import MaskedBatchNorm1d
 from vsekit.training.parts import StepParts
 
@@ -333,9 +334,14 @@ class GradCache:
         *,
         warmup: bool = False,
         ramp: tuple[int, int] | None = None,
+        context: StepContext | None = None,
     ) -> tuple[torch.Tensor, dict, torch.Tensor, torch.Tensor]:
-        """`warmup`: the loss's warm-up form (all negatives); `ramp` = (step + 1, steps in the epoch): the loss
-        scaled by their ratio, as in the first unfrozen-backbone epoch (`StepParts.score`)."""
+        """`context`: the step's `StepContext` (the loss's warm-up form, the ramp), handed to the loss by
+        `StepParts.score`; without one it is built from `warmup` (all negatives) and `ramp` = (step + 1, steps in
+        the epoch), the loss scaled by their ratio as in the first unfrozen-backbone epoch. The batch's
+        `weights` reach the loss's reduction over the whole batch, as in the eager step."""
+        if context is None:
+            context = StepContext(warmup=warmup, ramp=ramp)
         parts = self.parts
         model, dev = parts.model, parts.device
         batch = parts.to_device(Batch.of(batch))
@@ -385,7 +391,9 @@ class GradCache:
         del imgs, txts
         # 3. the full batch's loss on the leaf embeddings: d loss / d embeddings (+ similarity/loss parameters)
         parts.zero_grad()
-        loss, diag = parts.score(img, txt, batch.image_index, batch.caption_index, warmup=warmup, ramp=ramp)
+        loss, diag = parts.score(
+            img, txt, batch.image_index, batch.caption_index, context=context, weights=batch.weights
+        )
         loss.backward()
         grad_img, grad_txt = img.grad, txt.grad
         # 4. each chunk again, with its graph: back-propagate the cached embedding gradients

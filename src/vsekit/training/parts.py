@@ -3,8 +3,8 @@
 - **encode**: the batch to the device, the image and caption encoders (under bf16 autocast with
   `train.amp=bf16`; `train.compile` wraps the two encoders in `torch.compile`, the modules themselves are
   untouched, so checkpoints keep their keys);
-- **score**: the similarity matrix (cast to float32), the loss on it with the ids and embeddings, and the
-  loss ramp of the first unfrozen-backbone epoch;
+- **score**: the similarity matrix (cast to float32), the loss on it with the ids, embeddings, per-sample
+  weights and the step's `StepContext`, and the loss ramp of the first unfrozen-backbone epoch;
 - **update**: gradients averaged across ranks, clipped (`optim.grad_clip`), and the optimizer's step — the
   only place in training where the weights change.
 
@@ -22,7 +22,7 @@ import torch
 from vsekit.config import ConfigError
 from vsekit.data.batch import Batch
 from vsekit.distributed import DistContext, average_gradients
-from vsekit.losses.base import InBatchLoss
+from vsekit.losses.base import InBatchLoss, StepContext
 from vsekit.models.vse import VSEModel
 from vsekit.training.collapse import embedding_spread
 
@@ -104,26 +104,34 @@ class StepParts:
         image_ids: torch.Tensor,
         caption_ids: torch.Tensor,
         *,
-        warmup: bool,
+        warmup: bool = False,
         ramp: tuple[int, int] | None = None,
         graph: bool = False,
+        context: StepContext | None = None,
+        weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict]:
-        """The loss of the embeddings and its diagnostics. `warmup`: the loss's warm-up form (all negatives);
-        `ramp` = (step + 1, steps in the epoch): the loss scaled by their ratio (first unfrozen-backbone epoch)."""
+        """The loss of the embeddings and its diagnostics. `context`: the step's `StepContext`, handed to the
+        loss (its warm-up form, all negatives) and whose `ramp` = (step + 1, steps in the epoch) scales the loss
+        by their ratio (first unfrozen-backbone epoch); without one, it is built from `warmup` and `ramp`.
+        `weights` [B]: the batch's per-sample weights, handed to the loss's reduction (`Batch.weights`)."""
+        if context is None:
+            context = StepContext(warmup=warmup, ramp=ramp)
         with self.autocast(graph):
             sims = self.model.similarity(img, txt).float()
         extra, self.loss_inputs = self.loss_inputs, {}
+        if weights is not None:
+            extra["weights"] = weights
         loss, diag = self.loss_fn(
             sims,
             image_ids=image_ids,
             caption_ids=caption_ids,
-            warmup=warmup,
+            context=context,
             image_emb=img,
             text_emb=txt,
             **extra,
         )
-        if ramp is not None:
-            loss = loss * ramp[0] / ramp[1]
+        if context.ramp is not None:
+            loss = loss * context.ramp[0] / context.ramp[1]
         return loss, diag
 
     # ------------------------------------------------------------------------------------ update

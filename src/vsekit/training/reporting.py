@@ -1,4 +1,5 @@
-"""Where the trainer's records go besides metrics.jsonl and TensorBoard: `vse train --report-to wandb`.
+"""Where the trainer's records go besides metrics.jsonl: TensorBoard (always, when installed) and
+`vse train --report-to wandb`. Each reporter is a trainer callback (`on_record`, `on_fit_end`).
 
 The trainer writes one record per log interval (`kind` train), per iteration for losses that ask for it
 (`kind` step, e.g. ADOPT's K) and per validation (`kind` val) to RUN/metrics.jsonl, and the same numbers to
@@ -25,6 +26,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from vsekit.errors import MissingPackageError, VseInputError
+from vsekit.training.callbacks import Callback
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +80,38 @@ def scalars(record: dict) -> dict[str, float]:
     }
 
 
-class WandbReporter:
+class TensorBoardReporter(Callback):
+    """The records as TensorBoard scalars under RUN/tb; the writer is made at the first record, and a missing
+    tensorboard package leaves the records in metrics.jsonl only."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.folder = Path(run_dir) / "tb"
+        self.writer: Any = None  # None: not tried yet; False: tensorboard is not installed
+
+    def on_record(self, trainer: Any, record: dict) -> None:
+        if self.writer is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(self.folder))
+                logger.debug("TensorBoard scalars go to %s", self.folder)
+            except ImportError:
+                self.writer = False
+                logger.debug("tensorboard is not installed; the records are in metrics.jsonl only")
+        if self.writer:
+            step = record.get("step", 0)
+            for k, v in scalars(record).items():
+                self.writer.add_scalar(k, v, step)
+
+    def flush(self) -> None:
+        if self.writer:
+            self.writer.flush()
+
+    def on_fit_end(self, trainer: Any, failed: bool) -> None:
+        self.flush()
+
+
+class WandbReporter(Callback):
     """One W&B run fed with the trainer's records; started lazily at the first record."""
 
     def __init__(self, target: str, run_dir: str | Path, config: dict[str, Any]) -> None:
@@ -130,9 +163,15 @@ class WandbReporter:
             self.run.finish(exit_code=exit_code)
             self.run = None
 
+    def on_record(self, trainer: Any, record: dict) -> None:
+        self.log(record)
 
-def make_reporters(
-    targets: tuple[str, ...], run_dir: str | Path, config: dict[str, Any]
-) -> list[WandbReporter]:
-    """Reporters for validated `--report-to` targets (see `check_report_to`)."""
-    return [WandbReporter(t, run_dir, config) for t in targets if t in REPORT_TARGETS]
+    def on_fit_end(self, trainer: Any, failed: bool) -> None:
+        self.finish(exit_code=int(failed))  # a W&B run is closed however training ends (1: it failed)
+
+
+def make_reporters(targets: tuple[str, ...], run_dir: str | Path, config: dict[str, Any]) -> list[Callback]:
+    """TensorBoard, then the reporters of validated `--report-to` targets (see `check_report_to`)."""
+    return [TensorBoardReporter(run_dir)] + [
+        WandbReporter(t, run_dir, config) for t in targets if t in REPORT_TARGETS
+    ]

@@ -19,6 +19,7 @@ AVSE's views) comes from a generator on the device (the CPU's on the CPU) seeded
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -32,7 +33,7 @@ from vsekit.distributed import (
     local_shard_sizes,
     row_sizes,
 )
-from vsekit.losses.base import InBatchLoss
+from vsekit.losses.base import InBatchLoss, StepContext
 from vsekit.models.vse import VSEModel
 from vsekit.training.cuda_graph import CudaCapture, EagerCapture, StepGraphs, make_capturable
 from vsekit.training.grad_cache import GradCache
@@ -90,6 +91,7 @@ class TrainStep:
             compile=recipe.train.compile,
             dist=self.dist,
         )
+        self._context: StepContext | None = None  # the last call's, read by a CUDA graph's capture
         self.graphs: StepGraphs | None = None
         if self.setup.graph is not None:
             self.graphs = self._graph_strategy(self.setup.graph)
@@ -105,57 +107,77 @@ class TrainStep:
         steps_in_epoch: int = 1,
         loss_warmup: bool = False,
         shard_sizes: list[int] | None = None,
+        global_step: int | None = None,
     ) -> dict:
         """Train on `batch` (this rank's shard; `shard_sizes` = every rank's shard size of the global batch).
-        `loss_warmup`: the loss ramps in over the epoch's steps (first unfrozen-backbone epoch)."""
+        `loss_warmup`: the loss ramps in over the epoch's steps (first unfrozen-backbone epoch). The loss gets
+        the step's `StepContext` (`global_step`: steps done before this one; None: unknown, recorded as -1)
+        and the batch's `weights`."""
         batch = Batch.of(batch)
         r, ctx = self.recipe, self.dist
         self.model.train()
         rank_part = (ctx.rank,) if ctx.enabled else ()
         seed = derived_seed(r.train.seed, epoch, step, 0x1A6E, *rank_part)
-        warmup = epoch < r.loss.warmup_epochs
-        ramp = (step + 1, steps_in_epoch) if loss_warmup else None
+        context = StepContext(
+            epoch=epoch,
+            step=step,
+            steps_in_epoch=steps_in_epoch,
+            global_step=-1 if global_step is None else global_step,
+            warmup=epoch < r.loss.warmup_epochs,
+            ramp=(step + 1, steps_in_epoch) if loss_warmup else None,
+        )
         if self.graphs is not None:
             # only pixel recipes ramp the loss in, and they are refused (cuda_graph_blockers)
-            if ramp is not None:
+            if context.ramp is not None:
                 raise ConfigError(
                     "train.cuda_graph: a loss warm-up scales the loss by the step, which a graph cannot"
                 )
-            return self.graphs(batch, (warmup,), seed)
+            self._context = context  # what the body hands the loss when it captures (the graph's key: warmup)
+            return self.graphs(batch, (context.warmup,), seed)
         self.generator.manual_seed(seed)
         if self.grad_cache is not None:
             with tf32_matmul(self.tf32):
-                loss, diag, img, txt = self.grad_cache(batch, self.generator, warmup=warmup, ramp=ramp)
+                loss, diag, img, txt = self.grad_cache(batch, self.generator, context=context)
             return self.parts.report(loss, diag, img, txt)
-        return self.eager(batch, warmup, ramp, shard_sizes)
+        return self.eager(batch, context, shard_sizes=shard_sizes)
 
     def eager(
         self,
         batch: Batch,
-        warmup: bool,
+        warmup: bool | StepContext,
         ramp: tuple[int, int] | None = None,
         shard_sizes: list[int] | None = None,
         graph: bool = False,
     ) -> dict:
-        """The step on the whole batch at once: the parts in order. `graph`: the step a CUDA graph records."""
+        """The step on the whole batch at once: the parts in order. `warmup`: the step's `StepContext` (or, as
+        before it existed, the warm-up flag, with `ramp`). `graph`: the step a CUDA graph records."""
         parts, ctx = self.parts, self.dist
+        context = warmup if isinstance(warmup, StepContext) else StepContext(warmup=warmup, ramp=ramp)
         with tf32_matmul(self.tf32):
             batch = parts.to_device(batch)
             img, txt = parts.encode(batch, self.generator, graph)
-            image_ids, caption_ids = batch.image_index, batch.caption_index
+            image_ids, caption_ids, weights = batch.image_index, batch.caption_index, batch.weights
             if ctx.enabled:  # every rank scores the global batch: its negatives are everyone's
                 sizes = shard_sizes or local_shard_sizes(image_ids.shape[0], ctx, self.device)
                 img = all_gather_with_grad(img, row_sizes(sizes, img, image_ids.shape[0]), ctx)
                 txt = all_gather_with_grad(txt, row_sizes(sizes, txt, image_ids.shape[0]), ctx)
-                image_ids, caption_ids = (
+                image_ids, caption_ids, weights = (
                     all_gather_rows(image_ids, sizes, ctx),
                     all_gather_rows(caption_ids, sizes, ctx),
+                    all_gather_rows(weights, sizes, ctx),
                 )
-            loss, diag = parts.score(img, txt, image_ids, caption_ids, warmup=warmup, ramp=ramp, graph=graph)
+            loss, diag = parts.score(
+                img, txt, image_ids, caption_ids, context=context, weights=weights, graph=graph
+            )
             parts.zero_grad(graph)
             loss.backward()
             parts.update()
         return parts.report(loss, diag, img, txt, graph)
+
+    def _graph_context(self, flags: tuple) -> StepContext:
+        """The context a captured step hands the loss: the capturing call's, with the graph key's warm-up flag."""
+        context = self._context or StepContext()
+        return dataclasses.replace(context, warmup=bool(flags[0]))
 
     def _graph_strategy(self, mode: str) -> StepGraphs:
         """The eager step recorded as one CUDA graph per batch shape (`mode="eager"`: run as eager calls)."""
@@ -172,5 +194,8 @@ class TrainStep:
             lrs.sync()
 
         return StepGraphs(
-            lambda b, flags: self.eager(b, flags[0], graph=True), capture, self.device, before_run
+            lambda b, flags: self.eager(b, self._graph_context(flags), graph=True),
+            capture,
+            self.device,
+            before_run,
         )
