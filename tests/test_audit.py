@@ -238,3 +238,19 @@ def test_audit_6_the_runs_own_ncr_split_is_used_where_it_has_one(built, tmp_path
     assert [int(r["pair"]) for r in rows] == np.argsort(want, kind="stable").tolist()
     np.testing.assert_allclose([float(r["probability"]) for r in rows], np.sort(want), rtol=0, atol=1e-15)
     assert json.loads(js.read_text())["source"] == "ncr split of the run"
+
+
+def test_audit_7_csv_cells_that_a_spreadsheet_would_run_are_quoted():
+    """A caption from elsewhere starting with `=`, `+`, `-`, `@`, tab or CR is written with a leading `'`
+    (a spreadsheet would otherwise run it as a formula); every other caption is written as it is."""
+    from vsekit.commands.data import spreadsheet_safe
+
+    assert spreadsheet_safe('=HYPERLINK("http://x")') == '\'=HYPERLINK("http://x")'
+    assert [spreadsheet_safe(c) for c in ("+1", "-2", "@SUM(A1)", "\tx", "\rx")] == [
+        "'+1",
+        "'-2",
+        "'@SUM(A1)",
+        "'\tx",
+        "'\rx",
+    ]
+    assert [spreadsheet_safe(c) for c in ("a dog = a cat", "", "3 dogs")] == ["a dog = a cat", "", "3 dogs"]

@@ -54,6 +54,12 @@ def run_noise(args: argparse.Namespace) -> int:
     return 0
 
 
+def spreadsheet_safe(cell: str) -> str:
+    """A text cell a spreadsheet shows as text: one starting with `=`, `+`, `-`, `@`, a tab or a carriage return
+    would be read as a formula (OWASP's CSV injection), so it gets a leading `'`."""
+    return "'" + cell if cell[:1] in ("=", "+", "-", "@", "\t", "\r") else cell
+
+
 def run_audit(args: argparse.Namespace) -> int:
     """Every pair of a split scored by a run (vsekit.evaluation.audit): a ranked CSV, the AUC / AP where the
     dataset records its noise, a montage of the least likely pairs. Every check runs before the encoding."""
@@ -117,7 +123,14 @@ def run_audit(args: argparse.Namespace) -> int:
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(["pair", "picture", "caption", "probability"])
     for c in ranked:
-        w.writerow([int(c), picture(int(c)), split.captions[c], repr(float(audit.prob[c]))])
+        w.writerow(
+            [
+                int(c),
+                spreadsheet_safe(picture(int(c))),
+                spreadsheet_safe(split.captions[c]),
+                repr(float(audit.prob[c])),
+            ]
+        )
     atomic_write_text(args.out, buf.getvalue())
     scores = scores_of(audit) | {"split": args.split, "run": str(args.run), "data": str(args.data)}
     found = f", AUC {scores['auc']:.4f}, AP {scores['average_precision']:.4f}" if "auc" in scores else ""
