@@ -121,9 +121,8 @@ def test_c4_trainer_module_under_500_lines():
     assert n < 500, n
 
 
-# GradCache.__call__ (grad_cache.py) is over the limit on this tree and belongs to the step's owner: strict
-# xfail, so the test fails (and this mark must go) as soon as it is split
-OVER_LIMIT_ELSEWHERE = {"grad_cache.py"}
+# modules whose functions are over the limit on this tree (strict xfail: the mark must go once they are split)
+OVER_LIMIT_ELSEWHERE: set[str] = set()
 
 
 @pytest.mark.parametrize(

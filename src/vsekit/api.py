@@ -30,13 +30,18 @@ from vsekit.models.inputs import (  # noqa: F401  (the API's names; the model's 
     preprocess,
     tokenize,
 )
+from vsekit.models.pair import MEMBERS
 from vsekit.models.vse import VSEModel
 
 CHECKPOINTS = ("best", "last")
 
 
-def load(run: str | Path, device: str | torch.device = "cpu", checkpoint: str = "best") -> VSEModel:
-    """A trained or imported run as a model in eval mode on `device` (`checkpoint`: best | last).
+def load(
+    run: str | Path, device: str | torch.device = "cpu", checkpoint: str = "best", member: str | None = None
+) -> VSEModel:
+    """A trained or imported run as a model in eval mode on `device` (`checkpoint`: best | last). A
+    two-network run (NCR) is the pair, scored as the mean of both networks' similarities; `member` "A" or
+    "B" is one network alone.
 
     `run`: the run folder, a str or path; `device`: a device name (cpu, cuda, cuda:N, mps, auto) or a
     torch.device. Anything else is a `ModelInputError` naming the argument (a `ModelInputTypeError`, also a
@@ -59,6 +64,10 @@ def load(run: str | Path, device: str | torch.device = "cpu", checkpoint: str = 
     if checkpoint not in CHECKPOINTS:
         raise ModelInputError(f"load: checkpoint {checkpoint!r}; choose one of {', '.join(CHECKPOINTS)}")
     check_device_name(str(device), "load: device", ModelInputError)
-    model, cfg = load_run(run, checkpoint, resolve_device(str(device)))
+    if member is not None and member not in MEMBERS:
+        raise ModelInputError(
+            f"load: member {member!r}; choose one of {', '.join(MEMBERS)} (or None: the pair)"
+        )
+    model, cfg = load_run(run, checkpoint, resolve_device(str(device)), member)
     model.run_config = cfg
     return model

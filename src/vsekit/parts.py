@@ -17,6 +17,7 @@ from typing import Any
 
 import vsekit.losses.esa_parts  # noqa: F401  (registers on import)
 import vsekit.losses.hrem_parts  # noqa: F401
+import vsekit.losses.noisy_parts  # noqa: F401
 import vsekit.losses.parts  # noqa: F401  (registers on import)
 import vsekit.models.chan_parts  # noqa: F401
 import vsekit.models.esa_parts  # noqa: F401

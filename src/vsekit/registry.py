@@ -127,11 +127,21 @@ FACTS: dict[str, dict[str, tuple[type | str, str]]] = {
             "(cfg, negatives [B] float, hardest: bool, k) -> (label, 0-d tensor) or None: the loss's value when "
             "every similarity of the batch is equal (the collapse alarm); k is ADOPT's K of the step",
         ),
+        "takes_targets": (
+            bool,
+            "reads per-batch `targets=` (soft labels the co-teaching trainer computes: NCR's co-rectified ones)",
+        ),
         "scores_views": (bool, "scores groups of views of each item (a pooling with `makes_views`)"),
     },
     # a sample policy (`train.sample_policy`, vsekit.training.sample_policy): its builder `(cfg)` returns the
     # policy object, or None for every pair in a fresh permutation each epoch (`uniform`)
-    "sample_policy": {},
+    "sample_policy": {
+        "members": (
+            int,
+            "how many networks the policy trains together (2: co-teaching, NCR's co-divide): the run is a pair, "
+            "scored as the mean of both similarity matrices (vsekit.models.pair)",
+        ),
+    },
 }
 
 

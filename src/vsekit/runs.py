@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save
 from vsekit.config import ConfigError, Recipe, check_model_size, recipe_from_dict, to_dict
 from vsekit.data.text import read_vocab_json, vocab_words
 from vsekit.errors import VseInputError
+from vsekit.models.pair import ModelPair, build_model
 from vsekit.models.vse import DataSpec, VSEModel
 from vsekit.registry import MAX_WIDTH
 from vsekit.utils.io import (
@@ -295,9 +296,11 @@ def weights_path(run_dir: str | Path, which: str = "best") -> Path:
 
 
 def load_run(
-    run_dir: str | Path, which: str = "best", device: str | torch.device = "cpu"
+    run_dir: str | Path, which: str = "best", device: str | torch.device = "cpu", member: str | None = None
 ) -> tuple[VSEModel, dict]:
-    """Rebuild a trained model from its run directory (`which` = best | last)."""
+    """Rebuild a trained model from its run directory (`which` = best | last). A two-network run is the pair
+    (`vsekit.models.pair`); `member` "A" / "B" is one of its networks alone (a `VseInputError` for a run of
+    one network)."""
     run_dir = Path(run_dir)
     recipe, spec, cfg = read_run_config(run_dir)
     which = checkpoint_tag(run_dir, which)
@@ -305,8 +308,15 @@ def load_run(
     verified = read_checkpoint_set(run_dir, which, (".safetensors",))  # sha256-checked against the manifest
     if verified:
         weights = verified[".safetensors"]
-    model = VSEModel(recipe, spec)
+    model = build_model(recipe, spec)  # a two-network run: the pair (vsekit.models.pair)
+    if member is not None and not isinstance(model, ModelPair):
+        raise VseInputError(
+            f"{run_dir}: trains one network; --member {member} applies to a two-network run "
+            "(train.sample_policy.name=ncr)"
+        )
     load_weights(model, weights)
+    if member is not None:
+        model = model.member(member)
     return model.to(device).eval(), cfg
 
 

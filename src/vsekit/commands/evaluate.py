@@ -208,6 +208,7 @@ def check_result_files(args: argparse.Namespace, data: str) -> None:
 
 def run_eval(args: argparse.Namespace) -> int:
     from vsekit.evaluation import evaluate_model
+    from vsekit.models.pair import ModelPair
     from vsekit.runs import load_run
     from vsekit.utils.runtime import resolve_device
 
@@ -220,7 +221,9 @@ def run_eval(args: argparse.Namespace) -> int:
     check_result_files(args, data)  # before the encoding, which takes minutes: nothing to lose at the end
     sims_sum, cap2img, per_run = None, None, []
     for run in args.runs:
-        model, _ = load_run(run, args.checkpoint, device)
+        model, _ = load_run(run, args.checkpoint, device, getattr(args, "member", None))
+        if isinstance(model, ModelPair):
+            print(f"{run}: two networks, scored as the mean of their similarities (--member A|B: one alone)")
         metrics, sims, cap2img = evaluate_model(
             model, data, args.split, fold5=args.fold5, device=device, batch_size=args.batch_size
         )
@@ -279,6 +282,12 @@ def register(sub) -> None:
     p.add_argument("--split", default="test")
     p.add_argument("--fold5", action="store_true", help="COCO 1K: mean over five 1K-image folds")
     p.add_argument("--checkpoint", default="best", choices=("best", "last"))
+    p.add_argument(
+        "--member",
+        choices=("A", "B"),
+        help="a two-network run (NCR): score network A or B alone (default: the pair, the mean of both "
+        "networks' similarities)",
+    )
     add_json_args(p, "the metrics", path_form=True)
     p.add_argument(
         "--save-sims",

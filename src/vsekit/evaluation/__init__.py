@@ -87,10 +87,16 @@ def cat_embeddings(batches: list[torch.Tensor]) -> torch.Tensor:
 
 
 def split_similarities(
-    model: VSEModel, split, batch_size: int = 256, device: str | torch.device = "cpu", progress: bool = False
+    model: VSEModel,
+    split,
+    batch_size: int = 256,
+    device: str | torch.device = "cpu",
+    progress: bool = False,
+    text=None,
 ) -> np.ndarray:
-    """[n_images, n_captions] similarity matrix of a split under `model`."""
-    text = text_processor_for(model)
+    """[n_images, n_captions] similarity matrix of a split under `model`. `text`: the model's text processor
+    when the caller holds it (the trainer validates every epoch: the vocabulary is not rebuilt each time)."""
+    text = text_processor_for(model) if text is None else text
     img = encode_images(model, image_source_for(model, split), batch_size, device, progress)
     txt = encode_captions(model, split.captions, text, batch_size, device, progress)
     return all_pairs(model.sim, img, txt, device)

@@ -28,12 +28,11 @@ from vsekit.data.precomp import load_precomp_split
 from vsekit.data.text import Vocabulary
 from vsekit.errors import VseInputError
 from vsekit.evaluation import encode_captions, encode_images, image_source_for
-from vsekit.losses.noisy_split import fit_gmm, kmeans_labels, min_max, pair_losses
+from vsekit.losses.noisy_split import clean_probability, split_losses
 from vsekit.models.tokenizers import text_processor_for
 from vsekit.models.vse import VSEModel
 from vsekit.similarity import all_pairs
 from vsekit.utils.io import open_npy
-from vsekit.utils.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -129,18 +128,17 @@ def loss_probability(
     scored by `sim`, `pair_losses`), min-max, the GMM from seeded k-means labels, the low-loss posterior."""
     cap2img = np.asarray(cap2img, dtype=np.int64)
     order = np.random.RandomState(seed % SEED_MOD).permutation(len(cap2img))
-    losses = np.zeros(len(cap2img), dtype=np.float32)
-    starts = range(0, len(order), batch_size)
-    for start in progress_bar(starts, desc="score pairs", enabled=progress, leave=False):
-        ids = order[start : start + batch_size]
-        sims = torch.as_tensor(
-            all_pairs(sim, img[torch.as_tensor(cap2img[ids])], cap[torch.as_tensor(ids)], device)
-        )
-        losses[ids] = pair_losses(sims.float(), margin).cpu().numpy()
-    norm = min_max(losses)
-    if len(norm) < 2 or float(norm.max()) == 0.0:
-        return np.ones(len(norm), dtype=np.float64)  # every pair alike: nothing singles one out
-    return fit_gmm(norm, kmeans_labels(norm, seed % SEED_MOD)).clean_prob
+    losses = split_losses(
+        img,
+        cap,
+        cap2img,
+        order,
+        batch_size,
+        margin,
+        score=lambda im, ca: all_pairs(sim, im, ca, device),
+        progress=progress,
+    )
+    return clean_probability(losses, seed % SEED_MOD)[0]
 
 
 def read_split_state(run_dir: str | Path, n_captions: int, where: str) -> np.ndarray | None:

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from vsekit.losses.base import InBatchLoss, StepContext, warmup_of
 from vsekit.losses.noisy_split import hardest_hinge, hinge_costs, pair_losses
 
 SOFT_MARGINS = ("linear", "exponential", "sin")  # NCR --soft_margin; the release's default: exponential
@@ -72,3 +73,32 @@ def rectified_targets(prob: torch.Tensor, labels: torch.Tensor, pred: torch.Tens
 def unlabeled_targets(pred_a: torch.Tensor, pred_b: torch.Tensor) -> torch.Tensor:
     """Labels of the unlabeled batch: the mean of both networks' predictions, `[b, 1]`."""
     return ((pred_a + pred_b) / 2).view(-1, 1)
+
+
+class NCRLoss(InBatchLoss):
+    """NCR's loss as a vsekit loss (`loss.name: ncr`), as each network's step computes it: the warm-up form
+    (`warmup_loss`) during the warm-up epochs, else the soft-margin hinge with the step's `targets` (the
+    co-rectified labels `[b, b]` or `[b, 1]` the co-teaching trainer hands it), or plain VSE++ when a batch
+    comes without targets. Captions of the same image are negatives of each other, as in the release."""
+
+    def __init__(self, margin: float = 0.2, soft_margin: str = "exponential") -> None:
+        super().__init__()
+        if soft_margin not in SOFT_MARGINS:
+            raise ValueError(f"soft margin {soft_margin!r} is not one of {', '.join(SOFT_MARGINS)}")
+        self.margin, self.soft_margin = margin, soft_margin
+
+    def forward(
+        self,
+        sims: torch.Tensor,
+        image_ids: torch.Tensor | None = None,
+        *,
+        warmup: bool = False,
+        context: StepContext | None = None,
+        targets: torch.Tensor | None = None,
+        **_: object,
+    ) -> tuple[torch.Tensor, dict]:
+        if warmup_of(context, warmup):
+            return warmup_loss(sims, self.margin), {}
+        if targets is None:
+            return hard_loss(sims, self.margin), {}
+        return soft_margin_loss(sims, targets.to(sims.dtype), self.margin, self.soft_margin), {}

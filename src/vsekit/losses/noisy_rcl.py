@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from vsekit.losses.base import InBatchLoss
 from vsekit.losses.noisy_split import hardest_hinge, hinge_costs
 
 CCL_METHODS = ("log", "tan", "abs", "exp", "gce", "infoNCE")
@@ -53,16 +54,20 @@ def ccl_loss(
     q: float = 0.5,
     ratio: float = 0.0,
     uniforms: torch.Tensor | None = None,
+    not_negative: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RCL's loss `c(i2t) + c(t2i)` of a square batch; c = mean over rows of the masked row sum of
-    `complementary`, or for infoNCE -mean(log diag)."""
+    `complementary`, or for infoNCE -mean(log diag). `not_negative` (bool `[n, n]`, optional): entries also
+    left out of the mask (other captions of the same image); the release has none."""
     n = sims.shape[0]
     p = torch.exp(sims / tau)
     i2t = p / (p.sum(1, keepdim=True) + EPS)
     t2i = p.t() / (p.t().sum(1, keepdim=True) + EPS)
     if method == "infoNCE":
         return -torch.log(i2t.diagonal()).mean() - torch.log(t2i.diagonal()).mean()
-    mask = negative_mask(n, ratio, uniforms).to(sims.device, sims.dtype)
+    mask = negative_mask(n, ratio, None if uniforms is None else uniforms.cpu()).to(sims.device, sims.dtype)
+    if not_negative is not None:
+        mask = mask.masked_fill(not_negative, 0.0)
     return sum((complementary(x, method, q) * mask).sum(1).mean() for x in (i2t, t2i))
 
 
@@ -72,3 +77,46 @@ def max_margin_loss(sims: torch.Tensor, margin: float, max_violation: bool = Tru
         return hardest_hinge(sims, margin)
     cost_s, cost_im = hinge_costs(sims, margin)
     return cost_s.sum() + cost_im.sum()
+
+
+class RCLLoss(InBatchLoss):
+    """RCL's training loss as a vsekit loss (`loss.name: rcl`): `ccl_loss` of the batch, one term, no warm-up.
+
+    `mask_same_image`: other captions of a caption's image are left out of the negatives (the release keeps
+    them: false there). A subset `ratio` in (0, 1) draws its uniforms from the step's generator, so a resumed
+    run draws the same negatives."""
+
+    needs_generator = True
+
+    def __init__(
+        self,
+        tau: float,
+        method: str = "log",
+        q: float = 0.2,
+        ratio: float = -1.0,
+        mask_same_image: bool = False,
+    ) -> None:
+        super().__init__()
+        if method not in CCL_METHODS:
+            raise ValueError(f"CCL method {method!r} is not one of {', '.join(CCL_METHODS)}")
+        self.tau, self.method, self.q, self.ratio = tau, method, q, ratio
+        self.mask_same_image = mask_same_image
+
+    def forward(
+        self,
+        sims: torch.Tensor,
+        image_ids: torch.Tensor | None = None,
+        *,
+        generator: torch.Generator | None = None,
+        **_: object,
+    ) -> tuple[torch.Tensor, dict]:
+        n = sims.shape[0]
+        uniforms = None
+        if 0 < self.ratio < 1:
+            where = generator.device if generator is not None else sims.device
+            uniforms = torch.rand(n, n, generator=generator, device=where)
+        same = None
+        if self.mask_same_image and image_ids is not None:
+            same = (image_ids.view(-1, 1) == image_ids.view(1, -1)).to(sims.device)
+        loss = ccl_loss(sims, self.tau, self.method, self.q, self.ratio, uniforms, same)
+        return loss, {}

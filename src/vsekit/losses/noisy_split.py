@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from vsekit.utils.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -75,24 +78,29 @@ def split_losses(
     batch_size: int,
     margin: float,
     centre: bool = False,
+    score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    progress: bool = False,
 ) -> np.ndarray:
     """Per-caption loss (float32, indexed by caption) of the split pass: captions visited in `order`, in
     consecutive batches of `batch_size` (the last shorter), each scored against the images `cap2img` pairs
     them with. `img`/`cap` are normalised embeddings, or with `centre` raw outputs that each batch centres
-    and normalises (IN2R)."""
+    and normalises (IN2R). `score(images, captions)`: the batch's `[b, b]` similarities (default: the inner
+    product; a run's own similarity in the trainer's split pass and the audit)."""
     order = np.asarray(order, dtype=np.int64)
     cap2img = np.asarray(cap2img, dtype=np.int64)
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     out = np.zeros(len(cap2img), dtype=np.float32)
+    starts = range(0, len(order), batch_size)
     with torch.no_grad():
-        for start in range(0, len(order), batch_size):
+        for start in progress_bar(starts, desc="split pass", enabled=progress, leave=False):
             ids = order[start : start + batch_size]
             im = img[torch.as_tensor(cap2img[ids])]
             ca = cap[torch.as_tensor(ids)]
             if centre:
                 im, ca = centred_l2norm(im), centred_l2norm(ca)
-            out[ids] = pair_losses(im @ ca.T, margin).float().cpu().numpy()
+            sims = im @ ca.T if score is None else torch.as_tensor(score(im, ca))
+            out[ids] = pair_losses(sims.float(), margin).cpu().numpy()
     return out
 
 
@@ -201,6 +209,16 @@ def kmeans_labels(values: np.ndarray, seed: int, max_iter: int = 300) -> np.ndar
             if (labels == k).any():
                 centres[k] = x[labels == k].mean()
     return labels
+
+
+def clean_probability(losses: np.ndarray, seed: int) -> tuple[np.ndarray, GMMFit | None]:
+    """(clean probability per pair, the fit) from per-pair losses: min-max, the GMM from seeded k-means labels,
+    the low-loss posterior. Losses all equal: every pair 1 and no fit (nothing singles one out)."""
+    norm = min_max(losses)
+    if len(norm) < 2 or float(norm.max()) == 0.0:
+        return np.ones(len(norm), dtype=np.float64), None
+    fit = fit_gmm(norm, kmeans_labels(norm, seed))
+    return fit.clean_prob, fit
 
 
 def split_clean(prob: np.ndarray, p_threshold: float = P_THRESHOLD) -> tuple[np.ndarray, float]:

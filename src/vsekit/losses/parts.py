@@ -158,6 +158,27 @@ class LadderSettings(_Negatives, _Hardest):
     )
 
 
+@dataclass
+class RCLSettings(_Temperature, _Negatives):
+    rcl_method: str = setting(
+        "log",
+        "RCL's complementary cost of a negative's probability x: log -log(1-x) (the release's "
+        "train_f30k.sh/train_coco.sh) | tan | abs | exp | gce | infoNCE (plain InfoNCE, for comparison)",
+        choices=("log", "tan", "abs", "exp", "gce", "infoNCE"),
+    )
+    rcl_q: float = setting(
+        0.2,
+        "gce's q (the release passes --margin, 0.2, as q)",
+        rule="a positive finite number",
+    )
+    rcl_negative_ratio: float = setting(
+        -1.0,
+        "share of each row's negatives drawn per step (in (0, 1)); any other value: every negative (the "
+        "release's default -1)",
+        rule="a finite number",
+    )
+
+
 def _triplet(cfg: Any) -> Any:
     from vsekit.losses.triplet import TripletLoss
 
@@ -174,6 +195,12 @@ def _infonce(cfg: Any) -> Any:
     from vsekit.losses.adopt import create_adopt_loss
 
     return create_adopt_loss(cfg, adaptive=False)
+
+
+def _rcl(cfg: Any) -> Any:
+    from vsekit.losses.noisy_rcl import RCLLoss
+
+    return RCLLoss(cfg.temperature, cfg.rcl_method, cfg.rcl_q, cfg.rcl_negative_ratio, cfg.mask_same_image)
 
 
 def _ladder(cfg: Any) -> Any:
@@ -210,6 +237,25 @@ def _adopt_equal_score(cfg: Any, negatives: Any, hardest: bool, k: Any = None) -
     if cfg.adopt_variant == "reference":
         return "ADOPT", (kept * math.exp(cfg.margin / cfg.temperature)).log1p().mean()
     return "ADOPT", 2 * kept.log1p().mean()
+
+
+def _rcl_equal_score(cfg: Any, negatives: Any, hardest: bool, k: Any = None) -> tuple[str, Any]:
+    # every probability is 1/B in both directions: each query pays n_i times the cost of 1/B, or log B
+    b = negatives.numel()
+    if cfg.rcl_method == "infoNCE":
+        return "RCL (InfoNCE)", negatives.new_tensor(2 * math.log(b))
+    x = 1.0 / b
+    cost = {
+        "log": -math.log(1 - x),
+        "tan": math.tan(x),
+        "abs": x,
+        "exp": math.exp(x - 1),
+        "gce": (1 - (1 - x) ** cfg.rcl_q) / cfg.rcl_q,
+    }[cfg.rcl_method]
+    kept = negatives
+    if 0 < cfg.rcl_negative_ratio < 1:  # int(ratio B) drawn per row (the query's own captions then left out)
+        kept = kept.clamp(max=int(cfg.rcl_negative_ratio * b))
+    return f"RCL ({cfg.rcl_method})", 2 * cost * kept.mean()
 
 
 def _adopt_graph_blockers(cfg: Any) -> list[str]:
@@ -251,6 +297,15 @@ register(
 )
 register_shared(
     "loss", ViewRegSettings, help="AVSE's view regulariser, added to any loss when its weight is > 0"
+)
+register(
+    "loss",
+    "rcl",
+    RCLSettings,
+    build=_rcl,
+    help="RCL's complementary contrastive loss: the probability of every negative pushed down, robust to "
+    "mismatched pairs",
+    facts={"cuda_graph": True, "equal_score": _rcl_equal_score},
 )
 register(
     "loss",

@@ -538,19 +538,29 @@ def make_train_data(
     recorded: str = "",
     pad_id: int = 0,
     log=None,
+    alongside: TrainData | None = None,
+    seed: int | None = None,
 ) -> TrainData:
     """Choose the data path (module docstring) and build it. `recorded`: the path a resumed run was trained
-    with ('' for a new run). `log` gets the warnings a user should see (a resumed run on another path)."""
+    with ('' for a new run). `log` gets the warnings a user should see (a resumed run on another path).
+    `alongside`: a second stream of batches of the same pairs beside that one (another sampler: the
+    co-teaching trainer's unlabeled batches), on its path and sharing its device copy of the set; `seed` its
+    augmentation seed (default train.seed)."""
     setting = recipe.train.data_on_device
     buckets = recipe.train.caption_buckets
-    on_device, reason = _choose(setting, pairs, split, device, recorded, log)
+    seed = recipe.train.seed if seed is None else seed
+    if alongside is not None:
+        on_device, reason = alongside.on_device, "beside the run's training batches"
+    else:
+        on_device, reason = _choose(setting, pairs, split, device, recorded, log)
     if on_device:
-        data = DeviceData(split, pairs.text, device)
+        if alongside is not None and isinstance(alongside.loader, DeviceBatches):
+            data = alongside.loader.data
+        else:
+            data = DeviceData(split, pairs.text, device)
         aug = getattr(pairs.images, "aug", None)
         widths = caption_widths(data.caption_lengths, buckets)
-        loader = DeviceBatches(
-            data, sampler, split.cap2img, recipe.train.seed, aug, pairs.text_augment_prob, dist, widths
-        )
+        loader = DeviceBatches(data, sampler, split.cap2img, seed, aug, pairs.text_augment_prob, dist, widths)
         return TrainData(
             loader,
             sampler,
@@ -581,7 +591,7 @@ def make_train_data(
         num_workers=workers,
         pin_memory=device.type == "cuda",
         persistent_workers=workers > 0,
-        generator=torch.Generator().manual_seed(derived_seed(recipe.train.seed, 0x10AD)),
+        generator=torch.Generator().manual_seed(derived_seed(seed, 0x10AD)),
     )
     return TrainData(
         loader,

@@ -342,68 +342,101 @@ class GradCache:
         `weights` reach the loss's reduction over the whole batch, as in the eager step."""
         if context is None:
             context = StepContext(warmup=warmup, ramp=ramp)
-        parts = self.parts
-        model, dev = parts.model, parts.device
-        batch = parts.to_device(Batch.of(batch))
-        b = batch.images.shape[0]
-        spans = [(s, min(s + self.chunk, b)) for s in range(0, b, self.chunk)]
-        bn = FullBatchNorm(model)
-        image_bn, text_bn = bn.in_module(model.image_encoder), bn.in_module(model.text_encoder)
+        step = _ChunkedStep(self, Batch.of(batch), generator)
         self.passes = 0
+        if step.bn:
+            step.bn.save_buffers()
+            step.collect_statistics()  # 1. the chunks' BatchNorm sums -> the full batch's statistics
+        after = step.embed()  # 2. every chunk's embeddings, without a graph
+        loss, diag = step.full_batch_loss(context)  # 3. d loss / d embeddings (+ similarity/loss parameters)
+        step.backprop_chunks()  # 4. each chunk again, with its graph: the cached embedding gradients
+        if step.bn and step.bn.grads:
+            step.backprop_statistics()  # 5. through the BatchNorm statistics: each chunk to its last BatchNorm
+        if step.bn:
+            step.bn.restore_buffers()
+            step.bn.update_running_stats()
+        after.restore(step.device, generator)
+        self.parts.update()
+        return loss.detach(), diag, step.img.detach(), step.txt.detach()
 
-        def encode(side: str, span: tuple[int, int]) -> torch.Tensor:
-            self.passes += 1
-            rows = batch.rows(*span)
-            return parts.encode_images(rows, generator) if side == "image" else parts.encode_texts(rows)
 
-        states: list[RandomState | None] = [None] * len(spans)
+class _ChunkedStep:
+    """One call of `GradCache`: the batch cut into chunks, each chunk's random state (saved at its first
+    encoding, restored at every later one, so each pass draws the same masks), and the stages of the call."""
 
-        def enter(i: int) -> None:
-            """Before chunk i: its saved random state, or save it (its first encoding in this step)."""
-            if states[i] is None:
-                states[i] = RandomState.capture(dev, generator)
-            else:
-                states[i].restore(dev, generator)  # type: ignore[union-attr]
+    def __init__(self, cache: GradCache, batch: Batch, generator: torch.Generator | None) -> None:
+        self.cache, self.parts, self.generator = cache, cache.parts, generator
+        self.model, self.device = self.parts.model, self.parts.device
+        self.batch = self.parts.to_device(batch)
+        b = self.batch.images.shape[0]
+        self.spans = [(s, min(s + cache.chunk, b)) for s in range(0, b, cache.chunk)]
+        self.bn = FullBatchNorm(self.model)
+        self.image_bn = self.bn.in_module(self.model.image_encoder)
+        self.text_bn = self.bn.in_module(self.model.text_encoder)
+        self.states: list[RandomState | None] = [None] * len(self.spans)
+        self.img = self.txt = torch.empty(0)
+        self.grad_img: torch.Tensor | None = None
+        self.grad_txt: torch.Tensor | None = None
 
-        if bn:
-            bn.save_buffers()
-            # 1. the chunks' BatchNorm sums -> the full batch's statistics
-            with torch.no_grad(), bn.hooked("collect"):
-                for i, span in enumerate(spans):
-                    enter(i)
-                    bn.start_chunk()
-                    if image_bn:
-                        encode("image", span)
-                    if text_bn:
-                        encode("text", span)
-            bn.combine()
-        # 2. every chunk's embeddings, without a graph (normalised with the full batch's statistics)
+    def encode(self, side: str, span: tuple[int, int]) -> torch.Tensor:
+        self.cache.passes += 1
+        rows = self.batch.rows(*span)
+        if side == "image":
+            return self.parts.encode_images(rows, self.generator)
+        return self.parts.encode_texts(rows)
+
+    def enter(self, i: int) -> None:
+        """Before chunk i: its saved random state, or save it (its first encoding in this step)."""
+        if self.states[i] is None:
+            self.states[i] = RandomState.capture(self.device, self.generator)
+        else:
+            self.states[i].restore(self.device, self.generator)  # type: ignore[union-attr]
+
+    def collect_statistics(self) -> None:
+        with torch.no_grad(), self.bn.hooked("collect"):
+            for i, span in enumerate(self.spans):
+                self.enter(i)
+                self.bn.start_chunk()
+                if self.image_bn:
+                    self.encode("image", span)
+                if self.text_bn:
+                    self.encode("text", span)
+        self.bn.combine()
+
+    def embed(self) -> RandomState:
+        """Every chunk's embeddings as leaves (normalised with the full batch's statistics); returns where one
+        pass leaves the random states."""
         imgs, txts = [], []
-        with torch.no_grad(), bn.hooked("apply") if bn else contextlib.nullcontext():
-            for i, span in enumerate(spans):
-                enter(i)
-                bn.start_chunk()
-                imgs.append(encode("image", span))
-                txts.append(encode("text", span))
-        after = RandomState.capture(dev, generator)  # where one pass leaves the random states
-        img = torch.cat(imgs).detach().requires_grad_(True)
-        txt = torch.cat(txts).detach().requires_grad_(True)
-        del imgs, txts
-        # 3. the full batch's loss on the leaf embeddings: d loss / d embeddings (+ similarity/loss parameters)
+        with torch.no_grad(), self.bn.hooked("apply") if self.bn else contextlib.nullcontext():
+            for i, span in enumerate(self.spans):
+                self.enter(i)
+                self.bn.start_chunk()
+                imgs.append(self.encode("image", span))
+                txts.append(self.encode("text", span))
+        after = RandomState.capture(self.device, self.generator)
+        self.img = torch.cat(imgs).detach().requires_grad_(True)
+        self.txt = torch.cat(txts).detach().requires_grad_(True)
+        return after
+
+    def full_batch_loss(self, context: StepContext) -> tuple[torch.Tensor, dict]:
+        parts, batch = self.parts, self.batch
         parts.zero_grad()
         loss, diag = parts.score(
-            img, txt, batch.image_index, batch.caption_index, context=context, weights=batch.weights
+            self.img, self.txt, batch.image_index, batch.caption_index, context=context, weights=batch.weights
         )
         loss.backward()
-        grad_img, grad_txt = img.grad, txt.grad
-        # 4. each chunk again, with its graph: back-propagate the cached embedding gradients
+        self.grad_img, self.grad_txt = self.img.grad, self.txt.grad
+        return loss, diag
+
+    def backprop_chunks(self) -> None:
+        bn = self.bn
         with bn.hooked("leaf") if bn else contextlib.nullcontext():
-            for i, span in enumerate(spans):
-                enter(i)
+            for i, span in enumerate(self.spans):
+                self.enter(i)
                 bn.start_chunk()
                 outs, grads = [], []
-                for side, g in (("image", grad_img), ("text", grad_txt)):
-                    emb = encode(side, span)
+                for side, g in (("image", self.grad_img), ("text", self.grad_txt)):
+                    emb = self.encode(side, span)
                     if g is not None and emb.requires_grad:
                         outs.append(emb)
                         grads.append(g[span[0] : span[1]].to(emb.dtype))
@@ -411,26 +444,21 @@ class GradCache:
                     torch.autograd.backward(outs, grads)
                 if bn:
                     bn.take_leaf_grads()
-        # 5. the gradient through the BatchNorm statistics: each chunk up to its last BatchNorm
-        if bn and bn.grads:
-            for i, span in enumerate(spans):
-                enter(i)
-                for side, has_bn in (("image", image_bn), ("text", text_bn)):
-                    if not has_bn:
-                        continue
-                    bn.start_chunk()
-                    expected = _calls_in(bn, model.image_encoder if side == "image" else model.text_encoder)
-                    with bn.hooked("inject", stop_after=expected), contextlib.suppress(_StopForward):
-                        encode(side, span)
-                    part = bn.inject_loss()
-                    if part is not None and part.requires_grad:
-                        part.backward()
-        if bn:
-            bn.restore_buffers()
-            bn.update_running_stats()
-        after.restore(dev, generator)
-        parts.update()
-        return loss.detach(), diag, img.detach(), txt.detach()
+
+    def backprop_statistics(self) -> None:
+        bn, model = self.bn, self.model
+        for i, span in enumerate(self.spans):
+            self.enter(i)
+            for side, has_bn in (("image", self.image_bn), ("text", self.text_bn)):
+                if not has_bn:
+                    continue
+                bn.start_chunk()
+                expected = _calls_in(bn, model.image_encoder if side == "image" else model.text_encoder)
+                with bn.hooked("inject", stop_after=expected), contextlib.suppress(_StopForward):
+                    self.encode(side, span)
+                part = bn.inject_loss()
+                if part is not None and part.requires_grad:
+                    part.backward()
 
 
 def _calls_in(bn: FullBatchNorm, encoder: nn.Module) -> int:

@@ -55,6 +55,9 @@ class StepParts:
             )
         # what a loss asks for besides the embeddings (its `needs_sets`, `needs_generator`), from `encode`
         self.loss_inputs: dict = {}
+        # what the caller hands the loss with this step's batch (the co-teaching trainer's targets), from
+        # `TrainStep(..., loss_inputs=)`: merged into `loss_inputs` by `encode`
+        self.batch_inputs: dict = {}
         self._image_encoder, self._text_encoder = model.encode_images, model.encode_texts
         if compile:
             self._image_encoder = torch.compile(model.encode_images)
@@ -87,7 +90,9 @@ class StepParts:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, D] image and caption embeddings of `batch` (on the device already), in one autocast region; the
         sets and the generator the loss asks for (`needs_sets`, `needs_generator`) are kept for `score`."""
-        self.loss_inputs = {"generator": generator} if self.loss_fn.needs_generator else {}
+        self.loss_inputs = dict(self.batch_inputs)
+        if self.loss_fn.needs_generator:
+            self.loss_inputs["generator"] = generator
         if not self.loss_fn.needs_sets:
             with self.autocast(graph):
                 return self.encode_images(batch, generator, graph), self.encode_texts(batch, graph, generator)

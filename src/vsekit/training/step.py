@@ -108,12 +108,19 @@ class TrainStep:
         loss_warmup: bool = False,
         shard_sizes: list[int] | None = None,
         global_step: int | None = None,
+        loss_inputs: Mapping[str, torch.Tensor] | None = None,
     ) -> dict:
         """Train on `batch` (this rank's shard; `shard_sizes` = every rank's shard size of the global batch).
         `loss_warmup`: the loss ramps in over the epoch's steps (first unfrozen-backbone epoch). The loss gets
         the step's `StepContext` (`global_step`: steps done before this one; None: unknown, recorded as -1)
-        and the batch's `weights`."""
+        and the batch's `weights`, and `loss_inputs` besides (keyword arguments of this step's loss call:
+        the co-teaching trainer's targets; eager steps only)."""
         batch = Batch.of(batch)
+        self.parts.batch_inputs = dict(loss_inputs or {})
+        if self.parts.batch_inputs and (self.graphs is not None or self.grad_cache is not None):
+            raise ConfigError(
+                "per-batch loss inputs need the eager step (no train.cuda_graph, no grad cache)"
+            )
         r, ctx = self.recipe, self.dist
         self.model.train()
         rank_part = (ctx.rank,) if ctx.enabled else ()

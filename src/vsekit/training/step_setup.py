@@ -17,6 +17,8 @@ import torch
 
 from vsekit.config import ConfigError, Recipe, validate_recipe
 from vsekit.distributed import DistContext
+from vsekit.models.pair import members_of
+from vsekit.registry import has_fact
 from vsekit.similarity.parts import scores_sets
 from vsekit.training.cuda_graph import cuda_graph_blockers
 from vsekit.training.grad_cache import GradCacheError, grad_cache_blockers
@@ -46,7 +48,7 @@ def check_step_setup(
     mode = graph if graph is not None else ("cuda" if recipe.train.cuda_graph else None)
     validate_recipe(recipe)
     cache = grad_cache_blockers(recipe, dist)
-    problems = list(cache)
+    problems = list(cache) + co_teaching_blockers(recipe, dist)
     if dist is not None and dist.enabled and scores_sets(recipe.model.similarity.name):
         problems.append(
             f"model.similarity.name={recipe.model.similarity.name} scores sets of vectors, which the "
@@ -64,3 +66,26 @@ def check_step_setup(
     setup = StepSetup(graph=mode, grad_cache_chunk=recipe.train.grad_cache_chunk)
     logger.debug("training step: %s", setup)
     return setup
+
+
+def co_teaching_blockers(recipe: Recipe, dist: DistContext | None) -> list[str]:
+    """Why a two-network recipe cannot train here (empty: it can, or it is not a two-network recipe)."""
+    if members_of(recipe) != 2:
+        return []
+    policy, out = recipe.train.sample_policy.name, []
+    if dist is not None and dist.enabled:
+        out.append(f"train.sample_policy.name={policy} trains two networks in turn: run it in one process")
+    if recipe.train.grad_cache_chunk > 0:
+        out.append(
+            f"train.grad_cache_chunk with train.sample_policy.name={policy} (its steps take per-batch targets)"
+        )
+    if recipe.train.cuda_graph:
+        out.append(
+            f"train.cuda_graph with train.sample_policy.name={policy} (its steps take per-batch targets)"
+        )
+    if not has_fact("loss", recipe.loss.name, "takes_targets"):
+        out.append(
+            f"train.sample_policy.name={policy} hands the loss co-rectified targets, which "
+            f"loss.name={recipe.loss.name} does not read (a loss with the fact takes_targets: ncr)"
+        )
+    return out

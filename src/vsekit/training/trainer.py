@@ -38,12 +38,14 @@ from vsekit.features.backbones import pixel_transform_of
 from vsekit.losses import create_loss
 from vsekit.metrics import evaluate_sims, format_table
 from vsekit.models.image import BackboneImageEncoder
-from vsekit.models.vse import DataSpec, VSEModel
+from vsekit.models.pair import ModelPair, build_model
+from vsekit.models.vse import DataSpec
 from vsekit.registry import has_fact
 from vsekit.runs import read_run_config, run_writer_lock, write_run_config
 from vsekit.training.advice import small_data_advice  # noqa: F401 (imported from here too)
 from vsekit.training.callbacks import Callback, StepEnd, call_hook, default_callbacks
 from vsekit.training.checkpointing import LOSS_STATE, load_state, save_state  # noqa: F401 (LOSS_STATE: here too)
+from vsekit.training.co_teaching import CoTeaching
 from vsekit.training.data_path import (  # noqa: F401 (EpochBatches, device_batches: imported from here too)
     EpochBatches,
     device_batches,
@@ -104,8 +106,12 @@ class Trainer:
         self._load_splits()
         prepare_run_dir(self.run_dir, resume, overwrite, self.dist)
         spec = self._build_model(resume)
-        # train.sample_policy: each epoch's plan of pairs, its state saved with the checkpoint (sample_policy.py)
-        self.policy = PolicyRunner(recipe, self.model, self.train_split, self.text, self.device, self.dist)
+        # train.sample_policy: each epoch's plan of pairs, its state saved with the checkpoint (sample_policy.py);
+        # a two-network policy (NCR) trains the pair in turn, its split saved instead (co_teaching.py)
+        self.co = CoTeaching(self) if isinstance(self.model, ModelPair) else None
+        self.policy = self.co or PolicyRunner(
+            recipe, self.model, self.train_split, self.text, self.device, self.dist
+        )
         self.state = TrainState()
         self.history: list[dict] = []
         if resume:
@@ -117,9 +123,19 @@ class Trainer:
             self._start_run(
                 spec
             )  # only now: an error or Ctrl-C before this point leaves the folder as it was
-        self.step_fn = TrainStep(
-            recipe, self.model, self.loss_fn, self.optimizer, self.device, self.dist, setup=self.step_setup
-        )
+        if self.co is not None:  # one step body per network, sharing the optimizer
+            self.member_steps = self.co.build_steps()
+            self.step_fn = self.member_steps[0]
+        else:
+            self.step_fn = TrainStep(
+                recipe,
+                self.model,
+                self.loss_fn,
+                self.optimizer,
+                self.device,
+                self.dist,
+                setup=self.step_setup,
+            )
         self.bar = None  # the epoch's progress bar, while an epoch trains
         # the alarms, checkpointing, then the reporters (rank 0: TensorBoard, --report-to wandb), then the user's
         reporters = make_reporters(report_to, self.run_dir, to_dict(recipe)) if self.dist.is_main else []
@@ -174,7 +190,7 @@ class Trainer:
                 list(spec.vocab_words),
                 self.saved_cfg.get("data_dir"),
             )
-        self.model = VSEModel(recipe, spec).to(self.device)
+        self.model = build_model(recipe, spec).to(self.device)  # two networks for a co-teaching policy
         convert_batchnorm(self.model, self.dist)  # global-batch BatchNorm statistics under torchrun
         broadcast_module(self.model, self.dist)
         self.loss_fn = create_loss(recipe.loss, image_views=recipe.model.image.views)
@@ -292,7 +308,11 @@ class Trainer:
         )
 
     def validate(self) -> dict:
-        sims = split_similarities(self.model, self.val_split, self.recipe.train.eval_batch_size, self.device)
+        if self.co is not None:  # the pair, and each network's rsum
+            return self.co.validate()
+        sims = split_similarities(
+            self.model, self.val_split, self.recipe.train.eval_batch_size, self.device, text=self.text
+        )
         return evaluate_sims(sims, self.val_split.cap2img)
 
     def fit(self, max_steps: int | None = None) -> dict:
@@ -333,6 +353,8 @@ class Trainer:
 
     def _train_epoch(self, epoch: int, max_steps: int | None) -> bool:
         """One epoch (or its rest, resumed), then its validation; True when `max_steps` stopped it."""
+        if self.co is not None:
+            return self.co.train_epoch(epoch, max_steps)
         r = self.recipe
         self._set_lr(epoch)
         # first unfrozen backbone epoch: ramp the loss (released code) or the lr (paper) in over its steps

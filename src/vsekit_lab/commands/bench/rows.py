@@ -19,6 +19,7 @@ SECTIONS = {
     "grad-cache": "Gradient caching: peak memory of one step (`vse bench grad-cache`)",
     "data": "Data path (`vse bench data`)",
     "epoch": "One epoch of `vse train`, end to end (`vse bench epoch`)",
+    "co-teaching": "Two networks (NCR) against one: epoch time and the split pass (`vse bench co-teaching`)",
     "amp": "bf16 autocast against float32: one step's loss and gradients (`vse bench amp`)",
     "eval": "Evaluation: `vse eval-sims` (`vse bench eval`)",
     "eval-sims": "Evaluation as whole processes: `vse eval-sims` vs a minimal numpy script (`vse bench eval-sims`)",

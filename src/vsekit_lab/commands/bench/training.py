@@ -281,6 +281,30 @@ def run_epoch(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_co_teaching(args: argparse.Namespace) -> int:
+    from vsekit_lab.bench.co_teaching import bench_co_teaching
+    from vsekit_lab.demo import DEMO_OVERRIDES
+
+    overrides = (DEMO_OVERRIDES if args.demo_settings else []) + args.set
+    res = bench_co_teaching(args.data, args.epochs, args.device, overrides)
+    emit(
+        args,
+        [
+            ("data", "dataset"),
+            ("one_network_epoch_s", "one network (VSE∞), s/epoch"),
+            ("two_network_epoch_s", "two networks (NCR), s/epoch"),
+            ("two_over_one", "two / one"),
+            ("split_pass_s", "split pass (both networks), s"),
+            ("split_over_phase", "split pass per network / its phase"),
+            ("split_per_network_over_one_epoch", "split pass per network / one-network epoch"),
+        ],
+        [res],
+        args.device,
+    )
+    write_json(args, res)
+    return 0
+
+
 def run_ladder(args: argparse.Namespace) -> int:
     from vsekit_lab.bench.ladder import bench_ladder_step
 
@@ -518,6 +542,23 @@ def add_epoch(add: AddVerb) -> None:
     )
     ep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any recipe key")
     add_json_args(ep, "the result")
+
+
+def add_co_teaching(add: AddVerb) -> None:
+    """`vse bench co-teaching` and its options."""
+    co = add("co-teaching", "NCR's two networks against one: epoch time and the split pass", run_co_teaching)
+    co.add_argument(
+        "--data", required=True, metavar="DIR", help="a precomp dataset (e.g. a `vse data noise` copy)"
+    )
+    co.add_argument("--epochs", type=int, action=at_least(2), default=2, help="epochs of each run (>= 2)")
+    co.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 …")
+    co.add_argument(
+        "--demo-settings",
+        action="store_true",
+        help="the demo's overrides (512-d, grid features, batch 128, …)",
+    )
+    co.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any recipe key")
+    add_json_args(co, "the result")
 
 
 def add_ladder(add: AddVerb) -> None:

@@ -9,6 +9,7 @@ from vsekit_lab.commands.bench.rows import sub_verb_adder
 from vsekit_lab.commands.bench.search import add_search_verbs
 from vsekit_lab.commands.bench.training import (
     add_amp,
+    add_co_teaching,
     add_data,
     add_epoch,
     add_grad_cache,
@@ -28,6 +29,7 @@ def register(sub) -> None:
         add_grad_cache,
         add_data,
         add_epoch,
+        add_co_teaching,
         add_eval,
         add_eval_sims,
         add_eccv,
