@@ -260,3 +260,35 @@ def test_member_of_a_pair_is_that_network(tiny_data, tmp_path):
     assert both.shape[1] == 2 * ea.shape[1]
     # the pair's embedding is both networks' side by side, each scaled by 1/sqrt(2)
     torch.testing.assert_close(both, torch.cat([ea, eb], dim=1) / 2**0.5, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_index_of_a_pair_scores_the_mean_of_both_networks(shapes_model, tmp_path):
+    pytest.importorskip("faiss")
+    from vsekit.api import load
+    from vsekit.data.precomp import load_precomp_split
+    from vsekit.search.engine import SearchEngine
+    from vsekit.search.index import SearchIndex, build_index
+    from vsekit_lab.datasets.shapes import SHAPES_RECIPE_OVERRIDES
+
+    data, _ = shapes_model
+    run = tmp_path / "pair"
+    recipe = load_recipe("ncr", SHAPES_RECIPE_OVERRIDES + ["train.epochs=3", "loss.warmup_epochs=1"])
+    Trainer(recipe, data, run, progress=False, log=lambda *_: None).fit()
+    out = tmp_path / "idx"
+    build_index(run, f"{data}:test", out, progress=False, log=lambda *_: None)
+    index = SearchIndex(out)
+    engine = SearchEngine(index, load(run), {})
+    query = "a red circle"
+    hits = engine.search_text(query, k=5)
+    # each network alone, on the test split's own stored features (the pictures the index holds, in order)
+    split = load_precomp_split(data, "test", recipe.data.captions_per_image)
+    feats = torch.as_tensor(np.asarray(split.features, dtype=np.float32)[split.image_rows])
+    means = []
+    for member in ("A", "B"):
+        m = load(run, member=member)
+        means.append(m.similarity(m.encode_image(feats), m.encode_text([query]))[:, 0])
+    expected = ((means[0] + means[1]) / 2).numpy()
+    assert index.all_image_emb().shape[1] == 2 * recipe.model.embed_dim
+    for h in hits:
+        assert h.score == pytest.approx(float(expected[h.id]), abs=1e-5)

@@ -38,20 +38,24 @@ ROWS = [
 AUDITED = ("vse_infty_bigru", "ncr_bigru")
 
 
-def rate_tag(rate: float) -> str:
-    return f"c{round(rate * 100):02d}"
+LEVEL = {"caption": "c", "image": "i"}
 
 
-def noisy_copy(data: Path, rate: float, root: Path) -> Path:
-    """The set with `rate` of its training captions reassigned (written once; rate 0: the set itself)."""
+def rate_tag(rate: float, level: str = "caption") -> str:
+    return f"{LEVEL[level]}{round(rate * 100):02d}"
+
+
+def noisy_copy(data: Path, rate: float, root: Path, level: str = "caption") -> Path:
+    """The set with `rate` of its training pairs reassigned at `level` (written once; rate 0: the set itself)."""
     if rate == 0:
         return data
-    dst = root / f"{data.name}_{rate_tag(rate)}"
+    dst = root / f"{data.name}_{rate_tag(rate, level)}"
     if not (dst / "manifest.json").is_file():
         root.mkdir(parents=True, exist_ok=True)
         vse = Path(sys.executable).with_name("vse")
         subprocess.run(
-            [str(vse), "data", "noise", str(data), "--out", str(dst), "--rate", str(rate), "--seed", "0"],
+            [str(vse), "data", "noise", str(data), "--out", str(dst), "--rate", str(rate), "--seed", "0"]
+            + ["--level", level],
             check=True,
         )
     return dst
@@ -85,12 +89,12 @@ def train_and_score(row: Row, seed: int, data: str, out: str, epochs: int, threa
     return {**res, **extras(row, run_dir(Path(out), row, seed), Path(data))}
 
 
-def results(out: Path, rates: list[float], seeds: list[int]) -> dict:
+def results(out: Path, rates: list[float], seeds: list[int], level: str = "caption") -> dict:
     found: dict = {}
     for rate in rates:
         for row in ROWS:
             for s in seeds:
-                folder = run_dir(out / rate_tag(rate), row, s)
+                folder = run_dir(out / rate_tag(rate, level), row, s)
                 if (folder / "study_result.json").is_file() and (folder / "noisy_extra.json").is_file():
                     r = {**json.loads((folder / "study_result.json").read_text())}
                     r.update(json.loads((folder / "noisy_extra.json").read_text()))
@@ -107,7 +111,7 @@ def cell(xs: list[float]) -> str:
 
 def report(args) -> str:
     out = Path(args.out)
-    found = results(out, args.rates, args.seeds)
+    found = results(out, args.rates, args.seeds, args.level)
     head = "| model | " + " | ".join(f"{round(r * 100)} % noise" for r in args.rates) + " |"
     lines = [head, "|" + "---|" * (len(args.rates) + 1)]
     labels = {
@@ -138,7 +142,7 @@ def report(args) -> str:
     seeds_done = {k: sorted(r["seed"] for r in v) for k, v in found.items()}
     text = "\n".join(
         [
-            "# Noisy pairs on openclipart (test rsum, mean ± std over seeds)\n",
+            f"# Noisy pairs on openclipart, {args.level}-level noise (test rsum, mean ± std over seeds)\n",
             "\n".join(lines),
             "",
             "Audit AUC (%), training pairs, mismatched = positive:\n",
@@ -149,11 +153,12 @@ def report(args) -> str:
             "",
         ]
     )
-    (out / "noisy.md").write_text(text)
-    (out / "noisy.json").write_text(
+    stem = "noisy" if args.level == "caption" else f"noisy_{args.level}"
+    (out / f"{stem}.md").write_text(text)
+    (out / f"{stem}.json").write_text(
         json.dumps({f"{k[0]}:{k[1]}": v for k, v in found.items()}, indent=1, default=str)
     )
-    plot(found, args.rates, out / "noisy.png")
+    plot(found, args.rates, out / f"{stem}.png")
     return text
 
 
@@ -196,6 +201,7 @@ def main() -> int:
     p.add_argument("--out", default="runs/noisy")
     p.add_argument("--noisy-root", default="data/noisy", help="where the noisy copies are written")
     p.add_argument("--rates", nargs="+", type=float, default=[0.0, 0.2, 0.5, 0.8])
+    p.add_argument("--level", choices=tuple(LEVEL), default="caption", help="caption (NCR) or image (RCL)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--rows", nargs="+", default=[r.name for r in ROWS], choices=[r.name for r in ROWS])
     p.add_argument("--jobs", type=int, default=2)
@@ -205,7 +211,9 @@ def main() -> int:
     from vsekit_lab.demo import DEMO_EPOCHS
 
     if not args.report_only:
-        copies = {rate: noisy_copy(Path(args.data), rate, Path(args.noisy_root)) for rate in args.rates}
+        copies = {
+            rate: noisy_copy(Path(args.data), rate, Path(args.noisy_root), args.level) for rate in args.rates
+        }
         slow_first = {"ncr_bigru": 0, "rcl_bigru": 1, "vse_infty_bigru": 2}
         jobs = sorted(
             ((rate, r, s) for rate in args.rates for r in ROWS if r.name in args.rows for s in args.seeds),
@@ -218,7 +226,7 @@ def main() -> int:
                     r,
                     s,
                     str(copies[rate]),
-                    str(Path(args.out) / rate_tag(rate)),
+                    str(Path(args.out) / rate_tag(rate, args.level)),
                     DEMO_EPOCHS,
                     args.threads,
                 ): (rate, r, s)
@@ -229,15 +237,15 @@ def main() -> int:
                 try:
                     res = fut.result()
                     print(
-                        f"{rate_tag(rate)} {r.name} seed {s}: test rsum {res['test']['rsum']:.1f}", flush=True
+                        f"{rate_tag(rate, args.level)} {r.name} seed {s}: test rsum {res['test']['rsum']:.1f}", flush=True
                     )
                 except Busy as e:
                     print(f"skipped: {e}", flush=True)
                 except Exception as e:  # one failed run must not lose the others
-                    folder = run_dir(Path(args.out) / rate_tag(rate), r, s)
+                    folder = run_dir(Path(args.out) / rate_tag(rate, args.level), r, s)
                     folder.mkdir(parents=True, exist_ok=True)
                     (folder / "failed.txt").write_text(f"{type(e).__name__}: {e}\n", encoding="utf-8")
-                    print(f"FAILED {rate_tag(rate)} {r.name} seed {s}: {e}", flush=True)
+                    print(f"FAILED {rate_tag(rate, args.level)} {r.name} seed {s}: {e}", flush=True)
                     traceback.print_exception(e)
     print(report(args))
     return 0

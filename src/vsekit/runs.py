@@ -42,7 +42,7 @@ from vsekit.utils.io import (
     storage_full_error,
 )
 from vsekit.utils.locks import LOCK_NAME, folder_lock
-from vsekit.utils.safe_json import JsonBoundsError, loads_bounded
+from vsekit.utils.safe_json import JsonBoundsError, read_json_file
 
 RUN_FORMAT = "vsekit-run/1"
 CHECKPOINT_FORMAT = "vsekit-checkpoint/1"
@@ -91,14 +91,7 @@ def _read_config_json(path: Path) -> Any:
     """config.json within `MAX_RUN_CONFIG_BYTES` and JSON's bounds (`loads_bounded`: vsekit never writes NaN or
     infinity there, the recipe validator refuses them), or a CheckpointError naming the file."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_RUN_CONFIG_BYTES + 1)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
-    if len(raw) > MAX_RUN_CONFIG_BYTES:
-        raise CheckpointError(f"{path}: more than {MAX_RUN_CONFIG_BYTES:,} bytes; not a run's config.json")
-    try:
-        return loads_bounded(raw, str(path))
+        return read_json_file(path, MAX_RUN_CONFIG_BYTES, "a run's config.json")
     except JsonBoundsError as e:
         raise CheckpointError(str(e)) from None
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from vsekit.errors import VseInputError
 from vsekit.utils.io import atomic_write_json
-from vsekit.utils.safe_json import JsonBoundsError, loads_bounded
+from vsekit.utils.safe_json import JsonBoundsError, read_json_file
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +52,7 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ManifestError(path, "not a regular file")
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_MANIFEST_BYTES + 1)
-    except OSError as e:
-        raise ManifestError(path, f"cannot be read ({e.strerror or e})") from None
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise ManifestError(path, f"larger than {MAX_MANIFEST_BYTES:,} bytes; not a dataset manifest")
-    try:
-        value = loads_bounded(data, str(path))
+        value = read_json_file(path, MAX_MANIFEST_BYTES, "a dataset manifest")
     except JsonBoundsError as e:
         raise ManifestError(path, str(e).removeprefix(f"{path}: ")) from None
     if not isinstance(value, dict):

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from vsekit.errors import MissingPackageError, VseInputError
-from vsekit.utils.safe_json import JsonBoundsError, loads_bounded
+from vsekit.utils.safe_json import JsonBoundsError, read_json_file
 
 PAD, START, END, UNK, MASK = "<pad>", "<start>", "<end>", "<unk>", "<mask>"
 SPECIALS = (PAD, START, END, UNK, MASK)
@@ -138,16 +138,8 @@ def augment_words(
 def read_vocab_json(path: str | Path) -> Any:
     """The JSON of a vocabulary file, read within `MAX_VOCAB_BYTES` and JSON's bounds (`loads_bounded`): a
     problem is one VseInputError naming the file, never a RecursionError or a read of gigabytes."""
-    path = Path(path)
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_VOCAB_BYTES + 1)
-    except OSError as e:
-        raise VseInputError(f"{path}: cannot read vocabulary JSON ({e.strerror or e})") from None
-    if len(raw) > MAX_VOCAB_BYTES:
-        raise VseInputError(f"{path}: a vocabulary JSON of more than {MAX_VOCAB_BYTES:,} bytes")
-    try:
-        return loads_bounded(raw, str(path))
+        return read_json_file(path, MAX_VOCAB_BYTES, "a vocabulary JSON")
     except JsonBoundsError as e:
         raise VseInputError(f"cannot read vocabulary JSON: {e}") from None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 MAX_JSON_DEPTH = 64  # arrays and objects inside each other: far above any config, vocabulary or caption file
@@ -135,3 +136,23 @@ def loads_bounded(
     if _SURROGATE_ESCAPE.search(text):  # the walk over every value only when an escape could pair badly
         _no_surrogates(value, what)
     return value
+
+
+class JsonFileError(JsonBoundsError):
+    """A JSON file that cannot be read or is larger than its bound; names the file."""
+
+
+def read_json_file(path: str | Path, max_bytes: int, what: str = "a JSON file") -> Any:
+    """The JSON of a file read within `max_bytes` (one byte more is read, never the whole of a larger file)
+    and JSON's bounds (`loads_bounded`): the one reader of vsekit's own small JSON files (config.json, a
+    vocabulary, a dataset manifest). A `JsonFileError` when it cannot be read or is too large (`what` names
+    what it should have been), a `JsonBoundsError` when it is not bounded JSON; both name the file."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(max_bytes + 1)
+    except OSError as e:
+        raise JsonFileError(f"{path}: cannot be read ({e.strerror or e})") from None
+    if len(raw) > max_bytes:
+        raise JsonFileError(f"{path}: larger than {max_bytes:,} bytes; not {what}")
+    return loads_bounded(raw, str(path))
