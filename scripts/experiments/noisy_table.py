@@ -237,7 +237,8 @@ def main() -> int:
                 try:
                     res = fut.result()
                     print(
-                        f"{rate_tag(rate, args.level)} {r.name} seed {s}: test rsum {res['test']['rsum']:.1f}", flush=True
+                        f"{rate_tag(rate, args.level)} {r.name} seed {s}: test rsum {res['test']['rsum']:.1f}",
+                        flush=True,
                     )
                 except Busy as e:
                     print(f"skipped: {e}", flush=True)
