@@ -176,8 +176,13 @@ def run_writer_lock(run_dir: str | Path, log: Callable[[str], None] = print) -> 
         yield lock
 
 
+SPLIT_STATE_FILE = (
+    "noisy_split.npz"  # a two-network (NCR) run's last split: `prob_A`, `prob_B` per training pair
+)
+
 RUN_ARTIFACTS = frozenset(
     {
+        SPLIT_STATE_FILE,
         "config.json",
         "vocab.json",
         "metrics.jsonl",

@@ -31,14 +31,12 @@ from vsekit.evaluation import encode_captions, encode_images, image_source_for
 from vsekit.losses.noisy_split import clean_probability, split_losses
 from vsekit.models.tokenizers import text_processor_for
 from vsekit.models.vse import VSEModel
+from vsekit.runs import SPLIT_STATE_FILE
 from vsekit.similarity import all_pairs
 from vsekit.utils.io import open_npy
 
 log = logging.getLogger(__name__)
 
-SPLIT_STATE_FILE = (
-    "noisy_split.npz"  # an NCR / IN2R run's last split: `prob` (or `prob_A`, `prob_B`) per caption
-)
 SPLIT_BATCH = 128  # the NCR release's batch size, which its split pass uses
 SPLIT_MARGIN = 0.2  # the NCR release's --margin
 MAX_UNKNOWN_SHARE = 0.5  # above this share of <unk> words, the run's vocabulary is not the dataset's

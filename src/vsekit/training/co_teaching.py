@@ -43,14 +43,14 @@ import torch
 from vsekit.config import ConfigError
 from vsekit.data.batch import Batch
 from vsekit.evaluation import encode_captions, encode_images, image_source_for, pad_id_for
-from vsekit.evaluation.audit import SPLIT_STATE_FILE, auc_score, read_ground_truth
+from vsekit.evaluation.audit import auc_score, read_ground_truth
 from vsekit.losses import noisy_ncr
 from vsekit.losses.co_divide import MemberSplit
 from vsekit.losses.noisy_split import split_losses
 from vsekit.metrics import evaluate_sims
 from vsekit.models.pair import MEMBERS, SCALE, ModelPair
 from vsekit.registry import get
-from vsekit.runs import CheckpointError
+from vsekit.runs import SPLIT_STATE_FILE, CheckpointError
 from vsekit.similarity import all_pairs
 from vsekit.training.callbacks import StepEnd, call_hook
 from vsekit.training.checkpointing import save_state
@@ -89,6 +89,7 @@ class CoTeaching:
         self._truth: np.ndarray | None | bool = False  # the dataset's recorded clean labels (False: not read)
         self._unlabeled_data = None
         self._source = None
+        self._prob_cache: tuple[tuple[int, int], torch.Tensor] | None = None
 
     # ------------------------------------------------------------------------------------- steps
     def build_steps(self) -> list[TrainStep]:
@@ -171,6 +172,19 @@ class CoTeaching:
             if truth is not None:
                 record[name]["auc"] = auc_score(~truth, 1.0 - s.prob)
         t.emit(record)
+        t.log(
+            f"epoch {epoch + 1} split: "
+            + "; ".join(
+                f"network {n} labels {s.labeled.sum():,} of {len(s.labeled):,} pairs clean"
+                + (
+                    f" (AUC {100 * record[n]['auc']:.1f} % against the recorded noise)"
+                    if "auc" in record[n]
+                    else ""
+                )
+                for n, s in zip(MEMBERS, splits, strict=True)
+            )
+            + f" [{record['split_time_s']:.1f} s]"
+        )
         self._write_split_file(splits)
         return splits
 
@@ -181,7 +195,7 @@ class CoTeaching:
         path = t.run_dir / SPLIT_STATE_FILE
         buf = io.BytesIO()
         np.savez(buf, prob_A=splits[0].prob, prob_B=splits[1].prob)
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_bytes(buf.getvalue())
         os.replace(tmp, path)
 
@@ -315,6 +329,15 @@ class CoTeaching:
             yield from data.epoch(cycle, pos)
             cycle, pos = cycle + 1, 0
 
+    def _peer_prob(self, k: int) -> torch.Tensor:
+        """The clean probabilities network k trains with (its peer's), float32 on the run's device, made once
+        per split."""
+        key = (id(self.splits), k)
+        if self._prob_cache is None or self._prob_cache[0] != key:
+            prob = torch.as_tensor(self.splits[1 - k].prob, dtype=torch.float32).to(self.t.device)
+            self._prob_cache = (key, prob)
+        return self._prob_cache[1]
+
     @torch.no_grad()
     def _predict(self, k: int, batch: Batch) -> torch.Tensor:
         """NCR's prediction for each pair of `batch` by network k, in eval mode (its mode restored)."""
@@ -337,8 +360,7 @@ class CoTeaching:
         if warm or self.splits is None:
             return steps[k](batch, epoch, 2 * it, 2 * total, global_step=t.state.global_step)
         # every target first, from the networks as they are before this step's updates (the release's order)
-        prob = torch.as_tensor(self.splits[1 - k].prob, dtype=torch.float32)
-        prob_l = prob[batch.caption_index.cpu()].view(-1, 1).to(t.device)
+        prob_l = self._peer_prob(k)[batch.caption_index.to(t.device)].view(-1, 1)
         targets_l = noisy_ncr.rectified_targets(prob_l, torch.ones_like(prob_l), self._predict(k, batch))
         targets_u = None
         if u_batch is not None:
