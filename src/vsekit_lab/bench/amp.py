@@ -33,7 +33,9 @@ from vsekit.config import load_recipe
 from vsekit.data.batch import Batch
 from vsekit.errors import VseInputError
 from vsekit.losses import create_loss
+from vsekit.losses.base import StepContext
 from vsekit.models.vse import DataSpec, VSEModel
+from vsekit.training.parts import StepParts
 
 # parameters whose gradient is zero in exact arithmetic (see the module docstring)
 NOISE_DRIVEN = ("mlp.fc1.bias", "pool.balance.bias")
@@ -89,13 +91,12 @@ def _one_pass(
 
                 hooks.append(mod.register_forward_hook(hook))
     model.zero_grad(set_to_none=True)
-    b = batch.to(device)
+    # the training step's own encode and score parts (what `train.amp=bf16` runs), without its update
+    parts = StepParts(model, loss_fn, None, device, amp=amp)  # type: ignore[arg-type]  (no update here)
+    b = parts.to_device(batch)
     try:
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
-            img = model.encode_images(b.images, b.image_lengths)
-            txt = model.encode_texts(b.tokens, b.token_lengths)
-            sims = model.similarity(img, txt).float()
-        loss, _ = loss_fn(sims, image_ids=b.image_index, warmup=warmup, image_emb=img, text_emb=txt)
+        img, txt = parts.encode(b, None)
+        loss, _ = parts.score(img, txt, b.image_index, b.caption_index, context=StepContext(warmup=warmup))
         loss.backward()
     finally:
         for h in hooks:

@@ -1,7 +1,8 @@
 """Cost of the (adaptive) ladder loss: one full training step against a VSE++ step.
 
 The budget: a step with the adaptive ladder costs at most 1.3x a VSE++ step at batch 128. A step
-is what the trainer does per batch: encode images and captions, similarity, loss, backward, AdamW. The
+is what the trainer does per batch, timed through the trainer's own `TrainStep`: encode images and captions,
+similarity, loss, backward, gradient clipping, AdamW. The
 model is the `vsepp` recipe (precomputed region features, BiGRU, average pooling); the three losses run
 interleaved on the same batch so that load from other processes hits them alike; medians are reported.
 The relevance comes from random clustered "sentence embeddings" (the loss only looks them up, so their
@@ -20,9 +21,11 @@ import time
 import torch
 
 from vsekit.config import load_recipe
+from vsekit.data.batch import Batch
 from vsekit.errors import VseInputError
 from vsekit.losses import create_loss
 from vsekit.models.vse import DataSpec, VSEModel
+from vsekit.training.step import TrainStep
 
 LOSSES = {"vsepp": "vsepp", "ladder": "cvsepp", "ladder_auto": "cvsepp_auto"}
 
@@ -77,26 +80,32 @@ def bench_ladder_step(
             loss_fn.set_caption_embeddings(emb)
         loss_fn.to(dev)
         opt = torch.optim.AdamW(model.parameters(), lr=recipe.optim.lr)
-        setups[name] = (model, loss_fn, opt)
+        # the trainer's own step body (encode, score, clip, AdamW), past the recipe's warm-up epochs
+        setups[name] = (TrainStep(recipe, model, loss_fn, opt, dev), recipe.loss.warmup_epochs, loss_fn)
+
+    batch_of = Batch(
+        images=images,
+        image_lengths=img_len,
+        tokens=tokens,
+        token_lengths=tok_len,
+        image_index=image_ids,
+        caption_index=caption_ids,
+    )
+    calls = {n: 0 for n in losses_run}
 
     def step(name: str) -> float:
-        model, loss_fn, opt = setups[name]
+        step_fn, epoch, _ = setups[name]
         _sync(dev)
         t0 = time.perf_counter()
-        img = model.encode_images(images, img_len)
-        txt = model.encode_texts(tokens, tok_len)
-        sims = model.similarity(img, txt).float()
-        loss, _ = loss_fn(sims, image_ids=image_ids, caption_ids=caption_ids, warmup=False)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        step_fn(batch_of, epoch, calls[name])
+        calls[name] += 1
         _sync(dev)
         return (time.perf_counter() - t0) * 1e3
 
     sims0 = torch.rand(batch, batch, generator=g).to(dev)
 
     def loss_only(name: str) -> float:
-        _, loss_fn, _ = setups[name]
+        loss_fn = setups[name][2]
         s = sims0.clone().requires_grad_(True)
         _sync(dev)
         t0 = time.perf_counter()
