@@ -93,11 +93,14 @@ def split_similarities(
     device: str | torch.device = "cpu",
     progress: bool = False,
     text=None,
+    source=None,
 ) -> np.ndarray:
-    """[n_images, n_captions] similarity matrix of a split under `model`. `text`: the model's text processor
-    when the caller holds it (the trainer validates every epoch: the vocabulary is not rebuilt each time)."""
+    """[n_images, n_captions] similarity matrix of a split under `model`. `text` and `source`: the model's
+    text processor and the split's image source when the caller holds them (the trainer validates every
+    epoch: the vocabulary is not rebuilt, the features not checked again, each time)."""
     text = text_processor_for(model) if text is None else text
-    img = encode_images(model, image_source_for(model, split), batch_size, device, progress)
+    source = image_source_for(model, split) if source is None else source
+    img = encode_images(model, source, batch_size, device, progress)
     txt = encode_captions(model, split.captions, text, batch_size, device, progress)
     return all_pairs(model.sim, img, txt, device)
 

@@ -383,7 +383,9 @@ class CoTeaching:
         t = self.t
         model, split = t.model, t.val_split
         bs = t.recipe.train.eval_batch_size
-        img = encode_images(model, image_source_for(model, split), bs, t.device)
+        if t._val_source is None:
+            t._val_source = image_source_for(model, split)
+        img = encode_images(model, t._val_source, bs, t.device)
         txt = encode_captions(model, split.captions, t.text, bs, t.device)
         metrics = evaluate_sims(all_pairs(model.sim, img, txt, t.device), split.cap2img)
         d = int(t.recipe.model.embed_dim)

@@ -33,7 +33,7 @@ from vsekit.distributed import (
     shard_sizes,
     writes_run_files,
 )
-from vsekit.evaluation import pad_id_for, split_similarities
+from vsekit.evaluation import image_source_for, pad_id_for, split_similarities
 from vsekit.features.backbones import pixel_transform_of
 from vsekit.losses import create_loss
 from vsekit.metrics import evaluate_sims, format_table
@@ -137,6 +137,7 @@ class Trainer:
                 setup=self.step_setup,
             )
         self.bar = None  # the epoch's progress bar, while an epoch trains
+        self._val_source = None  # the dev split's images for validation, made at the first one
         # the alarms, checkpointing, then the reporters (rank 0: TensorBoard, --report-to wandb), then the user's
         reporters = make_reporters(report_to, self.run_dir, to_dict(recipe)) if self.dist.is_main else []
         self.callbacks: list[Callback] = [*default_callbacks(self), *reporters, *callbacks]
@@ -310,8 +311,15 @@ class Trainer:
     def validate(self) -> dict:
         if self.co is not None:  # the pair, and each network's rsum
             return self.co.validate()
+        if self._val_source is None:  # made once: its checks read every row of the dev features
+            self._val_source = image_source_for(self.model, self.val_split)
         sims = split_similarities(
-            self.model, self.val_split, self.recipe.train.eval_batch_size, self.device, text=self.text
+            self.model,
+            self.val_split,
+            self.recipe.train.eval_batch_size,
+            self.device,
+            text=self.text,
+            source=self._val_source,
         )
         return evaluate_sims(sims, self.val_split.cap2img)
 
