@@ -17,7 +17,6 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vsekit.data.datasets import pad_tokens
 from vsekit.data.manifest import read_manifest_extractor
 from vsekit.data.pictures import (  # noqa: F401  (public here too: the search page and tests use them)
     MAX_IMAGE_PIXELS,
@@ -183,19 +182,13 @@ class TextEmbedder:
 
     @torch.no_grad()
     def embed(self, texts: list[str], batch_size: int = 256) -> torch.Tensor:
-        out = []
-        for start in range(0, len(texts), batch_size):
-            ids = [
-                torch.tensor(self.text.encode(t), dtype=torch.long) for t in texts[start : start + batch_size]
-            ]
-            tokens, lengths = pad_tokens(ids, self.pad_id)
-            out.append(self.model.encode_texts(tokens.to(self.device), lengths.to(self.device)).float().cpu())
-        if not out:
+        """[N, D] (or word-vector sets [N, S, D], padded to the widest) through evaluation's one caption
+        encoder (`vsekit.evaluation.encode_captions`: tokenise, pad, encode in batches)."""
+        from vsekit.evaluation import encode_captions
+
+        if not texts:
             return torch.zeros((0, self.model.recipe.model.embed_dim))
-        if scores_sets(self.model):  # word-vector sets: batches of different widths, padded to the widest
-            width = max(o.shape[1] for o in out)
-            out = [pad_set_width(o, width) for o in out]
-        return torch.cat(out)
+        return encode_captions(self.model, list(texts), self.text, batch_size, self.device)
 
     def embed_keys(self, texts: list[str], batch_size: int = 256) -> np.ndarray:
         """One float32 vector [N, D] per text, what an index stores and searches captions by: the embedding, or
