@@ -292,3 +292,16 @@ def test_index_of_a_pair_scores_the_mean_of_both_networks(shapes_model, tmp_path
     assert index.all_image_emb().shape[1] == 2 * recipe.model.embed_dim
     for h in hits:
         assert h.score == pytest.approx(float(expected[h.id]), abs=1e-5)
+
+
+def test_pooling_weights_of_a_pair_name_each_network(tiny_data, tmp_path):
+    from vsekit.pooling.inspect import gpo_profiles
+    from vsekit.runs import load_run
+
+    run = tmp_path / "pair"
+    Trainer(ncr_recipe(["train.epochs=1"]), tiny_data, run, progress=False, log=lambda *_: None).fit()
+    model, _ = load_run(run)
+    names = [p.encoder for p in gpo_profiles(model, {"image": 4, "text": 6})]
+    assert sorted(names) == sorted(
+        f"{side}_encoder (network {n})" for side in ("image", "text") for n in ("A", "B")
+    )

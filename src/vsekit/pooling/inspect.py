@@ -8,6 +8,7 @@ says it in one number: it equals N for average pooling over N items and 1 for ma
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,9 @@ def gpo_profiles(model: nn.Module, lengths: dict[str, int]) -> list[PoolingProfi
         encoder = (
             name.removesuffix(".pool") or "pool"
         )  # e.g. image_encoder, text_encoder, image_encoder.views.1
+        member = re.match(r"members\.(\d+)\.(.*)", encoder)  # a two-network run: members.0.image_encoder
+        if member:
+            encoder = f"{member.group(2)} (network {chr(ord('A') + int(member.group(1)))})"
         n = next((v for k, v in lengths.items() if encoder.startswith(k)), None)
         if n is None:
             raise ValueError(f"no set size given for the GPO in {name!r} (have {sorted(lengths)})")
