@@ -38,10 +38,17 @@ class Table(nn.Module):
         return self.weight[ids.long()]
 
 
-def fixture_trainer(tiny_data, tmp_path, inputs) -> Trainer:
+def fixture_trainer(tiny_data, tmp_path, inputs, meta) -> Trainer:
+    """A two-network trainer whose networks are the fixture's embedding tables, with the release's options
+    (margin, soft margin, p_threshold) read from the fixture."""
     e = inputs["img_emb_A"].shape[1]
+    opt = meta["options"]
     recipe = load_recipe(
-        "ncr", SMALL + [f"model.embed_dim={e}", "train.epochs=2", "optim.grad_clip=0", "loss.warmup_epochs=1"]
+        "ncr",
+        SMALL
+        + [f"model.embed_dim={e}", "train.epochs=2", "optim.grad_clip=0", "loss.warmup_epochs=1"]
+        + [f"loss.margin={opt['margin']}", f"loss.ncr_soft_margin={opt['soft_margin']}"]
+        + [f"train.sample_policy.p_threshold={opt['p_threshold']}"],
     )
     t = Trainer(recipe, tiny_data, tmp_path / "run", progress=False, log=lambda *_: None)
     for k, name in enumerate("AB"):
@@ -69,8 +76,8 @@ def table_grad(rows: np.ndarray, n: int, grad_rows: np.ndarray) -> torch.Tensor:
 
 
 def test_network_step_on_its_peers_split_equals_the_release(tiny_data, tmp_path):
-    inputs, out, _ = load("ncr")
-    t = fixture_trainer(tiny_data, tmp_path, inputs)
+    inputs, out, meta = load("ncr")
+    t = fixture_trainer(tiny_data, tmp_path, inputs, meta)
     ids_l, ids_u = inputs["train_ids_l"], inputs["train_ids_u"]
     n_caps = len(inputs["noisy_t2i"])
     prob_b = np.full(n_caps, 0.5)
@@ -109,8 +116,8 @@ def test_network_step_on_its_peers_split_equals_the_release(tiny_data, tmp_path)
 
 
 def test_split_pass_of_the_trainer_equals_the_release(tiny_data, tmp_path):
-    inputs, out, _ = load("ncr")
-    t = fixture_trainer(tiny_data, tmp_path, inputs)
+    inputs, out, meta = load("ncr")
+    t = fixture_trainer(tiny_data, tmp_path, inputs, meta)
 
     class FixtureSplit:  # the fixture's pairs in place of the run's train split
         cap2img = inputs["noisy_t2i"]
