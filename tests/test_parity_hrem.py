@@ -250,7 +250,19 @@ def test_recipe_refuses_what_the_step_cannot_run():
     with pytest.raises(ConfigError, match="grad_cache_chunk"):
         load_recipe("hrem", ["train.grad_cache_chunk=8"])
     with pytest.raises(ConfigError, match="hrem_embed_dim"):
-        load_recipe("hrem", ["model.embed_dim=64"])
+        load_recipe("hrem", ["model.embed_dim=64", "loss.hrem_embed_dim=32"])
+
+
+def test_graph_width_left_null_is_the_models():
+    """`loss.hrem_embed_dim` left null (the recipe's default) is model.embed_dim: the graph layer is built
+    that wide from the recipe alone."""
+    from vsekit.losses import create_loss
+
+    recipe = load_recipe("hrem", ["model.embed_dim=64", "loss.hrem_heads=4"])
+    assert recipe.loss.hrem_embed_dim is None
+    loss = create_loss(recipe.loss, embed_dim=recipe.model.embed_dim)
+    assert loss.gnn.layers[0].self_attn.embed_dim == 64
+    assert recipe.loss.hrem_embed_dim is None  # the recipe is left as it was
 
 
 HREM_SMALL = [

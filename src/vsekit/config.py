@@ -737,8 +737,9 @@ def parameter_estimate(r: Recipe, img_dim: int = 0, vocab_size: int = 0) -> list
             terms.append(("model.embed_dim", attention))
     if "selfattn_heads" in image_keys:
         terms.append(("model.embed_dim", attention))
-    if "hrem_embed_dim" in _named_fields(r.loss):
-        terms.append(("loss.hrem_embed_dim", 6 * r.loss.hrem_embed_dim**2))
+    for key in registry.fact("loss", r.loss.name, "model_width_keys", ()):  # null: model.embed_dim
+        width = getattr(r.loss, key)
+        terms.append((f"loss.{key}", 6 * (e if width is None else width) ** 2))
     return terms
 
 

@@ -127,6 +127,11 @@ FACTS: dict[str, dict[str, tuple[type | str, str]]] = {
             "(cfg, negatives [B] float, hardest: bool, k) -> (label, 0-d tensor) or None: the loss's value when "
             "every similarity of the batch is equal (the collapse alarm); k is ADOPT's K of the step",
         ),
+        "model_width_keys": (
+            tuple,
+            "settings that are the joint space's width: null in a recipe takes model.embed_dim (`create_loss` "
+            "fills them; a loss builder sees only its config)",
+        ),
         "takes_targets": (
             bool,
             "reads per-batch `targets=` (soft labels the co-teaching trainer computes: NCR's co-rectified ones)",

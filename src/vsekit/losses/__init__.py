@@ -10,6 +10,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from vsekit import registry
+from vsekit.config import ModelConfig
 
 if TYPE_CHECKING:
     from torch import nn
@@ -21,10 +22,16 @@ if TYPE_CHECKING:
 __all__ = ["InBatchLoss", "TripletLoss", "create_loss", "positive_mask", "triplet_loss"]
 
 
-def create_loss(cfg: LossConfig, image_views: int = 1) -> nn.Module:
+def create_loss(cfg: LossConfig, image_views: int = 1, embed_dim: int | None = None) -> nn.Module:
     """The loss `cfg` names (a registered one), on an in-batch similarity matrix. `image_views` (the recipe's
-    model.image.views) is what AVSE's view regulariser needs to split the image embedding; no loss ever sees the
-    model."""
+    model.image.views) is what AVSE's view regulariser needs to split the image embedding; `embed_dim` (the
+    recipe's model.embed_dim) fills the loss's width settings left null (its fact `model_width_keys`: HREM's
+    graph layer); no loss ever sees the model."""
+    unset = [k for k in registry.fact("loss", cfg.name, "model_width_keys", ()) if getattr(cfg, k) is None]
+    if unset:
+        cfg = dataclasses.replace(cfg)
+        for k in unset:  # without a recipe's width: the one a recipe without model.embed_dim has
+            setattr(cfg, k, ModelConfig().embed_dim if embed_dim is None else embed_dim)
     if cfg.view_reg_weight > 0:  # AVSE: the named loss + the dimension-wise view regulariser
         from vsekit.losses.view_reg import ViewRegularisedLoss
 

@@ -13,9 +13,10 @@ from vsekit.registry import MAX_COUNT, MAX_WIDTH, register, setting
 
 @dataclass
 class HREMSettings(MarginSettings):
-    hrem_embed_dim: int = setting(
-        1024,
-        "hrem: width of the graph layer; must equal model.embed_dim (the loss never sees the model)",
+    hrem_embed_dim: int | None = setting(
+        None,
+        "hrem: width of the graph layer, the joint space's; null (the default): model.embed_dim, which a "
+        "value given here must equal",
         rule=">= 1",
         max=MAX_WIDTH,
     )
@@ -48,11 +49,13 @@ class HREMSettings(MarginSettings):
     hrem_dropout: float = setting(0.1, "hrem: dropout of the graph layer in training", rule="in [0, 1]")
 
     def check(self, where: str, recipe: Any) -> None:
-        if self.hrem_embed_dim != recipe.model.embed_dim:
+        width = recipe.model.embed_dim if self.hrem_embed_dim is None else self.hrem_embed_dim
+        if width != recipe.model.embed_dim:
             raise ConfigError(
-                f"{where}.hrem_embed_dim={self.hrem_embed_dim} must equal model.embed_dim={recipe.model.embed_dim}"
+                f"{where}.hrem_embed_dim={self.hrem_embed_dim} must equal model.embed_dim={recipe.model.embed_dim} "
+                "(or be left out: null takes model.embed_dim)"
             )
-        if self.hrem_embed_dim % self.hrem_heads:
+        if width % self.hrem_heads:
             raise ConfigError(f"{where}.hrem_heads={self.hrem_heads} does not divide {where}.hrem_embed_dim")
         t = recipe.train
         refused = [
@@ -95,4 +98,5 @@ register(
     HREMSettings,
     build=_hrem,
     help="HREM's loss: distance-weighted triplets on the embeddings and on their instance-graph versions",
+    facts={"model_width_keys": ("hrem_embed_dim",)},
 )

@@ -194,7 +194,9 @@ class Trainer:
         self.model = build_model(recipe, spec).to(self.device)  # two networks for a co-teaching policy
         convert_batchnorm(self.model, self.dist)  # global-batch BatchNorm statistics under torchrun
         broadcast_module(self.model, self.dist)
-        self.loss_fn = create_loss(recipe.loss, image_views=recipe.model.image.views)
+        self.loss_fn = create_loss(
+            recipe.loss, image_views=recipe.model.image.views, embed_dim=recipe.model.embed_dim
+        )
         if self.loss_fn.needs_caption_embeddings:  # ladder losses: caption relevance as tensors
             from vsekit.relevance import prepare_ladder_relevance
 

@@ -142,7 +142,9 @@ def bf16_numerics(
         for seed in seeds:
             torch.manual_seed(seed)
             model = VSEModel(r, spec).to(dev).train()
-            loss_fn = create_loss(r.loss, image_views=r.model.image.views).to(dev)
+            loss_fn = create_loss(r.loss, image_views=r.model.image.views, embed_dim=r.model.embed_dim).to(
+                dev
+            )
             loss_fn.host_diag = False  # a hook of every loss (vsekit.losses.base)
             data = _synthetic_batch(batch, regions, img_dim, vocab, min_tokens, max_tokens, seed)
             state = {k: v.clone() for k, v in model.state_dict().items()}

@@ -73,7 +73,9 @@ def bench_ladder_step(
         recipe = load_recipe(recipe_name, [f"model.embed_dim={embed_dim}"])
         torch.manual_seed(seed)
         model = VSEModel(recipe, DataSpec(img_dim=img_dim, vocab_words=words)).to(dev)
-        loss_fn = create_loss(recipe.loss, image_views=recipe.model.image.views)
+        loss_fn = create_loss(
+            recipe.loss, image_views=recipe.model.image.views, embed_dim=recipe.model.embed_dim
+        )
         if name == "ladder_auto_eager":
             loss_fn.cuda_graphs = False
         if hasattr(loss_fn, "set_caption_embeddings"):

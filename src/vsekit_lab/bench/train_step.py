@@ -146,7 +146,7 @@ def build_train_step(
     r = load_recipe(recipe, sets)
     torch.manual_seed(seed)
     model = VSEModel(r, spec).to(dev)
-    loss_fn = create_loss(r.loss, image_views=r.model.image.views).to(dev)
+    loss_fn = create_loss(r.loss, image_views=r.model.image.views, embed_dim=r.model.embed_dim).to(dev)
     if loss_fn.needs_caption_embeddings:  # ladder losses look relevance up by caption id
         g = torch.Generator().manual_seed(seed)
         loss_fn.set_caption_embeddings(torch.randn(batch, 384, generator=g))
@@ -370,7 +370,7 @@ class _Variant:
         self.recipe = r = load_recipe(recipe, [*base, *sets])
         torch.manual_seed(seed)
         self.model = VSEModel(r, copy.deepcopy(spec)).to(dev)
-        loss_fn = create_loss(r.loss, image_views=r.model.image.views).to(dev)
+        loss_fn = create_loss(r.loss, image_views=r.model.image.views, embed_dim=r.model.embed_dim).to(dev)
         if loss_fn.needs_caption_embeddings:  # ladder losses look relevance up by caption id
             g = torch.Generator().manual_seed(seed)
             loss_fn.set_caption_embeddings(torch.randn(n_img * CAPTIONS_PER_IMAGE, 384, generator=g))
