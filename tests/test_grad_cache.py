@@ -18,7 +18,7 @@ from vsekit.config import ConfigError, load_recipe
 from vsekit.distributed import DistContext
 from vsekit.training import grad_cache as gc
 from vsekit.training.grad_cache import GradCache, GradCacheError
-from vsekit.training.parts import StepParts
+from vsekit.training.step_parts import StepParts
 from vsekit.training.step_setup import check_step_setup
 from vsekit.training.trainer import TrainStep
 from vsekit_lab.bench.train_step import build_train_step

@@ -27,7 +27,7 @@ from vsekit.config import ConfigError, load_recipe
 from vsekit.data.batch import Batch
 from vsekit.interop.hrem import CRITERION_RULES, IMAGE_RULES, TEXT_RULES, criterion_state
 from vsekit.losses import create_loss
-from vsekit.training.parts import StepParts
+from vsekit.training.step_parts import StepParts
 from vsekit.training.trainer import Trainer
 from vsekit_lab.datasets.synthetic import make_synthetic_precomp
 

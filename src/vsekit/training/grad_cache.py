@@ -14,7 +14,7 @@ loss, though, depends on the encoders only through the embeddings. So, for a bat
    (`emb.backward(grad[chunk])`): the encoders' gradients accumulate chunk by chunk;
 4. clip and step as usual.
 
-`GradCache` is a strategy over the step's parts (`vsekit.training.parts.StepParts`): it calls the same encode,
+`GradCache` is a strategy over the step's parts (`vsekit.training.step_parts.StepParts`): it calls the same encode,
 score and update the eager step calls, only chunk by chunk and in this order.
 
 The loss sees exactly the full batch's similarity matrix, ids and embeddings, so every loss works unchanged:
@@ -65,7 +65,7 @@ from vsekit.data.batch import Batch
 from vsekit.distributed import DistContext
 from vsekit.losses.base import StepContext
 from vsekit.models.norm import MaskedBatchNorm1d
-from vsekit.training.parts import StepParts
+from vsekit.training.step_parts import StepParts
 
 logger = logging.getLogger(__name__)
 

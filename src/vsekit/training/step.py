@@ -1,7 +1,7 @@
 """One optimisation step: `TrainStep`, shared by the trainer and `vse bench train-step` (the benchmark times
 exactly the step that trains).
 
-The step is made of three parts (`vsekit.training.parts.StepParts`: encode, score, update) and runs them in
+The step is made of three parts (`vsekit.training.step_parts.StepParts`: encode, score, update) and runs them in
 one of three ways, chosen and checked once by `vsekit.training.step_setup.check_step_setup`:
 
 - **eager** (default): encode the batch, all-gather the embeddings across ranks under torchrun (every rank
@@ -37,7 +37,7 @@ from vsekit.losses.base import InBatchLoss, StepContext
 from vsekit.models.vse import VSEModel
 from vsekit.training.cuda_graph import CudaCapture, EagerCapture, StepGraphs, make_capturable
 from vsekit.training.grad_cache import GradCache
-from vsekit.training.parts import StepParts
+from vsekit.training.step_parts import StepParts
 from vsekit.training.step_setup import StepSetup, check_step_setup
 from vsekit.utils.runtime import derived_seed
 

@@ -35,7 +35,7 @@ from vsekit.errors import VseInputError
 from vsekit.losses import create_loss
 from vsekit.losses.base import StepContext
 from vsekit.models.vse import DataSpec, VSEModel
-from vsekit.training.parts import StepParts
+from vsekit.training.step_parts import StepParts
 
 # parameters whose gradient is zero in exact arithmetic (see the module docstring)
 NOISE_DRIVEN = ("mlp.fc1.bias", "pool.balance.bias")
