@@ -27,6 +27,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from methods_table import Busy, Row, run_dir, run_one
+from methods_table import mean_std as cell
 
 ROWS = [
     Row("bow", "bow"),
@@ -102,13 +103,6 @@ def results(out: Path, rates: list[float], seeds: list[int], level: str = "capti
                     r.update(json.loads((folder / "noisy_extra.json").read_text()))
                     found.setdefault((rate, row.name), []).append(r)
     return found
-
-
-def cell(xs: list[float]) -> str:
-    if not xs:
-        return "–"
-    m = statistics.fmean(xs)
-    return f"{m:.1f} ± {statistics.stdev(xs):.1f}" if len(xs) > 1 else f"{m:.1f}"
 
 
 def report(args) -> str:
