@@ -1,12 +1,12 @@
-"""Training through mismatched pairs on openclipart (or the Wesnoth clips): the floor, VSE∞, RCL and NCR at
+"""Training through mismatched pairs on openclipart (or the Wesnoth clips): the floor, VSE∞, RCL, NCR and IN2R at
 several caption-level noise rates, under the demo's protocol (docs/noisy.md).
 
 For each rate a noisy copy of the set is written once by `vse data noise` (caption level as NCR draws it,
 noise seed 0; dev and test untouched), then every row x seed trains through the methods table's runner
 (`methods_table.run_one`: the demo's overrides, best-on-dev epoch, test split). NCR's row is the pair (the
-mean of both networks' similarities) with each network alone beside it; the audit's AUC (how well the run
+mean of both networks' similarities) with each network alone beside it, and IN2R's likewise; the audit's AUC (how well the run
 ranks the truly mismatched training pairs below the clean ones, against the copy's recorded ground truth) is
-computed for VSE∞ (per-pair loss) and NCR (its own split).
+computed for VSE∞ (per-pair loss), NCR and IN2R (their own splits).
 
     nice -n 10 .venv/bin/python scripts/experiments/noisy_table.py --data data/openclipart \\
         --out runs/noisy --rates 0.4 --seeds 0 1 2 --jobs 2
@@ -35,8 +35,11 @@ ROWS = [
     Row("rcl_bigru", "", "rcl", "RCL (complementary contrastive), BiGRU"),
     # the release warms up 5 of 40 epochs; the same share of the demo's 8 is 1
     Row("ncr_bigru", "", "ncr", "NCR (co-divide, two networks), BiGRU", ("loss.warmup_epochs=1",)),
+    # the release warms up 1 epoch, then co-trains 40
+    Row("in2r_bigru", "", "in2r", "IN2R (co-divide, peer queues), BiGRU", ("loss.warmup_epochs=1",)),
 ]
-AUDITED = ("bow", "vse_infty_bigru", "ncr_bigru")  # the floor first, as in every table
+PAIRS = {"ncr_bigru": "NCR", "in2r_bigru": "IN2R"}  # two-network rows: the pair and network A alone
+AUDITED = ("bow", "vse_infty_bigru", "ncr_bigru", "in2r_bigru")  # the floor first, as in every table
 
 
 LEVEL = {"caption": "c", "image": "i"}
@@ -74,7 +77,7 @@ def extras(row: Row, folder: Path, data: Path) -> dict:
     from vsekit.runs import load_run
 
     out: dict = {}
-    if row.recipe == "ncr":
+    if row.name in PAIRS:
         for member in ("A", "B"):
             model, _ = load_run(folder, "best", "cpu", member)
             out[f"test_{member}"] = evaluate_model(model, data, "test", progress=False)[0]
@@ -116,8 +119,12 @@ def report(args) -> str:
         "rcl_bigru": "RCL, BiGRU",
     }
     for row in ROWS:
-        if row.recipe == "ncr":
-            for key, label in (("test", "NCR pair (mean of A and B)"), ("test_A", "NCR network A alone")):
+        if row.name in PAIRS:
+            name = PAIRS[row.name]
+            for key, label in (
+                ("test", f"{name} pair (mean of A and B)"),
+                ("test_A", f"{name} network A alone"),
+            ):
                 cells = [
                     cell([r[key]["rsum"] for r in found.get((rate, row.name), [])]) for rate in args.rates
                 ]
@@ -133,6 +140,7 @@ def report(args) -> str:
         ("bow", "Floor (bag of words), per-pair loss"),
         ("vse_infty_bigru", "VSE∞, per-pair loss"),
         ("ncr_bigru", "NCR, its own split"),
+        ("in2r_bigru", "IN2R, its own split"),
     )
     for name, label in audited:
         cells = []
@@ -175,7 +183,8 @@ def plot(found: dict, rates: list[float], path: Path) -> None:
         ("vse_infty_bigru", "test", "VSE∞"),
         ("rcl_bigru", "test", "RCL"),
     ]
-    series += [("ncr_bigru", "test", "NCR pair"), ("ncr_bigru", "test_A", "NCR network A")]
+    for row, name in PAIRS.items():
+        series += [(row, "test", f"{name} pair"), (row, "test_A", f"{name} network A")]
     for name, key, label in series:
         xs, ys, es = [], [], []
         for rate in rates:
@@ -215,7 +224,7 @@ def main() -> int:
         copies = {
             rate: noisy_copy(Path(args.data), rate, Path(args.noisy_root), args.level) for rate in args.rates
         }
-        slow_first = {"ncr_bigru": 0, "rcl_bigru": 1, "vse_infty_bigru": 2}
+        slow_first = {"in2r_bigru": 0, "ncr_bigru": 1, "rcl_bigru": 2, "vse_infty_bigru": 3}
         jobs = sorted(
             ((rate, r, s) for rate in args.rates for r in ROWS if r.name in args.rows for s in args.seeds),
             key=lambda j: (j[2], slow_first.get(j[1].name, 9)),

@@ -182,6 +182,12 @@ class ModelConfig:
         "x / (|x| + 1e-8), the released VSE∞/2AD/AVSE code's form",
         choices=("clamp", "add_eps"),
     )
+    centre: str = setting(
+        "none",
+        "batch = subtract the batch mean of each side's embeddings before a last L2 normalisation (IN2R; "
+        "eval mode subtracts the running mean of the training batches') | none",
+        choices=("none", "batch"),
+    )
     image: ImageEncoderConfig = field(default_factory=ImageEncoderConfig)
     text: TextEncoderConfig = field(default_factory=TextEncoderConfig)
     similarity: SimilarityConfig = field(default_factory=SimilarityConfig)

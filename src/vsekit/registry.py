@@ -55,6 +55,7 @@ RULES: dict[str, Callable[[Any], bool]] = {
     "a finite number": lambda v: -math.inf < v < math.inf,
     "in [0, 1]": lambda v: 0 <= v <= 1,
     "in (0, 1]": lambda v: 0 < v <= 1,
+    "in [0, 1)": lambda v: 0 <= v < 1,
     ">= 0": lambda v: v >= 0,
     ">= 1": lambda v: v >= 1,
     ">= -1 (-1: every stage)": lambda v: v >= -1,
@@ -135,6 +136,11 @@ FACTS: dict[str, dict[str, tuple[type | str, str]]] = {
         "takes_targets": (
             bool,
             "reads per-batch `targets=` (soft labels the co-teaching trainer computes: NCR's co-rectified ones)",
+        ),
+        "peer_queues": (
+            bool,
+            "trains each network of a pair with two forward passes of a labeled batch and the peer's memory "
+            "queue on an unlabeled one (IN2R: `vsekit.losses.in2r`, run by `vsekit.training.in2r_step`)",
         ),
         "scores_views": (bool, "scores groups of views of each item (a pooling with `makes_views`)"),
     },

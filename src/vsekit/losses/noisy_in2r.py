@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from vsekit.losses.noisy_split import centred_l2norm, hardest_hinge
+from vsekit.utils.dropout import seeded_dropout
 
 INFONCE_TAU = 0.05
 INTRA_MARGIN = 0.3  # the hinge between the two forward passes of one modality
@@ -39,32 +40,52 @@ def infonce(sims: torch.Tensor, tau: float = INFONCE_TAU) -> torch.Tensor:
 def warmup_loss(
     img1: torch.Tensor, img2: torch.Tensor, cap1: torch.Tensor, cap2: torch.Tensor
 ) -> torch.Tensor:
-    """Warm-up on two forward passes (raw encoder outputs): `infonce(i1 c1^T) + infonce(i1 i2^T) + infonce(c1 c2^T)`."""
-    i1, i2, c1, c2 = (centred_l2norm(x) for x in (img1, img2, cap1, cap2))
-    return infonce(i1 @ c1.t()) + infonce(i1 @ i2.t()) + infonce(c1 @ c2.t())
+    """Warm-up on two forward passes (raw encoder outputs): `infonce(i1 c1^T) + infonce(i1 i2^T) + infonce(c1 c2^T)`
+    of the centred, normalised embeddings."""
+    return warmup_terms(*(centred_l2norm(x) for x in (img1, img2, cap1, cap2)))
+
+
+def warmup_terms(
+    i1: torch.Tensor, i2: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, tau: float = INFONCE_TAU
+) -> torch.Tensor:
+    """`warmup_loss` on embeddings already centred and normalised (what a `model.centre: batch` model gives)."""
+    return infonce(i1 @ c1.t(), tau) + infonce(i1 @ i2.t(), tau) + infonce(c1 @ c2.t(), tau)
 
 
 def labeled_loss(
-    img1: torch.Tensor, img2: torch.Tensor, cap1: torch.Tensor, cap2: torch.Tensor, margin: float
+    img1: torch.Tensor,
+    img2: torch.Tensor,
+    cap1: torch.Tensor,
+    cap2: torch.Tensor,
+    margin: float,
+    intra_margin: float = INTRA_MARGIN,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(cross-modal hinge, image hinge, caption hinge) of the labeled batch's two passes (normalised embeddings):
-    hardest-negative hinges with margin `margin` and `INTRA_MARGIN`; IN2R uses no soft margin here."""
+    hardest-negative hinges with margin `margin` and `intra_margin`; IN2R uses no soft margin here."""
     return (
         hardest_hinge(img1 @ cap1.t(), margin),
-        hardest_hinge(img1 @ img2.t(), INTRA_MARGIN),
-        hardest_hinge(cap1 @ cap2.t(), INTRA_MARGIN),
+        hardest_hinge(img1 @ img2.t(), intra_margin),
+        hardest_hinge(cap1 @ cap2.t(), intra_margin),
     )
 
 
-class MemoryQueue:
+class MemoryQueue(nn.Module):
     """A circular store of (image, caption) embeddings of pairs a network deems clean; `ptr` is the next row
-    to write and `is_full` says it has wrapped (then every row is in use). Saved with the run (`state`)."""
+    to write and `is_full` says it has wrapped (then every row is in use). Its rows and cursor are buffers,
+    so they are saved with the run's loss state (`cursor` = [ptr, is_full])."""
 
     def __init__(self, size: int, dim: int) -> None:
-        self.img = torch.zeros(size, dim)
-        self.txt = torch.zeros(size, dim)
+        super().__init__()
+        self.register_buffer("img", torch.zeros(size, dim))
+        self.register_buffer("txt", torch.zeros(size, dim))
+        self.register_buffer("cursor", torch.zeros(2, dtype=torch.long))
         self.ptr = 0
         self.is_full = False
+        self.register_load_state_dict_post_hook(lambda module, _: module._read_cursor())
+
+    def _read_cursor(self) -> None:
+        ptr, full = self.cursor.tolist()
+        self.ptr, self.is_full = int(ptr), bool(full)
 
     @property
     def size(self) -> int:
@@ -75,22 +96,29 @@ class MemoryQueue:
         n = self.size if self.is_full else self.ptr
         return self.img[:n], self.txt[:n]
 
+    @torch.no_grad()
     def enqueue(self, img: torch.Tensor, txt: torch.Tensor) -> None:
-        """Append rows (detached), wrapping around at the end."""
-        for i, t in zip(img.detach(), txt.detach()):
-            self.img[self.ptr] = i
-            self.txt[self.ptr] = t
-            self.ptr = (self.ptr + 1) % self.size
-            if self.ptr == 0:
-                self.is_full = True
+        """Append rows (detached), wrapping around at the end, as the release's chunked writes do."""
+        for start in range(0, img.shape[0], self.size):  # more rows than the queue holds: in turns
+            i, t = img[start : start + self.size].detach(), txt[start : start + self.size].detach()
+            n = i.shape[0]
+            rows = (self.ptr + torch.arange(n, device=self.img.device)) % self.size
+            self.img[rows] = i.to(self.img.dtype)
+            self.txt[rows] = t.to(self.txt.dtype)
+            self.is_full = self.is_full or self.ptr + n >= self.size
+            self.ptr = (self.ptr + n) % self.size
+        self.cursor.copy_(torch.tensor([self.ptr, int(self.is_full)]))
 
     def state(self) -> dict:
         """Everything needed to resume bit-exactly."""
         return {"img": self.img.clone(), "txt": self.txt.clone(), "ptr": self.ptr, "is_full": self.is_full}
 
+    @torch.no_grad()
     def load_state(self, state: dict) -> None:
-        self.img, self.txt = state["img"].clone(), state["txt"].clone()
-        self.ptr, self.is_full = int(state["ptr"]), bool(state["is_full"])
+        self.img.copy_(state["img"])
+        self.txt.copy_(state["txt"])
+        self.cursor.copy_(torch.tensor([int(state["ptr"]), int(bool(state["is_full"]))]))
+        self._read_cursor()
 
 
 def confident_rows(prob: torch.Tensor, avg_clean_prob: float) -> torch.Tensor:
@@ -124,8 +152,8 @@ class GraphRefiner(nn.Module):
         self.layer_norm = nn.LayerNorm(dim, eps=1e-5)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`x [b, k, E]` -> `[b, E]` unit rows."""
+    def forward(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """`x [b, k, E]` -> `[b, E]` unit rows (the attention output's dropout, in training, from `generator`)."""
         b, k, dim = x.shape
         hd = dim // self.heads
 
@@ -135,18 +163,26 @@ class GraphRefiner(nn.Module):
         q, kk, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
         attn = torch.softmax(q @ kk.transpose(-1, -2) / math.sqrt(hd), dim=-1)
         context = (attn @ v).transpose(1, 2).reshape(b, k, dim)
-        out = self.layer_norm(x + self.output_layer(self.dropout(context)))
+        # the release applies its dropout after output_layer
+        out = self.layer_norm(
+            x + seeded_dropout(self.output_layer(context), self.dropout.p, self.training, generator)
+        )
         return nn.functional.normalize(out.mean(1), dim=-1)
 
 
 def refined_partners(
-    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, k: int, refiner: nn.Module
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    k: int,
+    refiner: nn.Module,
+    generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(neighbours `[b, k, E]`, refined partner `[b, E]`): the `k` queue rows whose `keys` are most similar
     to each query, their `values` gathered and refined."""
     idx = (queries @ keys.t()).topk(min(k, keys.shape[0]), dim=1)[1]
     neighbours = values[idx]
-    return neighbours, refiner(neighbours)
+    return neighbours, refiner(neighbours, generator)
 
 
 def eval_embeddings(img_raw: torch.Tensor, cap_raw: torch.Tensor, batch_size: int, per_image: int = 5):

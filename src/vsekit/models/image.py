@@ -15,6 +15,7 @@ from torch import nn
 from vsekit.config import ImageEncoderConfig
 from vsekit.models.norm import MaskedBatchNorm1d, l2_normalize
 from vsekit.pooling import AvgPool, create_pooling, length_mask
+from vsekit.utils.dropout import seeded_dropout
 
 
 class ResidualMLP(nn.Module):
@@ -109,6 +110,7 @@ class PrecompImageEncoder(nn.Module):
         self.mlp_on_padding = cfg.mlp_on_padding
         self.pool = create_pooling(cfg.pooling, embed_dim)
         self.normalize = normalize
+        self.input_dropout = float(getattr(cfg, "input_dropout", 0.0))
 
     def embed_set(self, feats: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         mask = length_mask(lengths.to(feats.device, non_blocking=True), feats.shape[1])
@@ -121,6 +123,7 @@ class PrecompImageEncoder(nn.Module):
         self, feats: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None
     ) -> torch.Tensor:
         lengths = lengths.to(feats.device, non_blocking=True)  # free when already there (the trainer's case)
+        feats = seeded_dropout(feats, self.input_dropout, self.training, generator)
         if self.mlp is None and isinstance(self.pool, AvgPool):
             # mean(W x_i + b) = W mean(x_i) + b: pooling first runs the linear layer on one row per image,
             # not on all N (grid VSE++: ~20x less image-side work, the same embedding up to float rounding)

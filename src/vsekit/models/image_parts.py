@@ -62,6 +62,12 @@ class _Pixels(Settings):
 
 @dataclass
 class PrecompSettings(_Views, _Projection):
+    input_dropout: float = setting(
+        0.0,
+        "dropout on the input features in training, from the step's generator (IN2R's encoders: 0.3; two "
+        "forward passes of one batch then differ)",
+        rule="in [0, 1)",
+    )
     view_size_augment: bool = setting(
         False,
         "multi-view precomp: false (paper §4.2) = each view keeps "

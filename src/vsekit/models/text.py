@@ -24,6 +24,7 @@ from vsekit.models.image import ResidualMLP
 from vsekit.models.norm import l2_normalize
 from vsekit.pooling import create_pooling, length_mask
 from vsekit.pooling.rnn import bigru_unpacked
+from vsekit.utils.dropout import seeded_dropout
 
 # a transformer directory holding any of these has weights; one with only config + tokenizer (an imported run)
 # gets a randomly initialised body whose weights come from the run's own safetensors
@@ -36,6 +37,8 @@ WEIGHT_FILES = (
 
 
 class BiGRUTextEncoder(nn.Module):
+    draws_in_training = False  # True with model.text.word_dropout > 0
+
     def __init__(
         self,
         vocab_size: int,
@@ -53,15 +56,21 @@ class BiGRUTextEncoder(nn.Module):
         )
         self.pool = create_pooling(cfg.pooling, embed_dim)
         self.normalize = normalize
+        self.word_dropout = float(getattr(cfg, "word_dropout", 0.0))
+        if self.word_dropout > 0:  # VSEModel.encode_texts then hands it the training step's generator
+            self.draws_in_training = True
 
-    def token_features(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def token_features(
+        self, tokens: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
         """[B, T, embed_dim]: the two directions averaged, zeros past each caption's length (at least 1).
 
         On an accelerator, and whenever it is being compiled, the BiGRU runs unpacked (`bigru_unpacked`: no
         `pack_padded_sequence`, so no host sync and fixed shapes). In eager CPU mode, where the lengths are
         host values anyway, it runs packed: only each caption's own steps (captions of 8-25 tokens padded to
         25: ~1.3x less work). The two give the same values up to float rounding (tests/test_fixed_shape.py)."""
-        return self.recurrent(self.embed(tokens), lengths)
+        words = seeded_dropout(self.embed(tokens), self.word_dropout, self.training, generator)
+        return self.recurrent(words, lengths)
 
     def recurrent(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """The BiGRU on word vectors x [B, T, word_dim] (`token_features` after the embedding lookup)."""
@@ -76,9 +85,11 @@ class BiGRUTextEncoder(nn.Module):
         half = out.shape[-1] // 2
         return (out[..., :half] + out[..., half:]) / 2
 
-    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
         lengths = lengths.to(tokens.device, non_blocking=True)  # free when already there
-        x = self.pool(self.token_features(tokens, lengths), lengths)
+        x = self.pool(self.token_features(tokens, lengths, generator), lengths)
         return l2_normalize(x, self.l2_form) if self.normalize else x
 
 

@@ -41,6 +41,12 @@ class WordSettings(Settings):
 @dataclass
 class BiGRUSettings(WordSettings):
     num_layers: int = setting(1, "number of GRU layers", rule=">= 1", max=MAX_COUNT)
+    word_dropout: float = setting(
+        0.0,
+        "dropout on the word vectors in training, from the step's generator (IN2R's encoders: 0.3; two "
+        "forward passes of one batch then differ)",
+        rule="in [0, 1)",
+    )
 
 
 @dataclass

@@ -15,6 +15,7 @@ from torch import nn
 
 from vsekit import registry
 from vsekit.config import Recipe
+from vsekit.models.centring import EmbeddingCentring
 from vsekit.models.image import BackboneImageEncoder
 from vsekit.models.text import TransformerTextEncoder
 from vsekit.similarity import create_similarity
@@ -40,19 +41,33 @@ class VSEModel(nn.Module):
         self.image_encoder = registry.get("image_encoder", m.image.kind).build(recipe, spec)
         self.text_encoder = registry.get("text_encoder", m.text.kind).build(recipe, spec)
         self.sim = create_similarity(m.similarity, m.embed_dim, m.image.views)
+        # IN2R's batch-mean centring before a last L2 normalisation (vsekit.models.centring); None: off
+        self.centring = EmbeddingCentring(m.embed_dim) if m.centre == "batch" else None
+        if self.centring is not None and m.image.views != 1:
+            raise ValueError(
+                "model.centre=batch centres one embedding per image: it needs model.image.views=1"
+            )
 
     def encode_images(
         self, images: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None
     ) -> torch.Tensor:
-        return self.image_encoder(images, lengths, generator=generator)
+        x = self.image_encoder(images, lengths, generator=generator)
+        return x if self.centring is None else self.centring(x, "image")
 
     def encode_texts(
         self, tokens: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None
     ) -> torch.Tensor:
         # an encoder with random draws of its own in training (ESA's caption copies) takes the step's generator
         if getattr(self.text_encoder, "draws_in_training", False):
-            return self.text_encoder(tokens, lengths, generator=generator)
-        return self.text_encoder(tokens, lengths)
+            x = self.text_encoder(tokens, lengths, generator=generator)
+        else:
+            x = self.text_encoder(tokens, lengths)
+        return x if self.centring is None else self.centring(x, "text")
+
+    def uncentred(self) -> contextlib.AbstractContextManager:
+        """While inside, `encode_images` / `encode_texts` return the encoders' own outputs, before the
+        centring of `model.centre: batch` (IN2R's split pass centres each of its batches itself)."""
+        return self.centring.bypass() if self.centring is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def capture_sets(self) -> Iterator[dict[str, tuple[torch.Tensor, torch.Tensor]]]:

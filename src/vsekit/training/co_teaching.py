@@ -49,12 +49,13 @@ from vsekit.losses.co_divide import MemberSplit
 from vsekit.losses.noisy_split import split_losses
 from vsekit.metrics import evaluate_sims
 from vsekit.models.pair import MEMBERS, SCALE, ModelPair
-from vsekit.registry import get
+from vsekit.registry import get, has_fact
 from vsekit.runs import SPLIT_STATE_FILE, CheckpointError
 from vsekit.similarity import all_pairs
 from vsekit.training.callbacks import StepEnd, call_hook
 from vsekit.training.checkpointing import save_state
 from vsekit.training.data_path import EpochBatches, make_train_data
+from vsekit.training.in2r_step import PeerQueueStep
 from vsekit.training.step import TrainStep
 from vsekit.utils.progress import progress_bar
 from vsekit.utils.runtime import derived_seed
@@ -90,6 +91,7 @@ class CoTeaching:
         self._unlabeled_data = None
         self._source = None
         self._prob_cache: tuple[tuple[int, int], torch.Tensor] | None = None
+        self.peer_queue_step = PeerQueueStep(self) if has_fact("loss", r.loss.name, "peer_queues") else None
 
     # ------------------------------------------------------------------------------------- steps
     def build_steps(self) -> list[TrainStep]:
@@ -136,8 +138,12 @@ class CoTeaching:
             bs = t.recipe.train.eval_batch_size
             if self._source is None:  # the split's un-augmented images, made once (its checks read every row)
                 self._source = image_source_for(member, t.train_split)
-            img = encode_images(member, self._source, bs, t.device)
-            cap = encode_captions(member, t.train_split.captions, t.text, bs, t.device)
+            # a model that centres its embeddings (model.centre: batch) is scored as IN2R's split pass
+            # scores it: the encoders' outputs, each batch of the pass centred by its own mean
+            centred = getattr(member, "centring", None) is not None
+            with member.uncentred():
+                img = encode_images(member, self._source, bs, t.device)
+                cap = encode_captions(member, t.train_split.captions, t.text, bs, t.device)
             return split_losses(
                 img,
                 cap,
@@ -145,6 +151,7 @@ class CoTeaching:
                 order,
                 self.split_batch,
                 self.margin,
+                centre=centred,
                 score=lambda a, b: all_pairs(member.sim, a, b, t.device),
             )
         finally:
@@ -329,7 +336,7 @@ class CoTeaching:
             yield from data.epoch(cycle, pos)
             cycle, pos = cycle + 1, 0
 
-    def _peer_prob(self, k: int) -> torch.Tensor:
+    def peer_prob(self, k: int) -> torch.Tensor:
         """The clean probabilities network k trains with (its peer's), float32 on the run's device, made once
         per split."""
         key = (id(self.splits), k)
@@ -355,12 +362,16 @@ class CoTeaching:
         self, k: int, batch: Batch, u_batch: Batch | None, epoch: int, it: int, total: int, warm: bool
     ) -> dict:
         """Network k's step(s) on a labeled batch (and an unlabeled one): targets first, then the step body."""
+        if (
+            self.peer_queue_step is not None
+        ):  # IN2R: two passes and the peer's queue (vsekit.training.in2r_step)
+            return self.peer_queue_step(k, batch, u_batch, epoch, it, total, warm)
         t = self.t
         steps = t.member_steps
         if warm or self.splits is None:
             return steps[k](batch, epoch, 2 * it, 2 * total, global_step=t.state.global_step)
         # every target first, from the networks as they are before this step's updates (the release's order)
-        prob_l = self._peer_prob(k)[batch.caption_index.to(t.device)].view(-1, 1)
+        prob_l = self.peer_prob(k)[batch.caption_index.to(t.device)].view(-1, 1)
         targets_l = noisy_ncr.rectified_targets(prob_l, torch.ones_like(prob_l), self._predict(k, batch))
         targets_u = None
         if u_batch is not None:

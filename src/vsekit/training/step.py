@@ -121,18 +121,7 @@ class TrainStep:
             raise ConfigError(
                 "per-batch loss inputs need the eager step (no train.cuda_graph, no grad cache)"
             )
-        r, ctx = self.recipe, self.dist
-        self.model.train()
-        rank_part = (ctx.rank,) if ctx.enabled else ()
-        seed = derived_seed(r.train.seed, epoch, step, 0x1A6E, *rank_part)
-        context = StepContext(
-            epoch=epoch,
-            step=step,
-            steps_in_epoch=steps_in_epoch,
-            global_step=-1 if global_step is None else global_step,
-            warmup=epoch < r.loss.warmup_epochs,
-            ramp=(step + 1, steps_in_epoch) if loss_warmup else None,
-        )
+        context, seed = self.begin(epoch, step, steps_in_epoch, global_step, loss_warmup)
         if self.graphs is not None:
             # only pixel recipes ramp the loss in, and they are refused (cuda_graph_blockers)
             if context.ramp is not None:
@@ -147,6 +136,30 @@ class TrainStep:
                 loss, diag, img, txt = self.grad_cache(batch, self.generator, context=context)
             return self.parts.report(loss, diag, img, txt)
         return self.eager(batch, context, shard_sizes=shard_sizes)
+
+    def begin(
+        self,
+        epoch: int,
+        step: int,
+        steps_in_epoch: int = 1,
+        global_step: int | None = None,
+        loss_warmup: bool = False,
+    ) -> tuple[StepContext, int]:
+        """The model in train mode and (the step's `StepContext`, the seed of its generator's draws, from
+        (seed, epoch, step, rank)): what every body run on this step's parts starts from."""
+        r, ctx = self.recipe, self.dist
+        self.model.train()
+        rank_part = (ctx.rank,) if ctx.enabled else ()
+        seed = derived_seed(r.train.seed, epoch, step, 0x1A6E, *rank_part)
+        context = StepContext(
+            epoch=epoch,
+            step=step,
+            steps_in_epoch=steps_in_epoch,
+            global_step=-1 if global_step is None else global_step,
+            warmup=epoch < r.loss.warmup_epochs,
+            ramp=(step + 1, steps_in_epoch) if loss_warmup else None,
+        )
+        return context, seed
 
     def eager(
         self,

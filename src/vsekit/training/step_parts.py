@@ -143,13 +143,15 @@ class StepParts:
     def zero_grad(self, graph: bool = False) -> None:
         self.optimizer.zero_grad(set_to_none=not graph)
 
-    def update(self) -> None:
+    def update(self, clip_loss_parameters: bool = True) -> None:
         """Apply the gradients the step accumulated: averaged over ranks, clipped (the model's and the loss's own
-        parameters together), one optimizer step."""
+        parameters together; the model's alone with `clip_loss_parameters=False`, as IN2R's release clips its
+        encoders but not its refiners), one optimizer step."""
         params = [*self.model.parameters(), *self.loss_fn.parameters()]
         average_gradients(params, self.dist)
         if self.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+            clipped = params if clip_loss_parameters else list(self.model.parameters())
+            torch.nn.utils.clip_grad_norm_(clipped, self.grad_clip)
         self.optimizer.step()
 
     @staticmethod

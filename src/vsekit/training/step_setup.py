@@ -83,9 +83,11 @@ def co_teaching_blockers(recipe: Recipe, dist: DistContext | None) -> list[str]:
         out.append(
             f"train.cuda_graph with train.sample_policy.name={policy} (its steps take per-batch targets)"
         )
-    if not has_fact("loss", recipe.loss.name, "takes_targets"):
+    loss = recipe.loss.name
+    if not (has_fact("loss", loss, "takes_targets") or has_fact("loss", loss, "peer_queues")):
         out.append(
             f"train.sample_policy.name={policy} hands the loss co-rectified targets, which "
-            f"loss.name={recipe.loss.name} does not read (a loss with the fact takes_targets: ncr)"
+            f"loss.name={loss} does not read (a loss with the fact takes_targets: ncr; or one trained "
+            "through peer queues, peer_queues: in2r)"
         )
     return out
