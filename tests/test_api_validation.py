@@ -224,7 +224,7 @@ def test_uint8_pixels_are_scaled_as_the_run_transform_does(pixel_run):
     pic = picture(32, 32)
     u8 = np.asarray(pic).transpose(2, 0, 1).copy()[None]
     with torch.no_grad():
-        expected = pixel_run.image_encoder(pixel_run.preprocess(pic)[None], None)
+        expected = pixel_run.encode_images(pixel_run.preprocess(pic)[None], None)
         assert torch.equal(pixel_run.encode_image(u8), expected)
         assert torch.equal(pixel_run.encode_image(torch.from_numpy(u8)), expected)
 
@@ -233,12 +233,12 @@ def test_pictures_of_any_size_go_through_the_run_transform(pixel_run, tmp_path):
     small, large = picture(7, 7, 1), picture(100, 60, 2)
     large.save(tmp_path / "large.png")
     with torch.no_grad():
-        expected = pixel_run.image_encoder(
+        expected = pixel_run.encode_images(
             torch.stack([pixel_run.preprocess(small), pixel_run.preprocess(large)]), None
         )
         assert torch.equal(pixel_run.encode_image([small, large]), expected)
         assert torch.equal(pixel_run.encode_image([small, tmp_path / "large.png"]), expected)
-        one = pixel_run.image_encoder(
+        one = pixel_run.encode_images(
             pixel_run.preprocess(small)[None], None
         )  # a batch of one: its own rounding
         assert torch.equal(pixel_run.encode_image(small), one)

@@ -110,7 +110,7 @@ def test_timm_style_cnn_staged_unfreeze_in_the_encoder(tmp_path, cnn_module):
     trainable = {n for n, p in enc.cnn.named_parameters() if p.requires_grad}
     assert trainable and all(n.startswith("net.stages.") for n in trainable)  # the last stage, never the head
     out = enc.eval()(torch.randn(2, 3, 64, 64))
-    assert out.shape == (2, 16) and torch.allclose(out.norm(dim=-1), torch.ones(2), atol=1e-5)
+    assert out.shape == (2, 16) and torch.isfinite(out).all()  # pooled; the model L2-normalises it
     keys = list(enc.state_dict())
     assert len(keys) == len(set(keys))
 

@@ -49,6 +49,8 @@ def fixture_trainer(tiny_data, tmp_path, meta, extra=()) -> Trainer:
         "in2r",
         SMALL
         + [f"model.embed_dim={e}", "train.epochs=2", "optim.grad_clip=0", "loss.warmup_epochs=1"]
+        # the stand-ins return the release's encoder outputs (its encoders' L2 included); the centring follows
+        + ["model.normalize=false"]
         + [f"loss.margin={opt['margin']}", f"loss.in2r_queue_size={opt['queue_size']}"]
         + [f"loss.in2r_neighbours={opt['k']}", f"train.sample_policy.p_threshold={opt['p_threshold']}"]
         + list(extra),
@@ -252,3 +254,27 @@ def test_refused_settings(tiny_data, tmp_path, extra, needle):
         Trainer(in2r_recipe(extra), tiny_data, tmp_path / "run", progress=False, log=lambda *_: None)
     assert needle in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_loaded_pair_scores_the_mean_and_a_query_alone_embeds_as_in_a_batch(tiny_data, tmp_path):
+    """`vsekit.load` of an IN2R run: features and strings go through both networks (their centring in eval
+    mode included), the pair's similarity is the mean of each network's own, and one caption embeds as it
+    does among others (the running mean, not the batch's)."""
+    from vsekit.api import load
+    from vsekit.data.precomp import load_precomp_split
+
+    run = tmp_path / "run"
+    Trainer(in2r_recipe(["train.epochs=2"]), tiny_data, run, progress=False, log=lambda *_: None).fit()
+    pair = load(run)
+    split = load_precomp_split(tiny_data, "test")
+    feats = torch.as_tensor(np.load(tiny_data / "test_ims.npy"))[:5]
+    captions = split.captions[:4]
+    img, txt = pair.encode_image(feats), pair.encode_text(captions)
+    assert img.shape == (5, 32) and txt.shape == (4, 32)  # both networks' 16-d embeddings
+    own = []
+    for which in ("A", "B"):
+        m = load(run, member=which)
+        own.append(m.similarity(m.encode_image(feats), m.encode_text(captions)))
+    torch.testing.assert_close(pair.similarity(img, txt), (own[0] + own[1]) / 2, atol=1e-6, rtol=1e-5)
+    alone = pair.encode_text(captions[:1])
+    torch.testing.assert_close(alone[0], txt[0], atol=1e-6, rtol=1e-5)

@@ -18,6 +18,7 @@ from vsekit.config import ImageEncoderConfig, LossConfig, PoolingConfig, load_re
 from vsekit.losses import create_loss
 from vsekit.losses.view_reg import ViewRegularisedLoss, cross_correlation, view_regulariser
 from vsekit.models.multiview import MultiViewImageEncoder, kept_count, view_groups
+from vsekit.models.vse import DataSpec, VSEModel
 from vsekit.training.trainer import Trainer
 from vsekit_lab.bench.view_reg import grad_norm_ratio, random_grad_ratios, view_reg_grad_ratio
 
@@ -47,9 +48,17 @@ def batch(b=5, n=10, d=12, seed=0):
 def test_output_is_concatenation_of_normalised_views():
     enc = make_encoder(views=3).eval()
     feats, lengths = batch()
-    out = enc(feats, lengths)
-    assert out.shape == (5, 24)
+    pooled = enc(feats, lengths)
+    assert pooled.shape == (5, 24)
+    # the model normalises each view on its own (VSEModel._output): the same as normalising each block
+    recipe = load_recipe("avse", ["model.embed_dim=8", "model.image.views=3", "model.similarity.block_dim=4"])
+    model = VSEModel(recipe, DataSpec(img_dim=12, vocab_words=["<pad>", "a"]))
+    model.image_encoder = enc
+    out = model.encode_images(feats, lengths)
     torch.testing.assert_close(enc.split_views(out).norm(dim=-1), torch.ones(5, 3))
+    blocks = enc.split_views(pooled)
+    by_hand = blocks / blocks.norm(dim=-1, keepdim=True)
+    torch.testing.assert_close(enc.split_views(out), by_hand, atol=1e-6, rtol=1e-5)
 
 
 def test_kept_count_follows_the_paper_fractions():

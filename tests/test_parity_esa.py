@@ -27,6 +27,7 @@ from vsekit.interop.esa import IMAGE_RULES, TEXT_RULES
 from vsekit.losses import create_loss
 from vsekit.models import esa as esa_module
 from vsekit.models.esa import ESATextEncoder, draw_region_keep
+from vsekit.models.norm import l2_normalize_views
 from vsekit.training.step import TrainStep
 from vsekit.training.trainer import Trainer
 
@@ -185,6 +186,9 @@ def test_gradient_of_the_region_input(fx, run):
         t(fx, "train_caption_lengths").reshape(-1),
         t(fx, "train_word_dropout_keep"),
     )
+    # the encoders' pooled views; the model normalises each (VSEModel, in the run's l2_form)
+    form = model.recipe.model.l2_form
+    img, cap = l2_normalize_views(img, form), l2_normalize_views(cap, form)
     close(img, fx["out"]["train_img_emb"], "train_img_emb")
     close(cap, fx["out"]["train_cap_emb"], "train_cap_emb")
     loss, _ = create_loss(model.recipe.loss)(

@@ -326,7 +326,7 @@ def test_r_d17_chunked_encode_text_equals_one_forward_and_holds_no_graph(small_m
     out = small_model.encode_text(texts)
     tokens, lengths = small_model.tokenize(texts)
     with torch.no_grad():
-        direct = small_model.text_encoder(tokens, lengths)
+        direct = small_model.encode_texts(tokens, lengths)
     assert out.shape == direct.shape and not out.requires_grad and out.grad_fn is None
     torch.testing.assert_close(out, direct, rtol=1e-5, atol=1e-6)
     ids = small_model.encode_text(tokens, lengths)
@@ -340,7 +340,7 @@ def test_r_d17_chunked_encode_image_equals_one_forward_and_train_mode_keeps_grad
     x = torch.randn(600, 4, 8, generator=torch.Generator().manual_seed(3))
     out = small_model.encode_image(x)
     with torch.no_grad():
-        direct = small_model.image_encoder(x, torch.full((600,), 4))
+        direct = small_model.encode_images(x, torch.full((600,), 4))
     assert not out.requires_grad
     torch.testing.assert_close(out, direct, rtol=1e-5, atol=1e-6)
     small_model.train()

@@ -1,7 +1,7 @@
 """CHAN's region encoder (Pan et al., CVPR 2023, ppanzx/CHAN `precomp_enc_type=selfattention`).
 
 Precomputed region features -> linear -> one pre-LayerNorm multi-head self-attention block with a residual
-(`h + MHA(LN(h))`) -> the recipe's pooling -> L2 normalisation. With the `none` pooling the image stays a set
+(`h + MHA(LN(h))`) -> the recipe's pooling (then the model's L2 normalisation). With the `none` pooling the image stays a set
 of region vectors (padded rows zero), which CHAN's late-interaction similarity scores.
 
 The released encoder never hands the region lengths to its attention: padded rows (the linear layer's bias)
@@ -17,7 +17,6 @@ from torch import nn
 
 from vsekit.config import ImageEncoderConfig
 from vsekit.models.image import xavier_linear
-from vsekit.models.norm import l2_normalize
 from vsekit.pooling import create_pooling, length_mask
 
 
@@ -43,8 +42,6 @@ class SelfAttentionImageEncoder(nn.Module):
         img_dim: int,
         embed_dim: int,
         cfg: ImageEncoderConfig,
-        normalize: bool = True,
-        l2_form: str = "clamp",
     ) -> None:
         super().__init__()
         if embed_dim % cfg.selfattn_heads:
@@ -55,7 +52,6 @@ class SelfAttentionImageEncoder(nn.Module):
         self.attend = PreNormSelfAttention(embed_dim, cfg.selfattn_heads)
         self.mask_padding = bool(cfg.selfattn_mask_padding)
         self.pool = create_pooling(cfg.pooling, embed_dim)
-        self.normalize, self.l2_form = normalize, l2_form
 
     def embed_set(self, feats: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """[B, R, E] region vectors before pooling, padded rows zero."""
@@ -67,5 +63,4 @@ class SelfAttentionImageEncoder(nn.Module):
         self, feats: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None
     ) -> torch.Tensor:
         lengths = lengths.to(feats.device, non_blocking=True)
-        x = self.pool(self.embed_set(feats, lengths), lengths)
-        return l2_normalize(x, self.l2_form) if self.normalize else x
+        return self.pool(self.embed_set(feats, lengths), lengths)

@@ -79,7 +79,7 @@ def _selfattention(recipe: Any, spec: Any) -> Any:
     m = recipe.model
     if spec.img_dim <= 0:
         raise ValueError("a selfattention image encoder needs the feature size (DataSpec.img_dim)")
-    return SelfAttentionImageEncoder(spec.img_dim, m.embed_dim, m.image, m.normalize, m.l2_form)
+    return SelfAttentionImageEncoder(spec.img_dim, m.embed_dim, m.image)
 
 
 def _keep_set(cfg: Any, dim: int) -> Any:

@@ -27,7 +27,6 @@ from vsekit.config import ImageEncoderConfig, TextEncoderConfig
 from vsekit.data.datasets import augment_token_batch
 from vsekit.data.text import END, MASK, PAD, START, Vocabulary
 from vsekit.models.image import ResidualMLP, generator_device, to_device_async, xavier_linear
-from vsekit.models.norm import l2_normalize
 from vsekit.models.text import BiGRUTextEncoder
 from vsekit.pooling import create_pooling, length_mask
 
@@ -94,15 +93,13 @@ def draw_word_keep(
 
 
 class ESAImageEncoder(nn.Module):
-    """Region features -> fc + residual MLP -> ESA aggregator -> L2 (two views in training)."""
+    """Region features -> fc + residual MLP -> ESA aggregator (two views in training); the model L2-normalises."""
 
     def __init__(
         self,
         img_dim: int,
         embed_dim: int,
         cfg: ImageEncoderConfig,
-        normalize: bool = True,
-        l2_form: str = "clamp",
     ) -> None:
         super().__init__()
         self.fc = xavier_linear(img_dim, embed_dim)
@@ -111,7 +108,6 @@ class ESAImageEncoder(nn.Module):
         if not isinstance(self.pool, ESAPool):
             raise ValueError("the ESA image encoder needs model.image.pooling.name=esa")
         self.train_drop = cfg.pooling.esa_region_drop
-        self.normalize, self.l2_form = normalize, l2_form
 
     def local_features(self, feats: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """fc(x) + mlp(x) [B, N, D]. Released form (`mask_padding` off): every padded row is a row of the batch,
@@ -126,8 +122,7 @@ class ESAImageEncoder(nn.Module):
         local = self.local_features(feats, lengths)
         b, v, n = keep.shape
         flat = local.unsqueeze(1).expand(b, v, n, local.shape[-1]).reshape(b * v, n, local.shape[-1])
-        x = self.pool(flat, lengths.repeat_interleave(v), keep=keep.reshape(b * v, n))
-        return l2_normalize(x, self.l2_form) if self.normalize else x
+        return self.pool(flat, lengths.repeat_interleave(v), keep=keep.reshape(b * v, n))
 
     def forward(
         self, feats: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None
@@ -138,12 +133,11 @@ class ESAImageEncoder(nn.Module):
                 lengths, feats.shape[1], self.train_drop, self.pool.mask_padding, generator
             )
             return self.embed_views(feats, lengths, keep)
-        x = self.pool(self.local_features(feats, lengths), lengths)
-        return l2_normalize(x, self.l2_form) if self.normalize else x
+        return self.pool(self.local_features(feats, lengths), lengths)
 
 
 class ESATextEncoder(BiGRUTextEncoder):
-    """Word embeddings -> BiGRU (directions averaged) -> ESA aggregator (masked by length) -> L2; in training two
+    """Word embeddings -> BiGRU (directions averaged) -> ESA aggregator (masked by length); in training two
     augmented copies of each caption with dropout on the word embeddings."""
 
     draws_in_training = True  # VSEModel.encode_texts gives it the training step's generator
@@ -153,10 +147,8 @@ class ESATextEncoder(BiGRUTextEncoder):
         vocab_words: list[str],
         embed_dim: int,
         cfg: TextEncoderConfig,
-        normalize: bool = True,
-        l2_form: str = "clamp",
     ) -> None:
-        super().__init__(len(vocab_words), embed_dim, cfg, normalize, l2_form)
+        super().__init__(len(vocab_words), embed_dim, cfg)
         if not isinstance(self.pool, ESAPool):
             raise ValueError("the ESA text encoder needs model.text.pooling.name=esa")
         vocab = Vocabulary(vocab_words)
@@ -193,8 +185,7 @@ class ESATextEncoder(BiGRUTextEncoder):
         if word_keep is not None:
             x = x * word_keep.to(x.dtype) / (1.0 - self.train_drop)
         h = self.recurrent(x, lengths)
-        out = self.pool(h, lengths)
-        return l2_normalize(out, self.l2_form) if self.normalize else out
+        return self.pool(h, lengths)
 
     def forward(
         self, tokens: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None

@@ -97,7 +97,7 @@ def _esa_image_encoder(recipe: Any, spec: Any) -> Any:
     from vsekit.models.esa import ESAImageEncoder
 
     m = recipe.model
-    return ESAImageEncoder(spec.img_dim, m.embed_dim, m.image, m.normalize, m.l2_form)
+    return ESAImageEncoder(spec.img_dim, m.embed_dim, m.image)
 
 
 def _esa_text_encoder(recipe: Any, spec: Any) -> Any:
@@ -105,7 +105,7 @@ def _esa_text_encoder(recipe: Any, spec: Any) -> Any:
     from vsekit.models.esa import ESATextEncoder
 
     m = recipe.model
-    return ESATextEncoder(spec.vocab_words, m.embed_dim, m.text, m.normalize, m.l2_form)
+    return ESATextEncoder(spec.vocab_words, m.embed_dim, m.text)
 
 
 register(

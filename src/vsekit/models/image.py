@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from vsekit.config import ImageEncoderConfig
-from vsekit.models.norm import MaskedBatchNorm1d, l2_normalize
+from vsekit.models.norm import MaskedBatchNorm1d
 from vsekit.pooling import AvgPool, create_pooling, length_mask
 from vsekit.utils.dropout import seeded_dropout
 
@@ -99,17 +99,13 @@ class PrecompImageEncoder(nn.Module):
         img_dim: int,
         embed_dim: int,
         cfg: ImageEncoderConfig,
-        normalize: bool = True,
-        l2_form: str = "clamp",
     ) -> None:
         super().__init__()
         self.feature_type = cfg.feature_type
-        self.l2_form = l2_form
         self.fc = xavier_linear(img_dim, embed_dim)
         self.mlp = ResidualMLP(img_dim, cfg.mlp_hidden, embed_dim) if cfg.feature_type == "region" else None
         self.mlp_on_padding = cfg.mlp_on_padding
         self.pool = create_pooling(cfg.pooling, embed_dim)
-        self.normalize = normalize
         self.input_dropout = float(getattr(cfg, "input_dropout", 0.0))
 
     def embed_set(self, feats: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -130,7 +126,7 @@ class PrecompImageEncoder(nn.Module):
             x = self.fc(self.pool(feats, lengths))
         else:
             x = self.pool(self.embed_set(feats, lengths), lengths)
-        return l2_normalize(x, self.l2_form) if self.normalize else x
+        return x
 
 
 class BackboneImageEncoder(nn.Module):
@@ -140,7 +136,6 @@ class BackboneImageEncoder(nn.Module):
         self,
         embed_dim: int,
         cfg: ImageEncoderConfig,
-        normalize: bool = True,
         grid_drop_max: float = 0.2,
         size_augment: bool = True,
     ) -> None:
@@ -151,7 +146,6 @@ class BackboneImageEncoder(nn.Module):
         self.cnn_dim = self.cnn.out_dim
         self.fc = xavier_linear(self.cnn_dim, embed_dim)
         self.pool = create_pooling(cfg.pooling, embed_dim)
-        self.normalize = normalize
         self.grid_drop_max = grid_drop_max
         self.size_augment = size_augment
         self.trainable_blocks = cfg.backbone_trainable_blocks
@@ -192,5 +186,4 @@ class BackboneImageEncoder(nn.Module):
         lengths = torch.full((feats.shape[0],), feats.shape[1], dtype=torch.long, device=feats.device)
         if self.training and self.size_augment:
             feats, lengths = grid_size_augment(feats, lengths, generator, self.grid_drop_max)
-        x = self.pool(self.fc(feats), lengths)
-        return nn.functional.normalize(x, dim=-1) if self.normalize else x
+        return self.pool(self.fc(feats), lengths)

@@ -136,22 +136,20 @@ def _precomp(recipe: Any, spec: Any) -> Any:
     if m.image.views > 1:
         from vsekit.models.multiview import MultiViewImageEncoder
 
-        return MultiViewImageEncoder(spec.img_dim, m.embed_dim, m.image, m.normalize, m.l2_form)
+        return MultiViewImageEncoder(spec.img_dim, m.embed_dim, m.image)
     own = pooling_encoder("image", "precomp", recipe, spec)
     if own is not None:
         return own
     from vsekit.models.image import PrecompImageEncoder
 
-    return PrecompImageEncoder(spec.img_dim, m.embed_dim, m.image, m.normalize, m.l2_form)
+    return PrecompImageEncoder(spec.img_dim, m.embed_dim, m.image)
 
 
 def _backbone(recipe: Any, spec: Any) -> Any:
     from vsekit.models.image import BackboneImageEncoder
 
     m = recipe.model
-    return BackboneImageEncoder(
-        m.embed_dim, m.image, m.normalize, recipe.data.grid_drop_max, recipe.data.size_augment
-    )
+    return BackboneImageEncoder(m.embed_dim, m.image, recipe.data.grid_drop_max, recipe.data.size_augment)
 
 
 def _vit(recipe: Any, spec: Any) -> Any:
@@ -167,8 +165,6 @@ def _vit(recipe: Any, spec: Any) -> Any:
         keep_train=m.image.view_keep_train,
         keep_test=m.image.view_keep_test,
         pooling=m.image.pooling,
-        normalize=m.normalize,
-        l2_eps_outside_sqrt=m.l2_form == "add_eps",
         size_augment=recipe.data.size_augment,
         grid_drop_max=recipe.data.grid_drop_max,
     )

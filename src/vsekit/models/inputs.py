@@ -419,7 +419,7 @@ def encode_image(model: VSEModel, images: Any, lengths: Any = None, **kwargs: An
     return _encode_in_chunks(
         model,
         x.shape[0],
-        lambda rows: model.image_encoder(x[rows], lengths[rows], **_rows_of(kwargs, rows)),
+        lambda rows: model.encode_images(x[rows], lengths[rows], **_rows_of(kwargs, rows)),
         graph=x.requires_grad and torch.is_grad_enabled(),
     )
 

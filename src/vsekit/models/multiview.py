@@ -4,7 +4,7 @@ The regions (or grid cells) of an image are sampled into `views` random groups, 
 `view_keep_train` (75%) of the image's set in training and `view_keep_test` (90%) at test time. Every
 group goes through the same encoder (one linear layer, plus the residual MLP for regions) and the same
 pooling (GPO), and the view embeddings are concatenated: [B, views * embed_dim], view k at
-`[:, k*embed_dim:(k+1)*embed_dim]`, each view L2-normalised on its own when `normalize`.
+`[:, k*embed_dim:(k+1)*embed_dim]`, each view L2-normalised on its own by the model (VSEModel).
 
 The fractions are of the image's *full* set: the trainer does not apply VSE∞'s size augmentation (region or
 grid-cell dropping) to a multi-view image — the random views are that augmentation. Dropping first and then
@@ -26,7 +26,6 @@ from torch import nn
 
 from vsekit.config import ImageEncoderConfig
 from vsekit.models.image import PrecompImageEncoder, generator_device, to_device_async
-from vsekit.models.norm import l2_normalize
 from vsekit.pooling import length_mask
 from vsekit.utils.runtime import derived_seed
 
@@ -105,8 +104,6 @@ class MultiViewImageEncoder(nn.Module):
         img_dim: int,
         embed_dim: int,
         cfg: ImageEncoderConfig,
-        normalize: bool = True,
-        l2_form: str = "clamp",
     ) -> None:
         super().__init__()
         for name in ("view_keep_train", "view_keep_test"):
@@ -119,9 +116,7 @@ class MultiViewImageEncoder(nn.Module):
         self.embed_dim = embed_dim
         self.keep_train, self.keep_test = cfg.view_keep_train, cfg.view_keep_test
         # the shared-weight encoder: exactly the single-view encoder, applied once per group
-        self.shared = PrecompImageEncoder(img_dim, embed_dim, cfg, normalize=False)
-        self.normalize = normalize
-        self.l2_form = l2_form
+        self.shared = PrecompImageEncoder(img_dim, embed_dim, cfg)
 
     def forward(
         self, feats: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None
@@ -139,8 +134,6 @@ class MultiViewImageEncoder(nn.Module):
         # the full width n (a fixed shape; the pooling gives the masked padding no weight)
         grouped = grouped.masked_fill(~length_mask(flat_counts, grouped.shape[1]).unsqueeze(-1), 0.0)
         x = self.shared.pool(grouped, flat_counts)  # [B*views, embed_dim]
-        if self.normalize:
-            x = l2_normalize(x, self.l2_form)
         return x.reshape(b, self.views * self.embed_dim)
 
     def split_views(self, emb: torch.Tensor) -> torch.Tensor:

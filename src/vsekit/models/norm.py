@@ -22,6 +22,14 @@ def l2_normalize(x: torch.Tensor, form: str = "clamp", dim: int = -1) -> torch.T
     raise ValueError(f"unknown L2 normalisation form {form!r}; choose one of {', '.join(L2_FORMS)}")
 
 
+def l2_normalize_views(x: torch.Tensor, form: str = "clamp", views: int = 1) -> torch.Tensor:
+    """Each view of `x` [B, views x D] unit on its own (views > 1), else each vector along the last dimension
+    ([B, D], or sets [B, S, D]): a model's final normalisation (`VSEModel`)."""
+    if views > 1 and x.ndim == 2:
+        return l2_normalize(x.reshape(x.shape[0], views, -1), form).reshape(x.shape[0], -1)
+    return l2_normalize(x, form)
+
+
 class MaskedBatchNorm1d(nn.BatchNorm1d):
     """BatchNorm1d over the valid rows of a padded, channel-last batch, without boolean indexing.
 

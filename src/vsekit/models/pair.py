@@ -69,9 +69,15 @@ class ModelPair(nn.Module):
             return getattr(self._modules["members"][0], name)
 
     def encode_images(
-        self, images: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None
+        self,
+        images: torch.Tensor,
+        lengths: torch.Tensor,
+        generator: torch.Generator | None = None,
+        **kwargs,
     ) -> torch.Tensor:
-        return torch.cat([m.encode_images(images, lengths, generator) * SCALE for m in self.members], dim=1)
+        return torch.cat(
+            [m.encode_images(images, lengths, generator, **kwargs) * SCALE for m in self.members], dim=1
+        )
 
     def encode_texts(
         self, tokens: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None

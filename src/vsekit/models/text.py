@@ -21,7 +21,6 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from vsekit.config import TextEncoderConfig
 from vsekit.errors import MissingPackageError
 from vsekit.models.image import ResidualMLP
-from vsekit.models.norm import l2_normalize
 from vsekit.pooling import create_pooling, length_mask
 from vsekit.pooling.rnn import bigru_unpacked
 from vsekit.utils.dropout import seeded_dropout
@@ -44,18 +43,14 @@ class BiGRUTextEncoder(nn.Module):
         vocab_size: int,
         embed_dim: int,
         cfg: TextEncoderConfig,
-        normalize: bool = True,
-        l2_form: str = "clamp",
     ) -> None:
         super().__init__()
-        self.l2_form = l2_form
         self.embed = nn.Embedding(vocab_size, cfg.word_dim, padding_idx=0)
         nn.init.uniform_(self.embed.weight, -0.1, 0.1)
         self.gru = nn.GRU(
             cfg.word_dim, embed_dim, num_layers=cfg.num_layers, batch_first=True, bidirectional=True
         )
         self.pool = create_pooling(cfg.pooling, embed_dim)
-        self.normalize = normalize
         self.word_dropout = float(getattr(cfg, "word_dropout", 0.0))
         if self.word_dropout > 0:  # VSEModel.encode_texts then hands it the training step's generator
             self.draws_in_training = True
@@ -89,8 +84,7 @@ class BiGRUTextEncoder(nn.Module):
         self, tokens: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None
     ) -> torch.Tensor:
         lengths = lengths.to(tokens.device, non_blocking=True)  # free when already there
-        x = self.pool(self.token_features(tokens, lengths, generator), lengths)
-        return l2_normalize(x, self.l2_form) if self.normalize else x
+        return self.pool(self.token_features(tokens, lengths, generator), lengths)
 
 
 class BagOfWordsTextEncoder(nn.Module):
@@ -105,24 +99,19 @@ class BagOfWordsTextEncoder(nn.Module):
         vocab_size: int,
         embed_dim: int,
         cfg: TextEncoderConfig,
-        normalize: bool = True,
-        l2_form: str = "clamp",
     ) -> None:
         super().__init__()
-        self.l2_form = l2_form
         self.embed = nn.Embedding(vocab_size, embed_dim, padding_idx=0)
         nn.init.uniform_(self.embed.weight, -0.1, 0.1)
         with torch.no_grad():
             self.embed.weight[0].zero_()
         self.pool = create_pooling(cfg.pooling, embed_dim)
-        self.normalize = normalize
 
     def token_features(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         return self.embed(tokens)
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        x = self.pool(self.embed(tokens), lengths.to(tokens.device, non_blocking=True))
-        return l2_normalize(x, self.l2_form) if self.normalize else x
+        return self.pool(self.embed(tokens), lengths.to(tokens.device, non_blocking=True))
 
 
 def default_transformer_path() -> str:
@@ -216,9 +205,7 @@ class TransformerTextEncoder(nn.Module):
         self,
         embed_dim: int,
         cfg: TextEncoderConfig,
-        normalize: bool = True,
         model_path: str = "",
-        l2_form: str = "clamp",
     ) -> None:
         super().__init__()
         from transformers import AutoConfig, AutoModel
@@ -239,12 +226,12 @@ class TransformerTextEncoder(nn.Module):
         self.mlp = ResidualMLP(hidden, cfg.head_mlp_hidden, embed_dim) if cfg.head == "residual_mlp" else None
         self.pool = create_pooling(cfg.pooling, embed_dim)
         self.final_norm = nn.LayerNorm(embed_dim) if cfg.final_layernorm else None
+        # a LayerNorm ends the encoder instead of the model's L2 normalisation (VSEModel.encode_texts)
+        self.own_output_norm = self.final_norm is not None
         self.word_bag = None
         if cfg.word_bag:
             self.word_bag = nn.Embedding(config.vocab_size, embed_dim)
             nn.init.uniform_(self.word_bag.weight, -0.1, 0.1)
-        self.normalize = normalize
-        self.l2_form = l2_form
         self.freeze = cfg.freeze
         self.length_sorted_chunk = cfg.length_sorted_chunk
         self.frozen_cache = FrozenStateCache(cfg.frozen_cache_mb if cfg.freeze else 0)
@@ -321,6 +308,4 @@ class TransformerTextEncoder(nn.Module):
         if self.word_bag is not None:
             valid = length_mask(lengths, tokens.shape[1]).unsqueeze(-1).to(x.dtype)
             x = x + (self.word_bag(tokens) * valid).sum(1) / valid.sum(1).clamp(min=1)
-        if self.final_norm is not None:
-            return self.final_norm(x)
-        return l2_normalize(x, self.l2_form) if self.normalize else x
+        return self.final_norm(x) if self.final_norm is not None else x

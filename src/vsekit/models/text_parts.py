@@ -110,21 +110,21 @@ def _bigru(recipe: Any, spec: Any) -> Any:
     own = pooling_encoder("text", "bigru", recipe, spec)
     if own is not None:
         return own
-    return BiGRUTextEncoder(_vocabulary_size("bigru", spec), m.embed_dim, m.text, m.normalize, m.l2_form)
+    return BiGRUTextEncoder(_vocabulary_size("bigru", spec), m.embed_dim, m.text)
 
 
 def _bow(recipe: Any, spec: Any) -> Any:
     from vsekit.models.text import BagOfWordsTextEncoder
 
     m = recipe.model
-    return BagOfWordsTextEncoder(_vocabulary_size("bow", spec), m.embed_dim, m.text, m.normalize, m.l2_form)
+    return BagOfWordsTextEncoder(_vocabulary_size("bow", spec), m.embed_dim, m.text)
 
 
 def _transformer(recipe: Any, spec: Any) -> Any:
     from vsekit.models.text import TransformerTextEncoder
 
     m = recipe.model
-    encoder = TransformerTextEncoder(m.embed_dim, m.text, m.normalize, spec.text_model_path, m.l2_form)
+    encoder = TransformerTextEncoder(m.embed_dim, m.text, spec.text_model_path)
     spec.text_model_path = encoder.model_path  # the directory actually used, saved with the run
     return encoder
 

@@ -5,8 +5,8 @@ the Hugging Face ViT end to end. It takes the ViT *embeddings* (patch conv + CLS
 bicubically resized to the actual patch grid), cuts each image into `views` token subsets — a random
 centre patch per image and view, the patches nearest to it kept (top-k of `exp(-alpha * distance)`),
 CLS always kept — and runs the ViT layers on every subset separately, with **no final layernorm and no
-pooler**. Each view then goes through the same `fc` (hidden -> E), GPO pooling and an L2 norm, and the
-view embeddings are concatenated: `[B, views * E]`, view k at `[:, k*E:(k+1)*E]`.
+pooler**. Each view then goes through the same `fc` (hidden -> E) and GPO pooling (the model adds the L2
+norm of each view, `VSEModel`), and the view embeddings are concatenated: `[B, views * E]`, view k at `[:, k*E:(k+1)*E]`.
 
 Token count per view (released rule): `n = int(keep * (1 + num_patches))` patches plus CLS, with keep
 0.8 in training and 0.9 at test in the released code (the paper says 75 % / 90 %).
@@ -32,7 +32,6 @@ from torch import nn
 
 from vsekit.config import PoolingConfig
 from vsekit.models.image import grid_size_augment, xavier_linear
-from vsekit.models.norm import l2_normalize
 from vsekit.pooling import GPO, create_pooling
 from vsekit.utils.runtime import derived_seed
 
@@ -101,7 +100,7 @@ def radial_view_indices(
 class MultiViewOutput:
     """Everything the forward pass computes, for parity checks and inspection (views first: [V, B, ...])."""
 
-    emb: torch.Tensor  # [B, V*E]
+    emb: torch.Tensor  # [B, V*E], each view's pooled vector (the model L2-normalises it: VSEModel)
     embeddings: torch.Tensor  # [B, 1+N, H] ViT embeddings (CLS first)
     view_indices: torch.Tensor  # [B, V, n] patch indices (CLS excluded)
     view_tokens: torch.Tensor  # [V, B, 1+n, H] ViT layer output per view
@@ -112,7 +111,8 @@ class MultiViewOutput:
 
 
 class ViTMultiViewImageEncoder(nn.Module):
-    """ViT patch tokens -> `views` radial token subsets -> ViT layers -> fc -> pooling -> L2 -> concat."""
+    """ViT patch tokens -> `views` radial token subsets -> ViT layers -> fc -> pooling -> concat (the model
+    L2-normalises each view)."""
 
     def __init__(
         self,
@@ -122,8 +122,6 @@ class ViTMultiViewImageEncoder(nn.Module):
         keep_train: float = 0.8,
         keep_test: float = 0.9,
         pooling: PoolingConfig | None = None,
-        normalize: bool = True,
-        l2_eps_outside_sqrt: bool = True,
         size_augment: bool = True,
         grid_drop_max: float = 0.2,
         attn_implementation: str | None = None,
@@ -148,8 +146,6 @@ class ViTMultiViewImageEncoder(nn.Module):
         self.keep_train, self.keep_test = keep_train, keep_test
         self.fc = xavier_linear(hidden, embed_dim)
         self.pool = create_pooling(pooling or PoolingConfig(name="gpo"), embed_dim)
-        self.normalize = normalize
-        self.l2_eps_outside_sqrt = l2_eps_outside_sqrt
         self.size_augment = size_augment
         self.grid_drop_max = grid_drop_max
         self.eval_seed = eval_seed
@@ -242,12 +238,9 @@ class ViTMultiViewImageEncoder(nn.Module):
         else:
             pooled, weights = self.pool(local, lengths), None
         emb = (
-            l2_normalize(pooled, "add_eps" if self.l2_eps_outside_sqrt else "clamp")
-            if self.normalize
-            else pooled
-        )
-        emb = (
-            emb.reshape(self.views, b, self.embed_dim).transpose(0, 1).reshape(b, self.views * self.embed_dim)
+            pooled.reshape(self.views, b, self.embed_dim)
+            .transpose(0, 1)
+            .reshape(b, self.views * self.embed_dim)
         )
         v = self.views
         return MultiViewOutput(

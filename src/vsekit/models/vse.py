@@ -1,7 +1,9 @@
 """A VSE model = image encoder + text encoder + similarity, assembled from a recipe.
 
 The trainer, evaluation and search only talk to this interface: `encode_images`, `encode_texts`,
-`similarity`. Methods differ only in the parts the recipe names.
+`similarity`. Methods differ only in the parts the recipe names. The encoders return pooled vectors; the
+model owns what follows them, once for every encoder: the L2 normalisation (`model.normalize`,
+`model.l2_form`) and IN2R's centring (`model.centre`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from vsekit import registry
 from vsekit.config import Recipe
 from vsekit.models.centring import EmbeddingCentring
 from vsekit.models.image import BackboneImageEncoder
+from vsekit.models.norm import l2_normalize_views
 from vsekit.models.text import TransformerTextEncoder
 from vsekit.similarity import create_similarity
 
@@ -48,11 +51,25 @@ class VSEModel(nn.Module):
                 "model.centre=batch centres one embedding per image: it needs model.image.views=1"
             )
 
+    def _output(self, x: torch.Tensor, side: str, encoder: nn.Module) -> torch.Tensor:
+        """An encoder's pooled output as the model's embedding: L2-normalised (`model.normalize`, in the form
+        `model.l2_form`; each view on its own, each vector of a set), unless the encoder ends in a norm of its
+        own (`own_output_norm`: AVSE's caption LayerNorm); then centred (`model.centre: batch`)."""
+        m = self.recipe.model
+        if m.normalize and not getattr(encoder, "own_output_norm", False):
+            x = l2_normalize_views(x, m.l2_form, m.image.views if side == "image" else 1)
+        return x if self.centring is None else self.centring(x, side)
+
     def encode_images(
-        self, images: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None
+        self,
+        images: torch.Tensor,
+        lengths: torch.Tensor,
+        generator: torch.Generator | None = None,
+        **kwargs,
     ) -> torch.Tensor:
-        x = self.image_encoder(images, lengths, generator=generator)
-        return x if self.centring is None else self.centring(x, "image")
+        """[B, views x D] image embeddings; `kwargs` go to the encoder (a ViT's `view_indices`)."""
+        x = self.image_encoder(images, lengths, generator=generator, **kwargs)
+        return self._output(x, "image", self.image_encoder)
 
     def encode_texts(
         self, tokens: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator | None = None
@@ -62,7 +79,7 @@ class VSEModel(nn.Module):
             x = self.text_encoder(tokens, lengths, generator=generator)
         else:
             x = self.text_encoder(tokens, lengths)
-        return x if self.centring is None else self.centring(x, "text")
+        return self._output(x, "text", self.text_encoder)
 
     def uncentred(self) -> contextlib.AbstractContextManager:
         """While inside, `encode_images` / `encode_texts` return the encoders' own outputs, before the

@@ -36,9 +36,11 @@ def bench_co_teaching(
     device: str = "cpu",
     overrides: Sequence[str] = (),
     work: str | Path | None = None,
+    pair_recipe: str = "ncr",
 ) -> dict:
-    """Train VSE∞ and NCR for `epochs` epochs each (module docstring) and return the timings (seconds) and
-    ratios; `work` keeps the runs (default: a temporary folder, removed)."""
+    """Train VSE∞ and a two-network recipe (`pair_recipe`: ncr, or in2r) for `epochs` epochs each (module
+    docstring) and return the timings (seconds) and ratios; `work` keeps the runs (default: a temporary
+    folder, removed)."""
     if epochs < 2:
         raise ValueError("epochs must be at least 2 (NCR's first epoch is its warm-up)")
     base = [*overrides, f"train.epochs={epochs}", f"train.device={device}", "optim.lr_decay_epochs=[1000]"]
@@ -46,7 +48,7 @@ def bench_co_teaching(
         runs = {}
         for name, recipe_name, extra in (
             ("one", "vse_infty", ["loss.warmup_epochs=1"]),
-            ("pair", "ncr", ["loss.warmup_epochs=1", "train.sample_policy.unlabeled_start_epoch=1"]),
+            ("pair", pair_recipe, ["loss.warmup_epochs=1", "train.sample_policy.unlabeled_start_epoch=1"]),
         ):
             run = Path(tmp) / name
             recipe = load_recipe(recipe_name, base + extra)
@@ -63,6 +65,7 @@ def bench_co_teaching(
     one_s, pair_s = statistics.fmean(one), statistics.fmean(pair)
     return {
         "data": str(data_dir),
+        "pair_recipe": pair_recipe,
         "epochs": epochs,
         "device": device,
         "overrides": list(overrides),

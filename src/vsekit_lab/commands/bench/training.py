@@ -286,13 +286,14 @@ def run_co_teaching(args: argparse.Namespace) -> int:
     from vsekit_lab.demo import DEMO_OVERRIDES
 
     overrides = (DEMO_OVERRIDES if args.demo_settings else []) + args.set
-    res = bench_co_teaching(args.data, args.epochs, args.device, overrides)
+    res = bench_co_teaching(args.data, args.epochs, args.device, overrides, pair_recipe=args.recipe)
     emit(
         args,
         [
             ("data", "dataset"),
+            ("pair_recipe", "two-network recipe"),
             ("one_network_epoch_s", "one network (VSE∞), s/epoch"),
-            ("two_network_epoch_s", "two networks (NCR), s/epoch"),
+            ("two_network_epoch_s", "two networks, s/epoch"),
             ("two_over_one", "two / one"),
             ("split_pass_s", "split pass (both networks), s"),
             ("split_over_phase", "split pass per network / its phase"),
@@ -552,6 +553,12 @@ def add_co_teaching(add: AddVerb) -> None:
     )
     co.add_argument("--epochs", type=int, action=at_least(2), default=2, help="epochs of each run (>= 2)")
     co.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 …")
+    co.add_argument(
+        "--recipe",
+        default="ncr",
+        choices=("ncr", "in2r"),
+        help="the two-network recipe timed against VSE∞ (default ncr)",
+    )
     co.add_argument(
         "--demo-settings",
         action="store_true",
