@@ -278,3 +278,24 @@ def test_loaded_pair_scores_the_mean_and_a_query_alone_embeds_as_in_a_batch(tiny
     torch.testing.assert_close(pair.similarity(img, txt), (own[0] + own[1]) / 2, atol=1e-6, rtol=1e-5)
     alone = pair.encode_text(captions[:1])
     torch.testing.assert_close(alone[0], txt[0], atol=1e-6, rtol=1e-5)
+
+
+def test_unlabeled_terms_wait_for_k_rows_in_the_peers_queue():
+    from vsekit.losses.in2r import IN2RLoss
+
+    loss = IN2RLoss(0.2, embed_dim=8, queue_size=6, neighbours=3)
+    g = torch.Generator().manual_seed(0)
+    img, txt = (torch.nn.functional.normalize(torch.randn(4, 8, generator=g), dim=1) for _ in range(2))
+    assert loss.unlabeled(0, img, txt) == {}  # the peer's (network 1's) queue is empty
+    loss.enqueue(1, img[:2], txt[:2], torch.ones(2), 0.5)
+    assert loss.unlabeled(0, img, txt) == {}  # 2 rows < 3 neighbours: the release skips the terms
+    assert loss.unlabeled(1, img, txt) == {}  # network 1 reads network 0's queue, still empty
+    loss.enqueue(
+        1, img[2:], txt[2:], torch.tensor([1.0, 0.0]), 0.5
+    )  # one more row: the other is not confident
+    assert loss.queues[1].ptr == 3 and not loss.queues[1].is_full
+    terms = loss.unlabeled(0, img, txt)
+    assert set(terms) == {"i2t", "t2i"} and all(torch.isfinite(v) for v in terms.values())
+    loss.enqueue(1, img, txt, torch.ones(4), 0.5)  # 3 + 4 rows in a queue of 6: it wraps
+    assert loss.queues[1].ptr == 1 and loss.queues[1].is_full
+    torch.testing.assert_close(loss.queues[1].img[0], img[3])  # the 7th row overwrote the first

@@ -1,7 +1,8 @@
 """How much IN2R's evaluation protocol matters: a trained `in2r` run's test rsum with the centring vsekit's
-eval mode applies (the running mean of the training batches: an embedding independent of its batch-mates) and
+eval mode applies (the running mean of the training batches: an embedding independent of its batch-mates),
 with the release's (IN2R/evaluation.py `encode_data`: consecutive batches of captions, each caption's image
-beside it, every batch centred by its own mean; an image's embedding is the row of its first caption).
+beside it, every batch centred by its own mean; an image's embedding is the row of its first caption), and
+with the mean of the training split's own embeddings in eval mode (batch-independent too).
 
     .venv/bin/python scripts/experiments/in2r_eval_centring.py runs/noisy/c40/in2r_bigru/seed0 \\
         --data data/noisy/openclipart_c40 [--batch-size 128] [--json-out F]
@@ -20,6 +21,7 @@ from vsekit.data.precomp import load_precomp_split
 from vsekit.evaluation import encode_captions, encode_images, image_source_for
 from vsekit.losses.noisy_split import centred_l2norm
 from vsekit.metrics import evaluate_sims
+from vsekit.models.norm import l2_normalize
 from vsekit.models.tokenizers import text_processor_for
 from vsekit.runs import load_run
 
@@ -53,7 +55,9 @@ def main() -> int:
     text = text_processor_for(pair)
     source = image_source_for(pair, split)
     out: dict = {}
-    sims = {"running": [], "release": []}
+    train = load_precomp_split(args.data, pair.recipe.data.train_split, pair.recipe.data.captions_per_image)
+    train_source = image_source_for(pair, train)
+    sims = {"running": [], "release": [], "train_mean": []}
     with torch.no_grad():
         for member in pair.members:
             member.eval()
@@ -65,6 +69,11 @@ def main() -> int:
                 cap_raw = encode_captions(member, split.captions, text, 256, "cpu")
             i, c = release_embeddings(img_raw, cap_raw, split.cap2img, args.batch_size)
             sims["release"].append((i @ c.T).numpy())
+            with member.uncentred():
+                img_mean = encode_images(member, train_source, 256, "cpu").mean(0)
+                cap_mean = encode_captions(member, train.captions, text, 256, "cpu").mean(0)
+            i, c = l2_normalize(img_raw - img_mean, "add_eps"), l2_normalize(cap_raw - cap_mean, "add_eps")
+            sims["train_mean"].append((i @ c.T).numpy())
     for way, (a, b) in sims.items():
         out[way] = {
             "pair_rsum": evaluate_sims((a + b) / 2, split.cap2img)["rsum"],
