@@ -247,6 +247,7 @@ def test_resume_inside_a_split_epoch_is_bit_exact(tiny_data, tmp_path):
         (["train.sample_policy.name=uniform"], "two-network sample policy"),
         (["model.embed_dim=18"], "attention heads"),
         (["loss.in2r_embed_dim=32"], "must equal model.embed_dim"),
+        (["model.image.views=2", "model.similarity.name=aeom"], "model.centre=batch centres one embedding"),
     ],
 )
 def test_refused_settings(tiny_data, tmp_path, extra, needle):

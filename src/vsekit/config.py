@@ -785,6 +785,11 @@ def validate_recipe(r: Recipe) -> None:
         raise ConfigError("train.batch_size must be at least 2 (in-batch negatives)")
     if r.train.epochs < 1:
         raise ConfigError(f"train.epochs (--epochs) must be at least 1, got {r.train.epochs}")
+    if r.model.centre == "batch" and r.model.image.views != 1:
+        raise ConfigError(
+            f"model.centre=batch centres one embedding per image; model.image.views={r.model.image.views} "
+            "needs model.centre=none"
+        )
     for path, section in sections:
         for key, f in _keys(section).items():
             _check_value(f"{path}.{key}" if path else key, getattr(section, key), f)

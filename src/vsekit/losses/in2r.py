@@ -1,4 +1,4 @@
-"""IN2R's loss as a vsekit loss (`loss.name: in2r`, with `train.sample_policy.name: in2r`): the terms of one
+"""IN2R's loss as a vsekit loss (`loss.name: in2r`, on NCR's co-divide `train.sample_policy.name: ncr`): the terms of one
 network's step and the state they carry between steps, per network of the pair: its memory queue of
 confidently clean pairs and its two attention refiners (`vsekit.losses.noisy_in2r`). The co-teaching trainer
 (`vsekit.training.in2r_step`) runs the passes and calls these; the queues and refiners are the loss's buffers
@@ -43,6 +43,7 @@ class IN2RLoss(InBatchLoss):
         intra_margin: float = 0.3,
         tau: float = 0.05,
         refiner_dropout: float = 0.1,
+        refiner_heads: int = 4,
     ) -> None:
         super().__init__()
         if directions not in DIRECTIONS:
@@ -53,7 +54,9 @@ class IN2RLoss(InBatchLoss):
         self.queues = nn.ModuleList([MemoryQueue(queue_size, embed_dim) for _ in range(MEMBERS)])
         self.refiners = nn.ModuleList(
             [
-                nn.ModuleDict({d: GraphRefiner(embed_dim, dropout=refiner_dropout) for d in ("i2t", "t2i")})
+                nn.ModuleDict(
+                    {d: GraphRefiner(embed_dim, refiner_heads, refiner_dropout) for d in ("i2t", "t2i")}
+                )
                 for _ in range(MEMBERS)
             ]
         )
@@ -84,7 +87,7 @@ class IN2RLoss(InBatchLoss):
     def enqueue(self, k: int, img: torch.Tensor, txt: torch.Tensor, prob: torch.Tensor, avg: float) -> int:
         """Network k's queue takes the pairs of its labeled batch whose (peer's) clean probability exceeds
         the network's own mean over its predicted-clean set; how many it took."""
-        rows = confident_rows(prob.detach().cpu(), avg).to(img.device)
+        rows = confident_rows(prob.detach(), avg)
         self.queues[k].enqueue(img[rows], txt[rows])
         return int(rows.sum())
 
@@ -105,6 +108,3 @@ class IN2RLoss(InBatchLoss):
             )
             out[d] = self.unlabeled_weight * infonce(query @ partner.t(), self.tau)
         return out
-
-    def refiner_parameters(self) -> list[nn.Parameter]:
-        return list(self.refiners.parameters())

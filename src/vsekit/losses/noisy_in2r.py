@@ -125,7 +125,7 @@ def confident_rows(prob: torch.Tensor, avg_clean_prob: float) -> torch.Tensor:
     """Rows of the labeled batch that enter the queue: `prob > avg_clean_prob`, compared in float32 as released
     (prob = the peer's probabilities, avg = the network's own mean over its predicted-clean set)."""
     prob = torch.as_tensor(prob, dtype=torch.float32).reshape(-1)
-    return prob > torch.tensor(avg_clean_prob, dtype=torch.float32)
+    return prob > torch.tensor(avg_clean_prob, dtype=torch.float32, device=prob.device)
 
 
 def average_clean_prob(prob: np.ndarray, pred: np.ndarray) -> float:

@@ -152,6 +152,7 @@ def _in2r_loss(cfg: Any) -> Any:
         cfg.in2r_intra_margin,
         cfg.in2r_tau,
         cfg.in2r_refiner_dropout,
+        REFINER_HEADS,
     )
 
 

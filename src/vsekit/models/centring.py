@@ -16,7 +16,6 @@ from torch import nn
 
 from vsekit.models.norm import l2_normalize
 
-CENTRE_MODES = ("none", "batch")
 MOMENTUM = 0.1  # BatchNorm's default: the running mean follows the last ~10 training batches
 
 

@@ -45,11 +45,8 @@ class VSEModel(nn.Module):
         self.text_encoder = registry.get("text_encoder", m.text.kind).build(recipe, spec)
         self.sim = create_similarity(m.similarity, m.embed_dim, m.image.views)
         # IN2R's batch-mean centring before a last L2 normalisation (vsekit.models.centring); None: off
+        # (one embedding per image: validate_recipe refuses it with several views)
         self.centring = EmbeddingCentring(m.embed_dim) if m.centre == "batch" else None
-        if self.centring is not None and m.image.views != 1:
-            raise ValueError(
-                "model.centre=batch centres one embedding per image: it needs model.image.views=1"
-            )
 
     def _output(self, x: torch.Tensor, side: str, encoder: nn.Module) -> torch.Tensor:
         """An encoder's pooled output as the model's embedding: L2-normalised (`model.normalize`, in the form

@@ -90,7 +90,7 @@ class CoTeaching:
         self._truth: np.ndarray | None | bool = False  # the dataset's recorded clean labels (False: not read)
         self._unlabeled_data = None
         self._source = None
-        self._prob_cache: tuple[tuple[int, int], torch.Tensor] | None = None
+        self._prob_cache: tuple[list[MemberSplit], int, torch.Tensor] | None = None
         self.peer_queue_step = PeerQueueStep(self) if has_fact("loss", r.loss.name, "peer_queues") else None
 
     # ------------------------------------------------------------------------------------- steps
@@ -140,7 +140,7 @@ class CoTeaching:
                 self._source = image_source_for(member, t.train_split)
             # a model that centres its embeddings (model.centre: batch) is scored as IN2R's split pass
             # scores it: the encoders' outputs, each batch of the pass centred by its own mean
-            centred = getattr(member, "centring", None) is not None
+            centred = member.centring is not None
             with member.uncentred():
                 img = encode_images(member, self._source, bs, t.device)
                 cap = encode_captions(member, t.train_split.captions, t.text, bs, t.device)
@@ -339,11 +339,12 @@ class CoTeaching:
     def peer_prob(self, k: int) -> torch.Tensor:
         """The clean probabilities network k trains with (its peer's), float32 on the run's device, made once
         per split."""
-        key = (id(self.splits), k)
-        if self._prob_cache is None or self._prob_cache[0] != key:
+        # keyed by the split itself (held, so a later split cannot reuse its id)
+        cached = self._prob_cache
+        if cached is None or cached[0] is not self.splits or cached[1] != k:
             prob = torch.as_tensor(self.splits[1 - k].prob, dtype=torch.float32).to(self.t.device)
-            self._prob_cache = (key, prob)
-        return self._prob_cache[1]
+            self._prob_cache = cached = (self.splits, k, prob)
+        return cached[2]
 
     @torch.no_grad()
     def _predict(self, k: int, batch: Batch) -> torch.Tensor:
@@ -362,9 +363,8 @@ class CoTeaching:
         self, k: int, batch: Batch, u_batch: Batch | None, epoch: int, it: int, total: int, warm: bool
     ) -> dict:
         """Network k's step(s) on a labeled batch (and an unlabeled one): targets first, then the step body."""
-        if (
-            self.peer_queue_step is not None
-        ):  # IN2R: two passes and the peer's queue (vsekit.training.in2r_step)
+        # IN2R: two passes and the peer's queue (vsekit.training.in2r_step)
+        if self.peer_queue_step is not None:
             return self.peer_queue_step(k, batch, u_batch, epoch, it, total, warm)
         t = self.t
         steps = t.member_steps

@@ -34,6 +34,14 @@ class PeerQueueStep:
 
     def __init__(self, co: CoTeaching) -> None:
         self.co = co
+        self._thresholds: tuple[list, list[float]] | None = None  # (the splits, each network's)
+
+    def queue_threshold(self, k: int) -> float:
+        """Network k's own mean clean probability over its predicted-clean set, computed once per split."""
+        splits = self.co.splits
+        if self._thresholds is None or self._thresholds[0] is not splits:
+            self._thresholds = (splits, [average_clean_prob(s.prob, s.labeled) for s in splits])
+        return self._thresholds[1][k]
 
     def _passes(self, step: TrainStep, batch: Batch, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         parts = step.parts
@@ -63,11 +71,8 @@ class PeerQueueStep:
                 hinge, intra_img, intra_txt = loss_fn.labeled(i1, i2, c1, c2)
                 loss = hinge + intra_img + intra_txt
                 loss.backward()
-                own = self.co.splits[k]
                 prob = self.co.peer_prob(k)[batch.caption_index.to(t.device)]
-                out["queued"] = loss_fn.enqueue(
-                    k, i1.detach(), c1.detach(), prob, average_clean_prob(own.prob, own.labeled)
-                )
+                out["queued"] = loss_fn.enqueue(k, i1.detach(), c1.detach(), prob, self.queue_threshold(k))
                 out["loss_labeled"] = loss.detach()
                 if u_batch is not None:
                     ((iu, cu),) = self._passes(step, parts.to_device(u_batch), 1)
