@@ -63,6 +63,8 @@ ROWS = [
     Row("bow", "bow"),
     Row("vsepp_bigru", "vsepp_bigru"),
     Row("vse_infty_bigru", "vse_infty_bigru"),
+    Row("vsepp_minilm", "vsepp_minilm"),
+    Row("vse_infty_minilm", "vse_infty_minilm"),
     # ESA's two-view image encoder is built for region-type features only: with the demo's
     # model.image.feature_type=grid the image side makes one view while the captions make two, and the SEL
     # loss stops at the first step ("needs a square matrix of groups of 1 views, got (128, 256)"). So ESA reads

@@ -1,5 +1,6 @@
-"""Training through mismatched pairs on openclipart (or the Wesnoth clips): the floor, VSE∞, RCL, NCR and IN2R at
-several caption-level noise rates, under the demo's protocol (docs/noisy.md).
+"""Training through mismatched pairs on openclipart or the Wesnoth clips: the floor, VSE∞, RCL, NCR and IN2R at
+several caption-level noise rates, under the demo's protocol (openclipart) or the Wesnoth methods table's
+(`--protocol wesnoth`: its 256-d, 30-epoch shrink on every deep row), docs/noisy.md.
 
 For each rate a noisy copy of the set is written once by `vse data noise` (caption level as NCR draws it,
 noise seed 0; dev and test untouched), then every row x seed trains through the methods table's runner
@@ -11,6 +12,8 @@ computed for VSE∞ (per-pair loss), NCR and IN2R (their own splits).
     nice -n 10 .venv/bin/python scripts/experiments/noisy_table.py --data data/openclipart \\
         --out runs/noisy --rates 0.4 --seeds 0 1 2 --jobs 2
     .venv/bin/python scripts/experiments/noisy_table.py --data data/openclipart --out runs/noisy --report-only
+    nice -n 10 .venv/bin/python scripts/experiments/noisy_table.py --protocol wesnoth --data data/wesnoth \\
+        --out runs/noisy_wesnoth --rates 0.0 0.2 0.5 0.8 --seeds 0 --jobs 2
 
 Finished runs are reused, interrupted ones resume. Writes OUT/noisy.md, OUT/noisy.json and OUT/noisy.png.
 """
@@ -43,6 +46,23 @@ AUDITED = ("bow", "vse_infty_bigru", "ncr_bigru", "in2r_bigru")  # the floor fir
 
 
 LEVEL = {"caption": "c", "image": "i"}
+RESULT_FILE = {"demo": "study_result.json", "wesnoth": "result.json"}  # what each protocol's runner writes
+RELEASE_NCR_WARMUP = (5, 40)  # NCR's release: 5 warm-up epochs of 40
+
+
+def wesnoth_row(row: Row):
+    """`row` under the Wesnoth methods table's protocol (docs/wesnoth.md): the floor's recipe unchanged, every
+    deep row its recipe plus the table's shrink. VSE∞ is the `vse_infty` recipe itself (not `vse_infty_video`),
+    the one the three noise-robust recipes are built on, so each row differs from it by its method only."""
+    from wesnoth_methods_table import EPOCHS
+    from wesnoth_methods_table import Row as WesnothRow
+
+    if row.name == "bow":
+        return WesnothRow("bow", "bow", "floor: bag of words", shrink=False)
+    extra = tuple(row.extra)
+    if row.recipe == "ncr":  # the release's warm-up share of this schedule
+        extra = (f"loss.warmup_epochs={round(RELEASE_NCR_WARMUP[0] / RELEASE_NCR_WARMUP[1] * EPOCHS)}",)
+    return WesnothRow(row.name, row.recipe or "vse_infty", row.label or "VSE∞ (GPO), BiGRU", extra=extra)
 
 
 def rate_tag(rate: float, level: str = "caption") -> str:
@@ -90,19 +110,29 @@ def extras(row: Row, folder: Path, data: Path) -> dict:
     return out
 
 
-def train_and_score(row: Row, seed: int, data: str, out: str, epochs: int, threads: int) -> dict:
-    res = run_one(row, seed, data, out, epochs, threads)
+def train_and_score(
+    row: Row, seed: int, data: str, out: str, epochs: int, threads: int, protocol: str
+) -> dict:
+    if protocol == "wesnoth":
+        import wesnoth_methods_table
+
+        res = wesnoth_methods_table.run_one(wesnoth_row(row), seed, Path(data), Path(out))
+    else:
+        res = run_one(row, seed, data, out, epochs, threads)
     return {**res, **extras(row, run_dir(Path(out), row, seed), Path(data))}
 
 
-def results(out: Path, rates: list[float], seeds: list[int], level: str = "caption") -> dict:
+def results(
+    out: Path, rates: list[float], seeds: list[int], level: str = "caption", protocol: str = "demo"
+) -> dict:
     found: dict = {}
     for rate in rates:
         for row in ROWS:
             for s in seeds:
                 folder = run_dir(out / rate_tag(rate, level), row, s)
-                if (folder / "study_result.json").is_file() and (folder / "noisy_extra.json").is_file():
-                    r = {**json.loads((folder / "study_result.json").read_text())}
+                result_file = folder / RESULT_FILE[protocol]
+                if result_file.is_file() and (folder / "noisy_extra.json").is_file():
+                    r = {**json.loads(result_file.read_text())}
                     r.update(json.loads((folder / "noisy_extra.json").read_text()))
                     found.setdefault((rate, row.name), []).append(r)
     return found
@@ -110,7 +140,8 @@ def results(out: Path, rates: list[float], seeds: list[int], level: str = "capti
 
 def report(args) -> str:
     out = Path(args.out)
-    found = results(out, args.rates, args.seeds, args.level)
+    found = results(out, args.rates, args.seeds, args.level, args.protocol)
+    set_name = "the Wesnoth clips" if args.protocol == "wesnoth" else "openclipart"
     head = "| model | " + " | ".join(f"{round(r * 100)} % noise" for r in args.rates) + " |"
     lines = [head, "|" + "---|" * (len(args.rates) + 1)]
     labels = {
@@ -151,7 +182,7 @@ def report(args) -> str:
     seeds_done = {k: sorted(r["seed"] for r in v) for k, v in found.items()}
     text = "\n".join(
         [
-            f"# Noisy pairs on openclipart, {args.level}-level noise (test rsum, mean ± std over seeds)\n",
+            f"# Noisy pairs on {set_name}, {args.level}-level noise (test rsum, mean ± std over seeds)\n",
             "\n".join(lines),
             "",
             "Audit AUC (%), training pairs, mismatched = positive:\n",
@@ -167,11 +198,11 @@ def report(args) -> str:
     (out / f"{stem}.json").write_text(
         json.dumps({f"{k[0]}:{k[1]}": v for k, v in found.items()}, indent=1, default=str)
     )
-    plot(found, args.rates, out / f"{stem}.png")
+    plot(found, args.rates, out / f"{stem}.png", set_name)
     return text
 
 
-def plot(found: dict, rates: list[float], path: Path) -> None:
+def plot(found: dict, rates: list[float], path: Path, set_name: str = "openclipart") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -197,7 +228,7 @@ def plot(found: dict, rates: list[float], path: Path) -> None:
             ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=label)
     ax.set_xlabel("training captions reassigned (%)")
     ax.set_ylabel("test rsum")
-    ax.set_title("openclipart: test rsum against the noise rate")
+    ax.set_title(f"{set_name}: test rsum against the noise rate")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -216,6 +247,12 @@ def main() -> int:
     p.add_argument("--rows", nargs="+", default=[r.name for r in ROWS], choices=[r.name for r in ROWS])
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--protocol",
+        choices=tuple(RESULT_FILE),
+        default="demo",
+        help="demo: the demo's overrides (openclipart); wesnoth: the Wesnoth methods table's shrink",
+    )
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args()
     from vsekit_lab.demo import DEMO_EPOCHS
@@ -239,6 +276,7 @@ def main() -> int:
                     str(Path(args.out) / rate_tag(rate, args.level)),
                     DEMO_EPOCHS,
                     args.threads,
+                    args.protocol,
                 ): (rate, r, s)
                 for rate, r, s in jobs
             }
