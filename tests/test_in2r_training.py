@@ -300,3 +300,23 @@ def test_unlabeled_terms_wait_for_k_rows_in_the_peers_queue():
     loss.enqueue(1, img, txt, torch.ones(4), 0.5)  # 3 + 4 rows in a queue of 6: it wraps
     assert loss.queues[1].ptr == 1 and loss.queues[1].is_full
     torch.testing.assert_close(loss.queues[1].img[0], img[3])  # the 7th row overwrote the first
+
+
+def test_a_queue_saves_only_its_used_rows_and_loads_back_whole():
+    from vsekit.losses.noisy_in2r import MemoryQueue
+
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randn(7, 4, generator=g)
+    q = MemoryQueue(6, 4)
+    q.enqueue(rows[:3], -rows[:3])
+    sd = q.state_dict()
+    assert sd["img"].shape == (3, 4) and sd["txt"].shape == (3, 4)  # the 3 rows written, not 6
+    back = MemoryQueue(6, 4)
+    back.load_state_dict(sd)
+    expected = torch.zeros(6, 4)
+    expected[:3] = rows[:3]  # the rows never written stay zeros, as in the queue that was saved
+    assert torch.equal(back.img, expected) and torch.equal(back.txt, -expected)
+    assert (back.ptr, back.is_full) == (3, False)
+    back.enqueue(rows[3:], -rows[3:])  # 3 + 4 rows: it wraps, and from then on every row is saved
+    assert back.is_full and back.state_dict()["img"].shape == (6, 4)
+    assert torch.equal(back.img[0], rows[6]) and torch.equal(back.img[1:], rows[1:6])

@@ -87,6 +87,25 @@ class MemoryQueue(nn.Module):
         ptr, full = self.cursor.tolist()
         self.ptr, self.is_full = int(ptr), bool(full)
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        """Only the rows in use are saved: until the queue wraps, the rows from `ptr` on were never written
+        (zeros), and a small set's queue of 65,536 rows is mostly those (hundreds of MB a checkpoint)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not self.is_full:
+            for name in ("img", "txt"):
+                destination[prefix + name] = destination[prefix + name][: self.ptr]
+
+    def _load_from_state_dict(self, state_dict, prefix, *args) -> None:
+        """A saved queue of fewer rows than `size` is its used rows: padded back with the zeros it left out."""
+        for name in ("img", "txt"):
+            saved = state_dict.get(prefix + name)
+            full = getattr(self, name)
+            if saved is not None and saved.ndim == 2 and saved.shape[0] < full.shape[0]:
+                padded = torch.zeros_like(full)
+                padded[: saved.shape[0]] = saved.to(full.dtype)
+                state_dict[prefix + name] = padded
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
     @property
     def size(self) -> int:
         return int(self.img.shape[0])
