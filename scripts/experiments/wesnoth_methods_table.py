@@ -40,6 +40,8 @@ from methods_table import (
     write_report,
 )
 
+from vsekit_lab.demo import MINILM_FROZEN  # the demo's MiniLM rows: the body frozen, its optimizer not taken
+
 SEEDS = (0, 1, 2)
 KEYS = ["i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "rsum"]
 BATCH = 128
@@ -52,11 +54,6 @@ SHRINK = (
     "optim.lr_decay_epochs=[23]",
     "model.text.vocab_min_count=1",
 )
-
-
-# the demo's MiniLM rows: all-MiniLM-L6-v2 with its body frozen (its token states cached; the projection and
-# pooling train), in place of the recipe's BiGRU
-MINILM_FROZEN = ("model.text.kind=transformer", "model.text.freeze=true")
 
 
 @dataclass(frozen=True)
