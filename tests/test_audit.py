@@ -10,7 +10,9 @@ the recorded ground truth. The rank formulas are compared with scikit-learn on t
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -20,8 +22,9 @@ import torch
 
 from vsekit.cli import main
 from vsekit.data.precomp import load_precomp_split
-from vsekit.evaluation.audit import SPLIT_STATE_FILE, auc_score, average_precision, loss_probability
+from vsekit.evaluation.audit import auc_score, average_precision, loss_probability
 from vsekit.losses.noisy_split import fit_gmm, kmeans_labels
+from vsekit.runs import BEST_SPLIT_STATE_FILE, SPLIT_STATE_FILE
 from vsekit_lab.datasets.synthetic import make_synthetic_precomp
 
 metrics = pytest.importorskip("sklearn.metrics")
@@ -214,30 +217,61 @@ def test_audit_5_a_run_that_does_not_match_the_dataset_one_line_nothing_written(
     assert not out.exists() and not (tmp_path / "x.json").exists()
 
 
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _audit_json(run: Path, data: Path, tmp_path: Path, *extra: str) -> tuple[list[dict], dict]:
+    out, js = tmp_path / "n.csv", tmp_path / "n.json"
+    argv = ["data", "audit", str(run), "--data", str(data), "--out", str(out), "--json-out", str(js)]
+    assert main([*argv, *extra, "--device", "cpu", "--no-progress"]) == 0
+    return _read_csv(out), json.loads(js.read_text())
+
+
 def test_audit_6_the_runs_own_ncr_split_is_used_where_it_has_one(built, tmp_path):
-    """A run carrying an NCR split: its probabilities (mean of both networks) are the ranking, as saved."""
+    """A run carrying an NCR split made from its best weights (the split file records their sha256): its
+    probabilities (mean of both networks) are the ranking, as saved; a split of the best weights beside a
+    later last split is the one read."""
     ncr = shutil.copytree(built["run"], tmp_path / "ncr")
     n = load_precomp_split(built["noisy"], "train").n_captions
     a, b = np.linspace(0, 1, n), np.linspace(1, 0, n) ** 2
-    np.savez(ncr / SPLIT_STATE_FILE, prob_A=a, prob_B=b)
-    out, js = tmp_path / "n.csv", tmp_path / "n.json"
-    argv = [
-        "data",
-        "audit",
-        str(ncr),
-        "--data",
-        str(built["noisy"]),
-        "--out",
-        str(out),
-        "--json-out",
-        str(js),
-    ]
-    assert main([*argv, "--device", "cpu", "--no-progress"]) == 0
-    rows = _read_csv(out)
+    best = np.array(_sha256(ncr / "best.safetensors"))
+    np.savez(ncr / SPLIT_STATE_FILE, prob_A=a, prob_B=b, weights_sha256=best)
+    rows, js = _audit_json(ncr, built["noisy"], tmp_path)
     want = (a + b) / 2
     assert [int(r["pair"]) for r in rows] == np.argsort(want, kind="stable").tolist()
     np.testing.assert_allclose([float(r["probability"]) for r in rows], np.sort(want), rtol=0, atol=1e-15)
-    assert json.loads(js.read_text())["source"] == "ncr split of the run"
+    assert js["source"] == "ncr split of the run"
+    # the last split made from other weights, the best checkpoint's split beside it: the best one is read
+    np.savez(ncr / SPLIT_STATE_FILE, prob_A=b, prob_B=b, weights_sha256=np.array("0" * 64))
+    np.savez(ncr / BEST_SPLIT_STATE_FILE, prob_A=a, prob_B=b, weights_sha256=best)
+    rows, js = _audit_json(ncr, built["noisy"], tmp_path)
+    assert js["source"] == "ncr split of the run"
+    np.testing.assert_allclose([float(r["probability"]) for r in rows], np.sort(want), rtol=0, atol=1e-15)
+
+
+def test_audit_6b_a_split_made_from_other_weights_is_not_read(built, tmp_path, caplog):
+    """A split file recording other weights than the audited checkpoint's, or none (an older run), is not that
+    checkpoint's split: the audit scores the checkpoint's own per-pair losses, as for a run without one, and
+    logs why. The best checkpoint's split is not the last checkpoint's."""
+    plain, _ = _audit_json(built["run"], built["noisy"], tmp_path)
+    ncr = shutil.copytree(built["run"], tmp_path / "ncr")
+    n = load_precomp_split(built["noisy"], "train").n_captions
+    a = np.linspace(0, 1, n)
+    for extra in ({"weights_sha256": np.array("0" * 64)}, {}):
+        np.savez(ncr / SPLIT_STATE_FILE, prob_A=a, prob_B=a, **extra)
+        with caplog.at_level(logging.INFO, logger="vsekit.evaluation.audit"):
+            rows, js = _audit_json(ncr, built["noisy"], tmp_path)
+        assert js["source"] == "per-pair loss"
+        assert rows == plain
+        assert SPLIT_STATE_FILE in caplog.text and "other weights" in caplog.text
+        caplog.clear()
+    (ncr / SPLIT_STATE_FILE).unlink()
+    best = np.array(_sha256(ncr / "best.safetensors"))
+    np.savez(ncr / BEST_SPLIT_STATE_FILE, prob_A=a, prob_B=a, weights_sha256=best)
+    assert _audit_json(ncr, built["noisy"], tmp_path)[1]["source"] == "ncr split of the run"
+    last = _audit_json(ncr, built["noisy"], tmp_path, "--checkpoint", "last")[1]
+    assert last["source"] == "per-pair loss"
 
 
 def test_audit_7_csv_cells_that_a_spreadsheet_would_run_are_quoted():

@@ -5,6 +5,7 @@ both similarity matrices, resumes bit for bit, and is refused where it cannot ru
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import numpy as np
@@ -205,21 +206,38 @@ def test_resume_inside_a_split_epoch_is_bit_exact(tiny_data, tmp_path):
 
 
 def test_split_file_and_audit_of_a_pair(tiny_data, tmp_path):
+    """The split file records the sha256 of the weights that made it; the audit reads it for the checkpoint
+    of those weights only (hashes compared with the checkpoint files' own, computed here)."""
     run = tmp_path / "run"
     Trainer(ncr_recipe(["train.epochs=2"]), tiny_data, run, progress=False, log=lambda *_: None).fit()
     n = len((tiny_data / "train_caps.txt").read_text().splitlines())
     with np.load(run / "noisy_split.npz") as z:
-        assert set(z.files) == {"prob_A", "prob_B"}
+        assert set(z.files) == {"prob_A", "prob_B", "weights_sha256"}
         assert z["prob_A"].shape == (n,)
         mean = (z["prob_A"] + z["prob_B"]) / 2
+        made_from = str(z["weights_sha256"][()])
     split = [r for r in records(run) if r["kind"] == "split"][-1]
     assert split["A"]["pairs"] == n and 2 <= split["A"]["labeled"] <= n
+    # the one split (epoch 2's start) is made from epoch 1's weights, the best checkpoint then (a first dev
+    # evaluation is always an improvement): it is also the best checkpoint's split
+    assert (run / "noisy_split_best.npz").read_bytes() == (run / "noisy_split.npz").read_bytes()
+    sha = {
+        tag: hashlib.sha256((run / f"{tag}.safetensors").read_bytes()).hexdigest() for tag in ("best", "last")
+    }
+    assert made_from != sha["last"]  # the last checkpoint holds epoch 2's weights
     from vsekit.api import load
     from vsekit.evaluation.audit import audit_split
 
     audit = audit_split(load(run), run, tiny_data, "train")
-    assert audit.source.startswith("ncr")
-    np.testing.assert_array_equal(audit.prob, mean)
+    if json.loads((run / "best.json").read_text())["epoch"] == 1:
+        assert made_from == sha["best"]
+        assert audit.source.startswith("ncr")
+        np.testing.assert_array_equal(audit.prob, mean)
+    else:  # epoch 2 improved: the best weights are not the split's
+        assert made_from != sha["best"]
+        assert audit.source == "per-pair loss"
+    last = audit_split(load(run, checkpoint="last"), run, tiny_data, "train", checkpoint="last")
+    assert last.source == "per-pair loss"
 
 
 @pytest.mark.parametrize(

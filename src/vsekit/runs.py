@@ -176,13 +176,16 @@ def run_writer_lock(run_dir: str | Path, log: Callable[[str], None] = print) -> 
         yield lock
 
 
-SPLIT_STATE_FILE = (
-    "noisy_split.npz"  # a two-network (NCR) run's last split: `prob_A`, `prob_B` per training pair
-)
+# A two-network (NCR / IN2R) run's splits: `prob_A`, `prob_B` per training pair and `weights_sha256`, the
+# sha256 of the weights file (`tensor_bytes` of the model) that made them. The last split, and the split made
+# from the best checkpoint's weights (the one an audit of `best` reads: the last is made from later weights).
+SPLIT_STATE_FILE = "noisy_split.npz"
+BEST_SPLIT_STATE_FILE = "noisy_split_best.npz"
 
 RUN_ARTIFACTS = frozenset(
     {
         SPLIT_STATE_FILE,
+        BEST_SPLIT_STATE_FILE,
         "config.json",
         "vocab.json",
         "metrics.jsonl",
@@ -293,6 +296,15 @@ def weights_path(run_dir: str | Path, which: str = "best") -> Path:
     return Path(run_dir) / f"{checkpoint_tag(run_dir, which)}.safetensors"
 
 
+def loaded_weights_file(run_dir: str | Path, which: str = "best") -> Path:
+    """The weights file `load_run` reads for `which`: the committed set's, checked against its manifest's
+    sha256 (a CheckpointError naming a corrupt or missing one), else `{tag}.safetensors`."""
+    run_dir = Path(run_dir)
+    tag = checkpoint_tag(run_dir, which)
+    verified = read_checkpoint_set(run_dir, tag, (".safetensors",))
+    return verified[".safetensors"] if verified else weights_path(run_dir, tag)
+
+
 def load_run(
     run_dir: str | Path, which: str = "best", device: str | torch.device = "cpu", member: str | None = None
 ) -> tuple[VSEModel, dict]:
@@ -301,11 +313,7 @@ def load_run(
     one network)."""
     run_dir = Path(run_dir)
     recipe, spec, cfg = read_run_config(run_dir)
-    which = checkpoint_tag(run_dir, which)
-    weights = weights_path(run_dir, which)
-    verified = read_checkpoint_set(run_dir, which, (".safetensors",))  # sha256-checked against the manifest
-    if verified:
-        weights = verified[".safetensors"]
+    weights = loaded_weights_file(run_dir, which)
     model = build_model(recipe, spec)  # a two-network run: the pair (vsekit.models.pair)
     if member is not None and not isinstance(model, ModelPair):
         raise VseInputError(
@@ -418,6 +426,17 @@ def write_checkpoint_set(
         if old.name not in keep:
             old.unlink(missing_ok=True)
     return manifest
+
+
+def committed_sha256(run_dir: str | Path, tag: str, suffix: str = ".safetensors") -> str | None:
+    """The sha256 the last committed `tag` set's manifest records for its `suffix` file (not re-hashed), or
+    None when the run has no readable manifest for it."""
+    try:
+        meta = json.loads(_manifest_path(Path(run_dir), tag).read_text(encoding="utf-8"))
+        digest = meta["files"][suffix]["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return digest if isinstance(digest, str) else None
 
 
 def read_checkpoint_set(run_dir: Path, tag: str, suffixes: tuple[str, ...]) -> dict[str, Path] | None:

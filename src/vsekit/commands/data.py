@@ -80,7 +80,9 @@ def run_audit(args: argparse.Namespace) -> int:
     recipe, _, _ = read_run_config(args.run)
     device = resolve_device(args.device)
     model, _ = load_run(args.run, args.checkpoint, device)
-    prepared = prepare(model, args.run, args.data, args.split)  # the run fits the split: before any encoding
+    prepared = prepare(
+        model, args.run, args.data, args.split, args.checkpoint
+    )  # the run fits the split: before any encoding
     split = prepared[0]
     png = args.png
     if png and split.image_paths is None:
@@ -101,6 +103,7 @@ def run_audit(args: argparse.Namespace) -> int:
         device,
         progress=not quiet,
         prepared=prepared,
+        checkpoint=args.checkpoint,
     )
     ranked = audit.ranked()
 

@@ -2,10 +2,10 @@
 
 Users' own data hold mismatched pairs; the NCR split already computes, for every training pair, the
 probability that it is clean. A run that carries that split (`SPLIT_STATE_FILE`, written by an NCR / IN2R
-run) gives it directly; any other run gets the same computation here: the split is encoded through the one
-evaluation path (`encode_images` / `encode_captions`), its captions visit in a seeded order in batches of
-`SPLIT_BATCH` (the NCR release's split pass), each batch scored with the run's own similarity, and each pair's
-hinge loss (`vsekit.losses.noisy_split.pair_losses`) min-max normalised, fitted by the two-component GMM
+run) made from the audited checkpoint's weights gives it directly; any other run, or one whose splits were
+made from other weights, gets the same computation here: the split is encoded through the one evaluation
+path (`encode_images` / `encode_captions`), its captions visit in a seeded order in batches of `SPLIT_BATCH`
+(the NCR release's split pass), each batch scored with the run's own similarity, and each pair's hinge loss (`vsekit.losses.noisy_split.pair_losses`) min-max normalised, fitted by the two-component GMM
 started from seeded k-means labels, the clean probability being the low-loss component's posterior.
 
 Where the dataset records its noise (`vsekit.data.noise`: `train_noise_clean.npy`), the audit is scored: the
@@ -31,9 +31,9 @@ from vsekit.evaluation import encode_captions, encode_images, image_source_for
 from vsekit.losses.noisy_split import clean_probability, split_losses
 from vsekit.models.tokenizers import text_processor_for
 from vsekit.models.vse import VSEModel
-from vsekit.runs import SPLIT_STATE_FILE
+from vsekit.runs import BEST_SPLIT_STATE_FILE, SPLIT_STATE_FILE, loaded_weights_file
 from vsekit.similarity import all_pairs
-from vsekit.utils.io import open_npy
+from vsekit.utils.io import open_npy, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ SPLIT_BATCH = 128  # the NCR release's batch size, which its split pass uses
 SPLIT_MARGIN = 0.2  # the NCR release's --margin
 MAX_UNKNOWN_SHARE = 0.5  # above this share of <unk> words, the run's vocabulary is not the dataset's
 STATE_HEADER_BYTES = 4096  # an .npy header's room in the split state's size bound
+WEIGHTS_KEY = "weights_sha256"  # in a split file: the sha256 of the weights file that made the split
 SEED_MOD = 2**32  # numpy's RandomState takes 0 .. 2**32 - 1; a run's seed may be larger
 
 
@@ -139,13 +140,38 @@ def loss_probability(
     return clean_probability(losses, seed % SEED_MOD)[0]
 
 
-def read_split_state(run_dir: str | Path, n_captions: int, where: str) -> np.ndarray | None:
-    """The run's own NCR split probabilities (mean of both networks' when it has two), or None when it has
-    none; AuditInputError when they are for another number of captions than `where` holds, or the file is
-    larger than that many float64 (a run folder may come from elsewhere: bounded before it is read)."""
-    path = Path(run_dir) / SPLIT_STATE_FILE
-    if not path.is_file():
+def read_split_state(
+    run_dir: str | Path, n_captions: int, where: str, checkpoint: str = "best"
+) -> np.ndarray | None:
+    """The run's own split probabilities made from the `checkpoint` weights (mean of both networks' when it has
+    two), or None when it has none made from them. A split file is used only when the sha256 it records of the
+    weights that made it is the audited weights file's: an NCR run's last split comes from its last epoch's
+    start, and its best checkpoint is often many epochs before that. AuditInputError when a split file is for
+    another number of captions than `where` holds, or larger than that many float64 (a run folder may come
+    from elsewhere: bounded before it is read)."""
+    run_dir = Path(run_dir)
+    names = [BEST_SPLIT_STATE_FILE, SPLIT_STATE_FILE] if checkpoint == "best" else [SPLIT_STATE_FILE]
+    paths = [run_dir / n for n in names if (run_dir / n).is_file()]
+    if not paths:
         return None
+    weights = loaded_weights_file(run_dir, checkpoint)
+    digest = sha256_file(weights)
+    for path in paths:
+        prob, made_from = _read_split_file(path, n_captions, where)
+        if made_from == digest:
+            return prob
+    log.info(
+        "%s: %s made from other weights than %s (or not recorded); the audit scores that checkpoint's own "
+        "per-pair losses",
+        run_dir,
+        " and ".join(p.name for p in paths),
+        weights.name,
+    )
+    return None
+
+
+def _read_split_file(path: Path, n_captions: int, where: str) -> tuple[np.ndarray, str | None]:
+    """(mean clean probability, sha256 of the weights that made it or None) of one split file, bounded."""
     try:
         with np.load(path, allow_pickle=False) as z:
             keys = [k for k in ("prob",) if k in z.files] or [k for k in ("prob_A", "prob_B") if k in z.files]
@@ -158,6 +184,11 @@ def read_split_state(run_dir: str | Path, n_captions: int, where: str) -> np.nda
                         f"{path}: '{k}' holds {size:,} bytes, more than {n_captions} probabilities take"
                     )
             arrays = [np.asarray(z[k], dtype=np.float64) for k in keys]
+            made_from = None
+            if WEIGHTS_KEY in z.files and z.zip.getinfo(f"{WEIGHTS_KEY}.npy").file_size <= STATE_HEADER_BYTES:
+                value = z[WEIGHTS_KEY]
+                if value.ndim == 0 and value.dtype.kind == "U":
+                    made_from = str(value[()])
     except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
         raise AuditInputError(f"{path}: unreadable ({e})") from None
     for a in arrays:
@@ -169,7 +200,7 @@ def read_split_state(run_dir: str | Path, n_captions: int, where: str) -> np.nda
     prob = np.mean(arrays, axis=0)
     if not np.isfinite(prob).all():
         raise AuditInputError(f"{path}: non-finite probabilities")
-    return prob
+    return prob, made_from
 
 
 def read_ground_truth(data_dir: str | Path, split: str, n_captions: int) -> np.ndarray | None:
@@ -204,16 +235,19 @@ def check_vocabulary(text, captions: list[str], where: str) -> None:
         )
 
 
-def prepare(model: VSEModel, run_dir: str | Path, data_dir: str | Path, split_name: str):
+def prepare(
+    model: VSEModel, run_dir: str | Path, data_dir: str | Path, split_name: str, checkpoint: str = "best"
+):
     """Every check before any encoding: the split reads, fits the run's input and vocabulary, and the run's
-    split state and the dataset's ground truth have the split's length. Returns (split, state, clean)."""
+    split state (made from the `checkpoint` weights `model` holds) and the dataset's ground truth have the
+    split's length. Returns (split, source, state, clean)."""
     where = f"{data_dir} split {split_name!r}"
     split = load_precomp_split(data_dir, split_name, model.recipe.data.captions_per_image)
     if split.n_captions == 0:
         raise AuditInputError(f"{where}: no captions")
     source = image_source_for(model, split)  # feature width, NaN features: named
     check_vocabulary(text_processor_for(model), split.captions, where)
-    state = read_split_state(run_dir, split.n_captions, where) if split_name == "train" else None
+    state = read_split_state(run_dir, split.n_captions, where, checkpoint) if split_name == "train" else None
     clean = read_ground_truth(data_dir, split_name, split.n_captions)
     return split, source, state, clean
 
@@ -228,10 +262,12 @@ def audit_split(
     device: str | torch.device = "cpu",
     progress: bool = True,
     prepared: tuple | None = None,
+    checkpoint: str = "best",
 ) -> Audit:
-    """Clean probability of every pair of a split under a run (its NCR split where it has one); `prepared` is
-    `prepare`'s result when the caller checked the inputs already."""
-    split, source, state, clean = prepared or prepare(model, run_dir, data_dir, split_name)
+    """Clean probability of every pair of a split under a run's `checkpoint` (best | last: the weights `model`
+    holds), its own NCR split where it has one made from those weights; `prepared` is `prepare`'s result when
+    the caller checked the inputs already."""
+    split, source, state, clean = prepared or prepare(model, run_dir, data_dir, split_name, checkpoint)
     cap2img = np.asarray(split.cap2img, dtype=np.int64)
     if state is not None:
         log.info("%s: the run's own NCR split (%s)", run_dir, SPLIT_STATE_FILE)

@@ -20,7 +20,9 @@ targets as its `loss_inputs`; one AdamW holds both networks' parameters (a step 
 untouched: their gradients are None). Validation scores the pair (the mean of both similarity matrices, the
 release's `validate`) and records each network alone (`A_rsum`, `B_rsum`). Each split is recorded in
 metrics.jsonl (labeled counts, GMM means; the AUC against the dataset's recorded noise when it has one),
-written to RUN/noisy_split.npz (what `vse data audit` reads), and saved with the checkpoint, so a run resumed
+written to RUN/noisy_split.npz with the sha256 of the weights that made it (and to noisy_split_best.npz when
+those are the best checkpoint's: what `vse data audit` reads for that checkpoint), and saved with the
+checkpoint, so a run resumed
 inside an epoch trains on the split it started with; the draw of batch k of a phase depends only on (seed,
 epoch, phase, k), so the rest of the epoch is the uninterrupted run's.
 
@@ -33,7 +35,6 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -50,13 +51,20 @@ from vsekit.losses.noisy_split import split_losses
 from vsekit.metrics import evaluate_sims
 from vsekit.models.pair import MEMBERS, SCALE, ModelPair
 from vsekit.registry import get, has_fact
-from vsekit.runs import SPLIT_STATE_FILE, CheckpointError
+from vsekit.runs import (
+    BEST_SPLIT_STATE_FILE,
+    SPLIT_STATE_FILE,
+    CheckpointError,
+    committed_sha256,
+    tensor_bytes,
+)
 from vsekit.similarity import all_pairs
 from vsekit.training.callbacks import StepEnd, call_hook
 from vsekit.training.checkpointing import save_state
 from vsekit.training.data_path import EpochBatches, make_train_data
 from vsekit.training.in2r_step import PeerQueueStep
 from vsekit.training.step import TrainStep
+from vsekit.utils.io import atomic_write_bytes
 from vsekit.utils.progress import progress_bar
 from vsekit.utils.runtime import derived_seed
 
@@ -199,12 +207,14 @@ class CoTeaching:
         t = self.t
         if not t.dist.is_main:
             return
-        path = t.run_dir / SPLIT_STATE_FILE
+        # the weights that made this split (the epoch start's), as the checkpoint writer hashes them: an audit
+        # reads a split only for the checkpoint it was made from
+        weights = hashlib.sha256(tensor_bytes(t.model.state_dict())).hexdigest()
         buf = io.BytesIO()
-        np.savez(buf, prob_A=splits[0].prob, prob_B=splits[1].prob)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_bytes(buf.getvalue())
-        os.replace(tmp, path)
+        np.savez(buf, prob_A=splits[0].prob, prob_B=splits[1].prob, weights_sha256=np.array(weights))
+        atomic_write_bytes(t.run_dir / SPLIT_STATE_FILE, buf.getvalue())
+        if weights == committed_sha256(t.run_dir, "best"):
+            atomic_write_bytes(t.run_dir / BEST_SPLIT_STATE_FILE, buf.getvalue())
 
     # ------------------------------------------------------------------------------------- epoch
     def _phase_plans(self, epoch: int) -> list[tuple[np.ndarray | None, np.ndarray | None]]:
