@@ -7,7 +7,8 @@ noise seed 0; dev and test untouched), then every row x seed trains through the 
 (`methods_table.run_one`: the demo's overrides, best-on-dev epoch, test split). NCR's row is the pair (the
 mean of both networks' similarities) with each network alone beside it, and IN2R's likewise; the audit's AUC (how well the run
 ranks the truly mismatched training pairs below the clean ones, against the copy's recorded ground truth) is
-computed for VSE∞ (per-pair loss), NCR and IN2R (their own splits).
+computed for the floor and VSE∞ (per-pair loss) and for NCR and IN2R both ways: the best weights' per-pair
+loss, and each network's split made from the best weights (read from the run's metrics.jsonl, split_auc.py).
 
     nice -n 10 .venv/bin/python scripts/experiments/noisy_table.py --data data/openclipart \\
         --out runs/noisy --rates 0.4 --seeds 0 1 2 --jobs 2
@@ -88,24 +89,31 @@ def noisy_copy(data: Path, rate: float, root: Path, level: str = "caption") -> P
 def extras(row: Row, folder: Path, data: Path) -> dict:
     """What the table adds to a finished run: each network alone (a pair) and the audit's AUC."""
     out_file = folder / "noisy_extra.json"
-    if out_file.is_file():
-        done = json.loads(out_file.read_text())
-        if row.name not in AUDITED or "audit" in done or not (data / "train_noise_clean.npy").exists():
-            return done
+    out: dict = json.loads(out_file.read_text()) if out_file.is_file() else {}
+    needed = [f"test_{m}" for m in ("A", "B") if row.name in PAIRS]
+    if row.name in AUDITED and (data / "train_noise_clean.npy").exists():
+        needed += ["audit"] + (["audit_loss"] if row.name in PAIRS else [])
+    if all(key in out for key in needed):
+        return out
     from vsekit.evaluation import evaluate_model
-    from vsekit.evaluation.audit import audit_split, scores_of
+    from vsekit.evaluation.audit import audit_split, prepare, scores_of
     from vsekit.runs import load_run
 
-    out: dict = {}
-    if row.name in PAIRS:
+    if row.name in PAIRS and "test_A" not in out:
         for member in ("A", "B"):
             model, _ = load_run(folder, "best", "cpu", member)
             out[f"test_{member}"] = evaluate_model(model, data, "test", progress=False)[0]
-    if row.name in AUDITED:
+    if "audit" in needed:
         model, _ = load_run(folder, "best", "cpu")
-        audit = audit_split(model, folder, data, "train", progress=False)
-        if audit.clean is not None:
+        if "audit" not in out:  # as `vse data audit` scores it: the split of the best weights where saved
+            audit = audit_split(model, folder, data, "train", progress=False)
             out["audit"] = {**scores_of(audit), "source": audit.source}
+        if "audit_loss" in needed and "audit_loss" not in out:  # the best weights' own per-pair losses
+            split, source, _, clean = prepare(model, folder, data, "train")
+            audit = audit_split(
+                model, folder, data, "train", progress=False, prepared=(split, source, None, clean)
+            )
+            out["audit_loss"] = {**scores_of(audit), "source": audit.source}
     out_file.write_text(json.dumps(out, indent=1))
     return out
 
@@ -122,6 +130,17 @@ def train_and_score(
     return {**res, **extras(row, run_dir(Path(out), row, seed), Path(data))}
 
 
+def best_weights_split_auc(folder: Path) -> dict | None:
+    """The AUC (fraction) of the split the best weights made, mean of both networks' (split_auc.py), or None:
+    no recorded noise, or the best epoch was the last, whose weights never split."""
+    from split_auc import summary
+
+    found = summary(folder)
+    if found is None or found["A"]["best_weights"] is None:
+        return None
+    return {"auc": (found["A"]["best_weights"] + found["B"]["best_weights"]) / 200}
+
+
 def results(
     out: Path, rates: list[float], seeds: list[int], level: str = "caption", protocol: str = "demo"
 ) -> dict:
@@ -134,6 +153,8 @@ def results(
                 if result_file.is_file() and (folder / "noisy_extra.json").is_file():
                     r = {**json.loads(result_file.read_text())}
                     r.update(json.loads((folder / "noisy_extra.json").read_text()))
+                    if row.name in PAIRS:
+                        r["split_auc"] = best_weights_split_auc(folder)
                     found.setdefault((rate, row.name), []).append(r)
     return found
 
@@ -168,15 +189,17 @@ def report(args) -> str:
         "|" + "---|" * (len(args.rates) + 1),
     ]
     audited = (
-        ("bow", "Floor (bag of words), per-pair loss"),
-        ("vse_infty_bigru", "VSE∞, per-pair loss"),
-        ("ncr_bigru", "NCR, its own split"),
-        ("in2r_bigru", "IN2R, its own split"),
+        ("bow", "audit", "Floor (bag of words), per-pair loss"),
+        ("vse_infty_bigru", "audit", "VSE∞, per-pair loss"),
+        ("ncr_bigru", "audit_loss", "NCR pair, per-pair loss"),
+        ("ncr_bigru", "split_auc", "NCR, each network's split of the best weights (mean AUC of A and B)"),
+        ("in2r_bigru", "audit_loss", "IN2R pair, per-pair loss"),
+        ("in2r_bigru", "split_auc", "IN2R, each network's split of the best weights (mean AUC of A and B)"),
     )
-    for name, label in audited:
+    for name, key, label in audited:
         cells = []
         for rate in args.rates:
-            aucs = [r["audit"]["auc"] for r in found.get((rate, name), []) if "audit" in r]
+            aucs = [r[key]["auc"] for r in found.get((rate, name), []) if r.get(key)]
             cells.append(cell([100 * a for a in aucs]))
         audit.append(f"| {label} | " + " | ".join(cells) + " |")
     seeds_done = {k: sorted(r["seed"] for r in v) for k, v in found.items()}

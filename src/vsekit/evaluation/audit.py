@@ -159,6 +159,7 @@ def read_split_state(
     for path in paths:
         prob, made_from = _read_split_file(path, n_captions, where)
         if made_from == digest:
+            log.info("%s: the run's own split made from %s (%s)", run_dir, weights.name, path.name)
             return prob
     log.info(
         "%s: %s made from other weights than %s (or not recorded); the audit scores that checkpoint's own "
@@ -270,7 +271,6 @@ def audit_split(
     split, source, state, clean = prepared or prepare(model, run_dir, data_dir, split_name, checkpoint)
     cap2img = np.asarray(split.cap2img, dtype=np.int64)
     if state is not None:
-        log.info("%s: the run's own NCR split (%s)", run_dir, SPLIT_STATE_FILE)
         return Audit(state, cap2img, "ncr split of the run", clean)
     img = encode_images(model, source, batch_size, device, progress)
     cap = encode_captions(model, split.captions, text_processor_for(model), batch_size, device, progress)
