@@ -248,7 +248,9 @@ def plot(found: dict, rates: list[float], path: Path, set_name: str = "openclipa
                 ys.append(statistics.fmean(vals))
                 es.append(statistics.stdev(vals) if len(vals) > 1 else 0.0)
         if xs:
-            ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=label)
+            style = "--" if key == "test_A" else "-"  # a network alone: dashed beside its pair
+            colour = f"C{[r.name for r in ROWS].index(name)}"  # a pair and its network A share one
+            ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, linestyle=style, color=colour, label=label)
     ax.set_xlabel("training captions reassigned (%)")
     ax.set_ylabel("test rsum")
     ax.set_title(f"{set_name}: test rsum against the noise rate")
