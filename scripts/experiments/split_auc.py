@@ -41,6 +41,15 @@ def summary(run: Path) -> dict | None:
     return out
 
 
+TITLES = {"ncr_bigru": "NCR", "in2r_bigru": "IN2R", "ncr_no_unlabeled": "NCR, no unlabeled steps"}
+LEVELS = {"c": "", "i": ", image level"}
+
+
+def rate_label(tag: str) -> str:
+    """`c20` (noisy_table's folder of a rate) as `20 %`."""
+    return f"{int(tag[1:])} %{LEVELS.get(tag[0], '')}" if tag[1:].isdigit() else tag
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -59,11 +68,11 @@ def plot(rows: list[dict], path: Path) -> None:
         for colour, tag in zip(colours, rates):
             for k, r in enumerate(groups.get((method, tag), [])):
                 auc = np.mean([r["A"]["per_epoch"], r["B"]["per_epoch"]], axis=0)
-                ax.plot(r["epochs"], auc, color=colour, alpha=0.8, label=tag if k == 0 else None)
+                ax.plot(r["epochs"], auc, color=colour, alpha=0.8, label=rate_label(tag) if k == 0 else None)
                 if r["A"]["best_weights"] is not None:
                     best = (r["A"]["best_weights"] + r["B"]["best_weights"]) / 2
                     ax.plot([r["best_epoch"] + 1], [best], "o", color=colour)
-        ax.set_title(f"{method}: each epoch's split (mean of A and B)")
+        ax.set_title(f"{TITLES.get(method, method)}: each epoch's split (mean of A and B)", fontsize=10)
         ax.set_xlabel("epoch (dot: the split of the best-on-dev weights)")
         ax.grid(alpha=0.3)
         ax.legend(title="noise")
