@@ -93,7 +93,7 @@ def extras(row: Row, folder: Path, data: Path) -> dict:
     needed = [f"test_{m}" for m in ("A", "B") if row.name in PAIRS]
     if row.name in AUDITED and (data / "train_noise_clean.npy").exists():
         needed += ["audit"] + (["audit_loss"] if row.name in PAIRS else [])
-    if all(key in out for key in needed):
+    if out_file.is_file() and all(key in out for key in needed):
         return out
     from vsekit.evaluation import evaluate_model
     from vsekit.evaluation.audit import audit_split, prepare, scores_of
