@@ -105,14 +105,12 @@ def extras(row: Row, folder: Path, data: Path) -> dict:
             out[f"test_{member}"] = evaluate_model(model, data, "test", progress=False)[0]
     if "audit" in needed:
         model, _ = load_run(folder, "best", "cpu")
+        split, source, state, clean = prepare(model, folder, data, "train")
         if "audit" not in out:  # as `vse data audit` scores it: the split of the best weights where saved
-            audit = audit_split(model, folder, data, "train", progress=False)
+            audit = audit_split(model, folder, data, progress=False, prepared=(split, source, state, clean))
             out["audit"] = {**scores_of(audit), "source": audit.source}
         if "audit_loss" in needed and "audit_loss" not in out:  # the best weights' own per-pair losses
-            split, source, _, clean = prepare(model, folder, data, "train")
-            audit = audit_split(
-                model, folder, data, "train", progress=False, prepared=(split, source, None, clean)
-            )
+            audit = audit_split(model, folder, data, progress=False, prepared=(split, source, None, clean))
             out["audit_loss"] = {**scores_of(audit), "source": audit.source}
     out_file.write_text(json.dumps(out, indent=1))
     return out

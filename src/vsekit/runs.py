@@ -181,6 +181,7 @@ def run_writer_lock(run_dir: str | Path, log: Callable[[str], None] = print) -> 
 # from the best checkpoint's weights (the one an audit of `best` reads: the last is made from later weights).
 SPLIT_STATE_FILE = "noisy_split.npz"
 BEST_SPLIT_STATE_FILE = "noisy_split_best.npz"
+SPLIT_WEIGHTS_KEY = "weights_sha256"  # in a split file: the sha256 of the weights that made the split
 
 RUN_ARTIFACTS = frozenset(
     {

@@ -80,9 +80,8 @@ def run_audit(args: argparse.Namespace) -> int:
     recipe, _, _ = read_run_config(args.run)
     device = resolve_device(args.device)
     model, _ = load_run(args.run, args.checkpoint, device)
-    prepared = prepare(
-        model, args.run, args.data, args.split, args.checkpoint
-    )  # the run fits the split: before any encoding
+    # the run fits the split: checked before any encoding
+    prepared = prepare(model, args.run, args.data, args.split, args.checkpoint)
     split = prepared[0]
     png = args.png
     if png and split.image_paths is None:

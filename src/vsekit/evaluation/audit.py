@@ -5,8 +5,9 @@ probability that it is clean. A run that carries that split (`SPLIT_STATE_FILE`,
 run) made from the audited checkpoint's weights gives it directly; any other run, or one whose splits were
 made from other weights, gets the same computation here: the split is encoded through the one evaluation
 path (`encode_images` / `encode_captions`), its captions visit in a seeded order in batches of `SPLIT_BATCH`
-(the NCR release's split pass), each batch scored with the run's own similarity, and each pair's hinge loss (`vsekit.losses.noisy_split.pair_losses`) min-max normalised, fitted by the two-component GMM
-started from seeded k-means labels, the clean probability being the low-loss component's posterior.
+(the NCR release's split pass), each batch scored with the run's own similarity, and each pair's hinge loss
+(`vsekit.losses.noisy_split.pair_losses`) min-max normalised, fitted by the two-component GMM started from
+seeded k-means labels, the clean probability being the low-loss component's posterior.
 
 Where the dataset records its noise (`vsekit.data.noise`: `train_noise_clean.npy`), the audit is scored: the
 mismatched pairs are the positives, `1 - probability` the score, and AUC (Mann-Whitney, average ranks for
@@ -31,7 +32,7 @@ from vsekit.evaluation import encode_captions, encode_images, image_source_for
 from vsekit.losses.noisy_split import clean_probability, split_losses
 from vsekit.models.tokenizers import text_processor_for
 from vsekit.models.vse import VSEModel
-from vsekit.runs import BEST_SPLIT_STATE_FILE, SPLIT_STATE_FILE, loaded_weights_file
+from vsekit.runs import BEST_SPLIT_STATE_FILE, SPLIT_STATE_FILE, SPLIT_WEIGHTS_KEY, loaded_weights_file
 from vsekit.similarity import all_pairs
 from vsekit.utils.io import open_npy, sha256_file
 
@@ -41,7 +42,6 @@ SPLIT_BATCH = 128  # the NCR release's batch size, which its split pass uses
 SPLIT_MARGIN = 0.2  # the NCR release's --margin
 MAX_UNKNOWN_SHARE = 0.5  # above this share of <unk> words, the run's vocabulary is not the dataset's
 STATE_HEADER_BYTES = 4096  # an .npy header's room in the split state's size bound
-WEIGHTS_KEY = "weights_sha256"  # in a split file: the sha256 of the weights file that made the split
 SEED_MOD = 2**32  # numpy's RandomState takes 0 .. 2**32 - 1; a run's seed may be larger
 
 
@@ -186,8 +186,9 @@ def _read_split_file(path: Path, n_captions: int, where: str) -> tuple[np.ndarra
                     )
             arrays = [np.asarray(z[k], dtype=np.float64) for k in keys]
             made_from = None
-            if WEIGHTS_KEY in z.files and z.zip.getinfo(f"{WEIGHTS_KEY}.npy").file_size <= STATE_HEADER_BYTES:
-                value = z[WEIGHTS_KEY]
+            key = SPLIT_WEIGHTS_KEY
+            if key in z.files and z.zip.getinfo(f"{key}.npy").file_size <= STATE_HEADER_BYTES:
+                value = z[key]
                 if value.ndim == 0 and value.dtype.kind == "U":
                     made_from = str(value[()])
     except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:

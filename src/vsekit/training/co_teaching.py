@@ -22,8 +22,7 @@ release's `validate`) and records each network alone (`A_rsum`, `B_rsum`). Each 
 metrics.jsonl (labeled counts, GMM means; the AUC against the dataset's recorded noise when it has one),
 written to RUN/noisy_split.npz with the sha256 of the weights that made it (and to noisy_split_best.npz when
 those are the best checkpoint's: what `vse data audit` reads for that checkpoint), and saved with the
-checkpoint, so a run resumed
-inside an epoch trains on the split it started with; the draw of batch k of a phase depends only on (seed,
+checkpoint, so a run resumed inside an epoch trains on the split it started with; the draw of batch k of a phase depends only on (seed,
 epoch, phase, k), so the rest of the epoch is the uninterrupted run's.
 
 Refused here: torchrun, gradient caching and CUDA graphs (the step takes per-batch targets), and a loss that
@@ -54,6 +53,7 @@ from vsekit.registry import get, has_fact
 from vsekit.runs import (
     BEST_SPLIT_STATE_FILE,
     SPLIT_STATE_FILE,
+    SPLIT_WEIGHTS_KEY,
     CheckpointError,
     committed_sha256,
     tensor_bytes,
@@ -211,7 +211,7 @@ class CoTeaching:
         # reads a split only for the checkpoint it was made from
         weights = hashlib.sha256(tensor_bytes(t.model.state_dict())).hexdigest()
         buf = io.BytesIO()
-        np.savez(buf, prob_A=splits[0].prob, prob_B=splits[1].prob, weights_sha256=np.array(weights))
+        np.savez(buf, prob_A=splits[0].prob, prob_B=splits[1].prob, **{SPLIT_WEIGHTS_KEY: np.array(weights)})
         atomic_write_bytes(t.run_dir / SPLIT_STATE_FILE, buf.getvalue())
         if weights == committed_sha256(t.run_dir, "best"):
             atomic_write_bytes(t.run_dir / BEST_SPLIT_STATE_FILE, buf.getvalue())
