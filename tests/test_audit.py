@@ -241,12 +241,12 @@ def test_audit_6_the_runs_own_ncr_split_is_used_where_it_has_one(built, tmp_path
     want = (a + b) / 2
     assert [int(r["pair"]) for r in rows] == np.argsort(want, kind="stable").tolist()
     np.testing.assert_allclose([float(r["probability"]) for r in rows], np.sort(want), rtol=0, atol=1e-15)
-    assert js["source"] == "ncr split of the run"
+    assert js["source"] == "the run's own split"
     # the last split made from other weights, the best checkpoint's split beside it: the best one is read
     np.savez(ncr / SPLIT_STATE_FILE, prob_A=b, prob_B=b, weights_sha256=np.array("0" * 64))
     np.savez(ncr / BEST_SPLIT_STATE_FILE, prob_A=a, prob_B=b, weights_sha256=best)
     rows, js = _audit_json(ncr, built["noisy"], tmp_path)
-    assert js["source"] == "ncr split of the run"
+    assert js["source"] == "the run's own split"
     np.testing.assert_allclose([float(r["probability"]) for r in rows], np.sort(want), rtol=0, atol=1e-15)
 
 
@@ -269,7 +269,7 @@ def test_audit_6b_a_split_made_from_other_weights_is_not_read(built, tmp_path, c
     (ncr / SPLIT_STATE_FILE).unlink()
     best = np.array(_sha256(ncr / "best.safetensors"))
     np.savez(ncr / BEST_SPLIT_STATE_FILE, prob_A=a, prob_B=a, weights_sha256=best)
-    assert _audit_json(ncr, built["noisy"], tmp_path)[1]["source"] == "ncr split of the run"
+    assert _audit_json(ncr, built["noisy"], tmp_path)[1]["source"] == "the run's own split"
     last = _audit_json(ncr, built["noisy"], tmp_path, "--checkpoint", "last")[1]
     assert last["source"] == "per-pair loss"
 

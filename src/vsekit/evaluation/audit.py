@@ -55,7 +55,7 @@ class Audit:
 
     prob: np.ndarray  # float64 [captions]
     cap2img: np.ndarray  # caption -> image it is paired with
-    source: str  # "ncr split of the run" or "per-pair loss"
+    source: str  # "the run's own split" or "per-pair loss"
     clean: np.ndarray | None  # the dataset's ground truth (True = still with its own image), when recorded
 
     def ranked(self) -> np.ndarray:
@@ -272,7 +272,7 @@ def audit_split(
     split, source, state, clean = prepared or prepare(model, run_dir, data_dir, split_name, checkpoint)
     cap2img = np.asarray(split.cap2img, dtype=np.int64)
     if state is not None:
-        return Audit(state, cap2img, "ncr split of the run", clean)
+        return Audit(state, cap2img, "the run's own split", clean)
     img = encode_images(model, source, batch_size, device, progress)
     cap = encode_captions(model, split.captions, text_processor_for(model), batch_size, device, progress)
     prob = loss_probability(img, cap, model.sim, cap2img, seed, device=device, progress=progress)
