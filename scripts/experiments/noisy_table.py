@@ -93,25 +93,26 @@ def extras(row: Row, folder: Path, data: Path) -> dict:
     needed = [f"test_{m}" for m in ("A", "B") if row.name in PAIRS]
     if row.name in AUDITED and (data / "train_noise_clean.npy").exists():
         needed += ["audit"] + (["audit_loss"] if row.name in PAIRS else [])
-    if out_file.is_file() and all(key in out for key in needed):
+    missing = [key for key in needed if key not in out]
+    if out_file.is_file() and not missing:
         return out
     from vsekit.evaluation import evaluate_model
     from vsekit.evaluation.audit import audit_split, prepare, scores_of
     from vsekit.runs import load_run
 
-    if row.name in PAIRS and "test_A" not in out:
+    if "test_A" in missing:
         for member in ("A", "B"):
             model, _ = load_run(folder, "best", "cpu", member)
             out[f"test_{member}"] = evaluate_model(model, data, "test", progress=False)[0]
-    if "audit" in needed:
+    if "audit" in missing or "audit_loss" in missing:
         model, _ = load_run(folder, "best", "cpu")
         split, source, state, clean = prepare(model, folder, data, "train")
-        if "audit" not in out:  # as `vse data audit` scores it: the split of the best weights where saved
+        if "audit" in missing:  # as `vse data audit` scores it: the split of the best weights where saved
             audit = audit_split(model, folder, data, progress=False, prepared=(split, source, state, clean))
-            out["audit"] = {**scores_of(audit), "source": audit.source}
-        if "audit_loss" in needed and "audit_loss" not in out:  # the best weights' own per-pair losses
+            out["audit"] = scores_of(audit)
+        if "audit_loss" in missing:  # the best weights' own per-pair losses
             audit = audit_split(model, folder, data, progress=False, prepared=(split, source, None, clean))
-            out["audit_loss"] = {**scores_of(audit), "source": audit.source}
+            out["audit_loss"] = scores_of(audit)
     out_file.write_text(json.dumps(out, indent=1))
     return out
 

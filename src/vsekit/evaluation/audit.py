@@ -186,9 +186,9 @@ def _read_split_file(path: Path, n_captions: int, where: str) -> tuple[np.ndarra
                     )
             arrays = [np.asarray(z[k], dtype=np.float64) for k in keys]
             made_from = None
-            key = SPLIT_WEIGHTS_KEY
-            if key in z.files and z.zip.getinfo(f"{key}.npy").file_size <= STATE_HEADER_BYTES:
-                value = z[key]
+            weights_entry = f"{SPLIT_WEIGHTS_KEY}.npy"
+            if SPLIT_WEIGHTS_KEY in z.files and z.zip.getinfo(weights_entry).file_size <= STATE_HEADER_BYTES:
+                value = z[SPLIT_WEIGHTS_KEY]
                 if value.ndim == 0 and value.dtype.kind == "U":
                     made_from = str(value[()])
     except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:

@@ -22,8 +22,8 @@ release's `validate`) and records each network alone (`A_rsum`, `B_rsum`). Each 
 metrics.jsonl (labeled counts, GMM means; the AUC against the dataset's recorded noise when it has one),
 written to RUN/noisy_split.npz with the sha256 of the weights that made it (and to noisy_split_best.npz when
 those are the best checkpoint's: what `vse data audit` reads for that checkpoint), and saved with the
-checkpoint, so a run resumed inside an epoch trains on the split it started with; the draw of batch k of a phase depends only on (seed,
-epoch, phase, k), so the rest of the epoch is the uninterrupted run's.
+checkpoint, so a run resumed inside an epoch trains on the split it started with; the draw of batch k of a
+phase depends only on (seed, epoch, phase, k), so the rest of the epoch is the uninterrupted run's.
 
 Refused here: torchrun, gradient caching and CUDA graphs (the step takes per-batch targets), and a loss that
 does not read targets (the loss fact `takes_targets`).
