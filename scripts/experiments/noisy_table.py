@@ -17,6 +17,10 @@ loss, and each network's split made from the best weights (read from the run's m
         --out runs/noisy_wesnoth --rates 0.0 0.2 0.5 0.8 --seeds 0 --jobs 2
 
 Finished runs are reused, interrupted ones resume. Writes OUT/noisy.md, OUT/noisy.json and OUT/noisy.png.
+`--records FILE` (docs/results/noisy_openclipart.json) keeps one compact line per finished run (its rsums, AUCs,
+seed and the build of the set it ran on) across machines: the table and the plot are made from the file's runs
+and this machine's, a local run replacing the file's line of the same rate, row and seed, and the union is
+written back.
 """
 
 from __future__ import annotations
@@ -158,9 +162,47 @@ def results(
     return found
 
 
+RECORD_KEYS = ("seed", "best_epoch", "test", "test_A", "test_B", "audit", "audit_loss", "split_auc")
+
+
+def build_of(data: Path) -> str:
+    """A short name of the set's build: the start of its training features' sha256 (the manifest's)."""
+    from vsekit.data.manifest import read_manifest
+
+    files = read_manifest(data).get("files_sha256") or {}
+    return str(files.get("train_ims.npy", "unknown"))[:12]
+
+
+def compact(rate: float, level: str, row: str, build: str, r: dict) -> dict:
+    """One run as the records file keeps it: rsums and recalls, the audits' scores, where it ran."""
+    rec = {"rate": rate, "level": level, "row": row, "build": build}
+    return rec | {k: r[k] for k in RECORD_KEYS if k in r}
+
+
+def merge_records(path: Path, found: dict, level: str, build: str) -> list[dict]:
+    """The file's records with this machine's runs put in (one line per rate, level, row and seed)."""
+    kept = json.loads(path.read_text()) if path.is_file() else []
+    local = [compact(rate, level, row, build, r) for (rate, row), rs in found.items() for r in rs]
+    key = lambda rec: (rec["rate"], rec["level"], rec["row"], rec["seed"])  # noqa: E731
+    merged = {key(rec): rec for rec in kept} | {key(rec): rec for rec in local}
+    return sorted(merged.values(), key=lambda rec: (rec["level"], rec["rate"], rec["row"], rec["seed"]))
+
+
+def from_records(records: list[dict], rates: list[float], seeds: list[int], level: str) -> dict:
+    found: dict = {}
+    for rec in records:
+        if rec["level"] == level and rec["rate"] in rates and rec["seed"] in seeds:
+            found.setdefault((rec["rate"], rec["row"]), []).append(rec)
+    return found
+
+
 def report(args) -> str:
     out = Path(args.out)
     found = results(out, args.rates, args.seeds, args.level, args.protocol)
+    if args.records:
+        records = merge_records(Path(args.records), found, args.level, build_of(Path(args.data)))
+        Path(args.records).write_text(json.dumps(records, indent=1) + "\n")
+        found = from_records(records, args.rates, args.seeds, args.level)
     set_name = "the Wesnoth clips" if args.protocol == "wesnoth" else "openclipart"
     head = "| model | " + " | ".join(f"{round(r * 100)} % noise" for r in args.rates) + " |"
     lines = [head, "|" + "---|" * (len(args.rates) + 1)]
@@ -202,6 +244,7 @@ def report(args) -> str:
             cells.append(cell([100 * a for a in aucs]))
         audit.append(f"| {label} | " + " | ".join(cells) + " |")
     seeds_done = {k: sorted(r["seed"] for r in v) for k, v in found.items()}
+    builds = sorted({r["build"] for v in found.values() for r in v if "build" in r})
     text = "\n".join(
         [
             f"# Noisy pairs on {set_name}, {args.level}-level noise (test rsum, mean ± std over seeds)\n",
@@ -213,6 +256,7 @@ def report(args) -> str:
             "Seeds per cell: "
             + "; ".join(f"{round(k[0] * 100)} % {k[1]}: {v}" for k, v in sorted(seeds_done.items())),
             "",
+            *([f"Builds of the set: {', '.join(builds)}", ""] if builds else []),
         ]
     )
     stem = "noisy" if args.level == "caption" else f"noisy_{args.level}"
@@ -278,6 +322,10 @@ def main() -> int:
         help="demo: the demo's overrides (openclipart); wesnoth: the Wesnoth methods table's shrink",
     )
     p.add_argument("--report-only", action="store_true")
+    p.add_argument(
+        "--records",
+        help="a JSON file of finished runs (one line per rate, row and seed) merged with this machine's",
+    )
     args = p.parse_args()
     from vsekit_lab.demo import DEMO_EPOCHS
 
