@@ -162,6 +162,7 @@ def results(
     return found
 
 
+RECORDS_MAX_BYTES = 64 << 20  # ~1,000 bytes a run: room for far more runs than any table holds
 RECORD_KEYS = ("seed", "best_epoch", "test", "test_A", "test_B", "audit", "audit_loss", "split_auc")
 
 
@@ -181,7 +182,9 @@ def compact(rate: float, level: str, row: str, build: str, r: dict) -> dict:
 
 def merge_records(path: Path, found: dict, level: str, build: str) -> list[dict]:
     """The file's records with this machine's runs put in (one line per rate, level, row and seed)."""
-    kept = json.loads(path.read_text()) if path.is_file() else []
+    from vsekit.utils.safe_json import read_json_file
+
+    kept = read_json_file(path, RECORDS_MAX_BYTES, "a noisy table's records") if path.is_file() else []
     local = [compact(rate, level, row, build, r) for (rate, row), rs in found.items() for r in rs]
     key = lambda rec: (rec["rate"], rec["level"], rec["row"], rec["seed"])  # noqa: E731
     merged = {key(rec): rec for rec in kept} | {key(rec): rec for rec in local}
