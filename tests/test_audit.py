@@ -288,3 +288,32 @@ def test_audit_7_csv_cells_that_a_spreadsheet_would_run_are_quoted():
         "'\rx",
     ]
     assert [spreadsheet_safe(c) for c in ("a dog = a cat", "", "3 dogs")] == ["a dog = a cat", "", "3 dogs"]
+
+
+def test_audit_8_the_caption_order_is_drawn_from_the_runs_own_seed(built, tmp_path):
+    """A pair's loss depends on the negatives that shared its batch, so the per-pair-loss audit of a run with
+    seed 7 visits the captions in the order RandomState(7) draws, from the CLI and from `audit_split` called
+    without a seed alike (as the experiment scripts call it); seed 0's order gives other probabilities."""
+    from vsekit.evaluation import encode_captions, encode_images, image_source_for
+    from vsekit.evaluation.audit import audit_split
+    from vsekit.models.tokenizers import text_processor_for
+    from vsekit.runs import load_run
+
+    run = tmp_path / "seed7"
+    argv = ["train", "--recipe", "bow", "--data", str(built["clean"]), "--out", str(run), "--epochs", "2"]
+    assert main([*argv, "--seed", "7", "--batch-size", "32", "--device", "cpu", "--no-progress"]) == 0
+    model, _ = load_run(run, "best", "cpu")
+    split = load_precomp_split(built["noisy"], "train")
+    with torch.no_grad():
+        img = encode_images(model, image_source_for(model, split), 256, "cpu", False)
+        cap = encode_captions(model, split.captions, text_processor_for(model), 256, "cpu", False)
+    cap2img = np.asarray(split.cap2img, dtype=np.int64)
+    by_seed = {s: loss_probability(img, cap, model.sim, cap2img, s) for s in (7, 0)}
+    assert np.abs(by_seed[7] - by_seed[0]).max() > 1e-6  # the order matters: the check below can fail
+    rows, js = _audit_json(run, built["noisy"], tmp_path)
+    got = np.zeros(len(rows))
+    for r in rows:
+        got[int(r["pair"])] = float(r["probability"])
+    np.testing.assert_allclose(got, by_seed[7], rtol=0, atol=1e-12)
+    lib = audit_split(model, run, built["noisy"], progress=False)
+    np.testing.assert_allclose(lib.prob, by_seed[7], rtol=0, atol=1e-12)

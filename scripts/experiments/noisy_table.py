@@ -90,10 +90,19 @@ def noisy_copy(data: Path, rate: float, root: Path, level: str = "caption") -> P
     return dst
 
 
+def run_seed(folder: Path) -> int:
+    from vsekit.runs import read_run_config
+
+    return int(read_run_config(folder)[0].train.seed)
+
+
 def extras(row: Row, folder: Path, data: Path) -> dict:
     """What the table adds to a finished run: each network alone (a pair) and the audit's AUC."""
     out_file = folder / "noisy_extra.json"
     out: dict = json.loads(out_file.read_text()) if out_file.is_file() else {}
+    seed = run_seed(folder)
+    if out.get("audit_seed", 0) != seed:  # scored in another caption order than `vse data audit`'s: redo
+        out = {k: v for k, v in out.items() if k not in ("audit", "audit_loss", "audit_seed")}
     needed = [f"test_{m}" for m in ("A", "B") if row.name in PAIRS]
     if row.name in AUDITED and (data / "train_noise_clean.npy").exists():
         needed += ["audit"] + (["audit_loss"] if row.name in PAIRS else [])
@@ -117,6 +126,7 @@ def extras(row: Row, folder: Path, data: Path) -> dict:
         if "audit_loss" in missing:  # the best weights' own per-pair losses
             audit = audit_split(model, folder, data, progress=False, prepared=(split, source, None, clean))
             out["audit_loss"] = scores_of(audit)
+        out["audit_seed"] = seed  # the order's seed: the run's own, as `vse data audit` draws it
     out_file.write_text(json.dumps(out, indent=1))
     return out
 
@@ -163,7 +173,17 @@ def results(
 
 
 RECORDS_MAX_BYTES = 64 << 20  # ~1,000 bytes a run: room for far more runs than any table holds
-RECORD_KEYS = ("seed", "best_epoch", "test", "test_A", "test_B", "audit", "audit_loss", "split_auc")
+RECORD_KEYS = (
+    "seed",
+    "best_epoch",
+    "test",
+    "test_A",
+    "test_B",
+    "audit",
+    "audit_loss",
+    "audit_seed",
+    "split_auc",
+)
 
 
 def build_of(data: Path) -> str:

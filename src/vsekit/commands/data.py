@@ -68,7 +68,7 @@ def run_audit(args: argparse.Namespace) -> int:
     import logging
 
     from vsekit.evaluation.audit import audit_split, prepare, scores_of
-    from vsekit.runs import load_run, read_run_config
+    from vsekit.runs import load_run
     from vsekit.utils.io import atomic_write_text, check_output_file
     from vsekit.utils.runtime import resolve_device
 
@@ -77,7 +77,6 @@ def run_audit(args: argparse.Namespace) -> int:
     for option, path in (("--json-out", args.json_out), ("--png", args.png)):
         if path:
             check_output_file(path, option, inputs)
-    recipe, _, _ = read_run_config(args.run)
     device = resolve_device(args.device)
     model, _ = load_run(args.run, args.checkpoint, device)
     # the run fits the split: checked before any encoding
@@ -97,7 +96,7 @@ def run_audit(args: argparse.Namespace) -> int:
         args.run,
         args.data,
         args.split,
-        recipe.train.seed,
+        None,  # the run's own seed
         args.batch_size,
         device,
         progress=not quiet,

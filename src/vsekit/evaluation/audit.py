@@ -254,12 +254,18 @@ def prepare(
     return split, source, state, clean
 
 
+def audit_seed(model: VSEModel) -> int:
+    """The seed of the audit's caption order for a run: its training seed (a pair's loss depends on the
+    negatives that shared its batch, so the order is part of what a run's audit is)."""
+    return int(model.recipe.train.seed)
+
+
 def audit_split(
     model: VSEModel,
     run_dir: str | Path,
     data_dir: str | Path,
     split_name: str = "train",
-    seed: int = 0,
+    seed: int | None = None,
     batch_size: int = 256,
     device: str | torch.device = "cpu",
     progress: bool = True,
@@ -268,8 +274,10 @@ def audit_split(
 ) -> Audit:
     """Clean probability of every pair of a split under a run's `checkpoint` (best | last: the weights `model`
     holds), its own NCR split where it has one made from those weights; `prepared` is `prepare`'s result when
-    the caller checked the inputs already."""
+    the caller checked the inputs already. The split pass's caption order is drawn from `seed`, by default the
+    run's own training seed, so every caller scores a run as `vse data audit` does."""
     split, source, state, clean = prepared or prepare(model, run_dir, data_dir, split_name, checkpoint)
+    seed = audit_seed(model) if seed is None else seed
     cap2img = np.asarray(split.cap2img, dtype=np.int64)
     if state is not None:
         return Audit(state, cap2img, "the run's own split", clean)
