@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image, ImageDraw
 
 from vsekit.cli import main
@@ -257,6 +258,7 @@ def test_webdataset_build_stores_the_pictures_and_vse_train_runs_one_epoch(three
     )
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["extractor"]["name"] == "efficientnet_lite0_grid"  # vse index can embed raw pictures for it
+    assert cfg["machine"]["torch"] == torch.__version__ and cfg["machine"]["device"] == "cpu"
     assert list(run.glob("*.safetensors")) or list(run.glob("*/*.safetensors"))
 
 

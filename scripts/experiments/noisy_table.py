@@ -18,9 +18,9 @@ loss, and each network's split made from the best weights (read from the run's m
 
 Finished runs are reused, interrupted ones resume. Writes OUT/noisy.md, OUT/noisy.json and OUT/noisy.png.
 `--records FILE` (docs/results/noisy_openclipart.json) keeps one compact line per finished run (its rsums, AUCs,
-seed and the build of the set it ran on) across machines: the table and the plot are made from the file's runs
-and this machine's, a local run replacing the file's line of the same rate, row and seed, and the union is
-written back.
+seed, the build of the set and the machine it started on) across machines: the table and the plot are made from
+the file's runs and this machine's, a local run replacing the file's line of the same rate, row and seed, and the
+union is written back.
 """
 
 from __future__ import annotations
@@ -88,6 +88,14 @@ def noisy_copy(data: Path, rate: float, root: Path, level: str = "caption") -> P
             check=True,
         )
     return dst
+
+
+def run_machine(folder: Path) -> dict | None:
+    """The machine the run started on (config.json's, recorded by runs trained on the current code)."""
+    from vsekit.runs import read_run_config
+
+    machine = read_run_config(folder)[2].get("machine")
+    return machine if isinstance(machine, dict) else None
 
 
 def run_seed(folder: Path) -> int:
@@ -168,6 +176,9 @@ def results(
                     r.update(json.loads((folder / "noisy_extra.json").read_text()))
                     if row.name in PAIRS:
                         r["split_auc"] = best_weights_split_auc(folder)
+                    machine = run_machine(folder)
+                    if machine:
+                        r["machine"] = machine
                     found.setdefault((rate, row.name), []).append(r)
     return found
 
@@ -183,15 +194,28 @@ RECORD_KEYS = (
     "audit_loss",
     "audit_seed",
     "split_auc",
+    "machine",
 )
 
 
 def build_of(data: Path) -> str:
-    """A short name of the set's build: the start of its training features' sha256 (the manifest's)."""
+    """A short name of the set's build: the start of its training features' sha256 (the manifest's, else
+    hashed here: the Wesnoth set's manifest records none for its frames)."""
+    import hashlib
+
     from vsekit.data.manifest import read_manifest
 
     files = read_manifest(data).get("files_sha256") or {}
-    return str(files.get("train_ims.npy", "unknown"))[:12]
+    if "train_ims.npy" in files:
+        return str(files["train_ims.npy"])[:12]
+    for name in ("train_ims.npy", "train_frames.npy"):
+        if (data / name).is_file():
+            digest = hashlib.sha256()
+            with open(data / name, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    digest.update(chunk)
+            return digest.hexdigest()[:12]
+    return "unknown"
 
 
 def compact(rate: float, level: str, row: str, build: str, r: dict) -> dict:
@@ -268,6 +292,14 @@ def report(args) -> str:
         audit.append(f"| {label} | " + " | ".join(cells) + " |")
     seeds_done = {k: sorted(r["seed"] for r in v) for k, v in found.items()}
     builds = sorted({r["build"] for v in found.values() for r in v if "build" in r})
+    machines = sorted(
+        {
+            f"{m.get('cpu')} ({m.get('cpu_kernels')} kernels)"
+            for v in found.values()
+            for r in v
+            if (m := r.get("machine"))
+        }
+    )
     text = "\n".join(
         [
             f"# Noisy pairs on {set_name}, {args.level}-level noise (test rsum, mean ± std over seeds)\n",
@@ -280,6 +312,7 @@ def report(args) -> str:
             + "; ".join(f"{round(k[0] * 100)} % {k[1]}: {v}" for k, v in sorted(seeds_done.items())),
             "",
             *([f"Builds of the set: {', '.join(builds)}", ""] if builds else []),
+            *([f"Machines the runs started on: {'; '.join(machines)}", ""] if machines else []),
         ]
     )
     stem = "noisy" if args.level == "caption" else f"noisy_{args.level}"

@@ -60,6 +60,7 @@ from vsekit.training.schedule import TrainState, lr_at_epoch  # noqa: F401 (lr_a
 from vsekit.training.step import TrainStep, tf32_matmul  # noqa: F401 (tf32_matmul: imported from here too)
 from vsekit.training.step_setup import check_step_setup
 from vsekit.training.text_input import load_text_processor  # noqa: F401 (imported from here too)
+from vsekit.utils.machine import machine_facts
 from vsekit.utils.memory import peak_memory_bytes
 from vsekit.utils.progress import progress_bar
 from vsekit.utils.runtime import resolve_device, seed_everything
@@ -222,6 +223,7 @@ class Trainer:
             "data_dir": str(self.data_dir.resolve()),
             "extractor": manifest_extractor(manifest),
             "dataset_format": manifest.get("format"),
+            "machine": machine_facts(self.device),  # runs drift apart across CPUs' kernels: say where
         }
         write_run_config(self.run_dir, self.recipe, spec, extra)
 

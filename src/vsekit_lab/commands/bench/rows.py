@@ -9,10 +9,11 @@ import argparse
 import datetime
 import math
 import os
-import platform
 import shlex
 from collections.abc import Callable
 from pathlib import Path
+
+from vsekit.utils.machine import cpu_model
 
 SECTIONS = {
     "train-step": "Training step (`vse bench train-step`)",
@@ -45,14 +46,7 @@ def machine_description(device: str = "cpu") -> str:
 
     if device.startswith("cuda") and torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(torch.device(device))}, torch {torch.__version__}"
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = cpu_model()
     load = f", load {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
     return f"{model}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads{load}, torch {torch.__version__}"
 
