@@ -201,20 +201,15 @@ RECORD_KEYS = (
 def build_of(data: Path) -> str:
     """A short name of the set's build: the start of its training features' sha256 (the manifest's, else
     hashed here: the Wesnoth set's manifest records none for its frames)."""
-    import hashlib
-
     from vsekit.data.manifest import read_manifest
+    from vsekit.utils.io import sha256_file
 
     files = read_manifest(data).get("files_sha256") or {}
     if "train_ims.npy" in files:
         return str(files["train_ims.npy"])[:12]
     for name in ("train_ims.npy", "train_frames.npy"):
         if (data / name).is_file():
-            digest = hashlib.sha256()
-            with open(data / name, "rb") as f:
-                while chunk := f.read(1 << 24):
-                    digest.update(chunk)
-            return digest.hexdigest()[:12]
+            return sha256_file(data / name)[:12]
     return "unknown"
 
 
